@@ -1,0 +1,3 @@
+"""gaeq: a gradient-accumulation equivalence lab for PyTorch and DeepSpeed."""
+
+__version__ = "0.1.0"

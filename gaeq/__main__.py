@@ -1,0 +1,3 @@
+from gaeq.cli import app
+
+app()

@@ -1,0 +1,137 @@
+"""The terminal: parse, call, print, exit code. Library code never prints; this module does.
+
+Exit codes: 0 every verdict as expected, 1 a verdict differs, 2 bad input, 3 a run failed.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from gaeq.matrix import Matrix, MatrixError, load_matrix
+from gaeq.results.report import EXIT_BAD_INPUT, judge, verdict_table, write_report
+
+app = typer.Typer(
+    name="gaeq",
+    help="Gradient-accumulation equivalence lab: train a matrix of batch splits and judge them against a baseline.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+# Off a terminal (CI logs, pipes) rich would squeeze the table into 80 columns.
+console = Console(width=None if sys.stdout.isatty() else 200)
+err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
+
+
+def _load(path: Path) -> Matrix:
+    try:
+        return load_matrix(path)
+    except MatrixError as exc:
+        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+
+
+@app.command()
+def validate(matrix: Annotated[Path, typer.Argument(help="Matrix YAML file.")]) -> None:
+    """Validate a matrix and print its expanded cells, without training."""
+    m = _load(matrix)
+    table = Table(title=f"{m.spec.name}: {len(m.cells)} cells", title_justify="left")
+    for name in ("cell", "trainer", "world", "micro", "GA", "ZeRO", "dtype", "expect", "note"):
+        table.add_column(name, justify="right" if name in {"world", "micro", "GA", "ZeRO"} else "left", no_wrap=name == "cell")
+    baselines = set(m.baselines.values())
+    for c in m.cells:
+        note = c.skip_reason and f"skipped: {c.skip_reason}" or ("baseline" if c.id in baselines else "")
+        if c.bug:
+            note = f"planted bug: {c.bug}"
+        table.add_row(
+            c.id,
+            c.trainer,
+            str(c.world_size),
+            str(c.micro_batch_size),
+            str(c.grad_accum_steps) if c.divisible else "-",
+            "-" if c.zero_stage is None else str(c.zero_stage),
+            c.dtype,
+            c.expect,
+            note,
+        )
+    console.print(table)
+    p = m.problem
+    console.print(
+        f"train_batch_size {p.train_batch_size}, {p.steps} steps, {p.optimizer.name} lr {p.optimizer.lr:g}, "
+        f"schedule {p.schedule.name}, gradient_clipping {p.gradient_clipping:g}, seed {p.seed}",
+        highlight=False,
+    )
+
+
+@app.command()
+def run(
+    matrix: Annotated[Path, typer.Option("--matrix", "-m", help="Matrix YAML file.")],
+    out: Annotated[Path | None, typer.Option("--out", help="Run directory. Default: runs/<name>-<time>.")] = None,
+) -> None:
+    """Train every cell of a matrix, compare each with its baseline, print the verdicts."""
+    from gaeq.runtime.launch import Event, run_cells
+
+    m = _load(matrix)
+    run_dir = out or Path("runs") / f"{m.spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if (run_dir / "cells").exists():
+        err_console.print(f"[bold red]error:[/] {run_dir} already holds a run; pass another --out", highlight=False)
+        raise typer.Exit(EXIT_BAD_INPUT)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "matrix.yaml").write_text(matrix.read_text())
+    # SIGTERM stops the run like Ctrl-C: the launcher's clean-up kills every rank.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+    cells = m.runnable()
+    steps = m.problem.steps
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=not console.is_terminal,
+    ) as progress:
+        overall = progress.add_task("cells", total=len(cells))
+        current = progress.add_task("", total=steps, visible=False)
+
+        def on_event(event: Event) -> None:
+            if event.kind == "group":
+                progress.update(current, description=f"  starting world size {event.world_size}", completed=0, visible=True)
+            elif event.kind == "start":
+                progress.update(current, description=f"  {event.cell_id}", completed=0, visible=True)
+            elif event.kind == "step":
+                progress.update(current, completed=event.step + 1)
+            elif event.kind == "end":
+                progress.advance(overall)
+                if event.outcome.status == "error":
+                    progress.console.print(f"[bold red]error[/] {event.cell_id}: {event.outcome.reason.splitlines()[0]}", highlight=False)
+
+        try:
+            outcomes = run_cells(cells=cells, problem=m.problem, run_dir=run_dir, timeout_s=m.spec.timeout_s, on_event=on_event)
+        except KeyboardInterrupt:
+            err_console.print("[bold red]interrupted[/]: every rank was stopped; no report written")
+            raise typer.Exit(130) from None
+
+    report = judge(m, run_dir, outcomes)
+    write_report(run_dir, report)
+    console.print(verdict_table(report))
+    for c in report.cells:
+        if c.reason and c.reason != "baseline" and c.verdict != "skipped":
+            console.print(f"[bold]{c.id}[/] ({c.verdict}): {c.reason}", highlight=False, soft_wrap=True)
+    s = report.summary
+    status = "[bold green]OK[/]" if report.ok else "[bold red]NOT OK[/]"
+    console.print(
+        f"{status}: {s['match']} match, {s['diverge']} diverge, {s['error']} error, {s['skipped']} skipped "
+        f"— report: {run_dir / 'report.md'}",
+        highlight=False,
+    )
+    raise typer.Exit(report.exit_code)

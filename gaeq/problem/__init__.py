@@ -1,0 +1,1 @@
+"""WHAT is trained: data, model, loss and optimisation — identical for every trainer and split."""

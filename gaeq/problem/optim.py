@@ -1,0 +1,76 @@
+"""One optimisation spec → the torch objects *and* the DeepSpeed config, so both sides agree.
+
+Every knob that changes the optimisation is written out here explicitly for both trainers.
+Library defaults are not trusted: DeepSpeed 0.19 clips gradients to 1.0 unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from gaeq.matrix import OptimizerSpec, ProblemSpec, ScheduleSpec
+
+
+def lr_factor(schedule: ScheduleSpec, *, steps: int) -> Callable[[int], float]:
+    """Multiplier of the peak lr at optimizer step `s` (0-based). Stepped once per optimizer step."""
+
+    def factor(s: int) -> float:
+        if schedule.name == "constant":
+            return 1.0
+        if s < schedule.warmup_steps:
+            return (s + 1) / schedule.warmup_steps
+        progress = min(1.0, (s - schedule.warmup_steps) / max(1, steps - schedule.warmup_steps))
+        floor = schedule.min_lr_ratio
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def build_optimizer(params: Iterable[torch.nn.Parameter], spec: OptimizerSpec) -> torch.optim.Optimizer:
+    """The torch trainer's optimizer: the same class and arguments DeepSpeed builds from :func:`deepspeed_optimizer`."""
+    kwargs = _optimizer_kwargs(spec)
+    if spec.name == "adamw":
+        return torch.optim.AdamW(params, **kwargs)
+    return torch.optim.SGD(params, **kwargs)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, problem: ProblemSpec) -> LambdaLR:
+    """Used by both trainers (DeepSpeed receives it as a client scheduler, stepped at each boundary)."""
+    return LambdaLR(optimizer, lr_factor(problem.schedule, steps=problem.steps))
+
+
+def deepspeed_optimizer(spec: OptimizerSpec) -> dict[str, Any]:
+    """The `optimizer` section of the DeepSpeed config.
+
+    `torch_adam: true` makes DeepSpeed build `torch.optim.AdamW` (not its FusedAdam/CPUAdam), so the
+    two trainers run the same update code; SGD is looked up in `torch.optim` by name.
+    """
+    if spec.name == "adamw":
+        return {"type": "AdamW", "params": {**_optimizer_kwargs(spec), "torch_adam": True}}
+    return {"type": "SGD", "params": _optimizer_kwargs(spec)}
+
+
+def _optimizer_kwargs(spec: OptimizerSpec) -> dict[str, Any]:
+    # foreach=False: the same per-tensor kernels on both sides (and on any device).
+    if spec.name == "adamw":
+        return {
+            "lr": spec.lr,
+            "betas": list(spec.betas),
+            "eps": spec.eps,
+            "weight_decay": spec.weight_decay,
+            "amsgrad": False,
+            "foreach": False,
+        }
+    return {
+        "lr": spec.lr,
+        "momentum": spec.momentum,
+        "dampening": 0.0,
+        "weight_decay": spec.weight_decay,
+        "nesterov": False,
+        "foreach": False,
+    }

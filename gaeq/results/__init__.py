@@ -1,0 +1,1 @@
+"""WHAT comes out: traces, comparisons, reports. Knows nothing of trainers or processes."""

@@ -1,0 +1,30 @@
+"""How running a cell ended, as the runtime saw it (before any judging)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+OUTCOME_FILE = "outcome.json"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CellOutcome:
+    status: Literal["done", "error"]
+    seconds: float
+    reason: str = ""
+
+
+def write_outcome(cell_dir: Path, outcome: CellOutcome) -> None:
+    cell_dir.mkdir(parents=True, exist_ok=True)
+    tmp = cell_dir / (OUTCOME_FILE + ".partial")
+    tmp.write_text(json.dumps(asdict(outcome), indent=1))
+    os.replace(tmp, cell_dir / OUTCOME_FILE)
+
+
+def read_outcome(cell_dir: Path) -> CellOutcome | None:
+    path = cell_dir / OUTCOME_FILE
+    return CellOutcome(**json.loads(path.read_text())) if path.is_file() else None

@@ -1,0 +1,216 @@
+"""Verdicts: judge every cell against its baseline; write report.json / report.md; build the table."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rich.table import Table
+from rich.text import Text
+
+from gaeq.matrix import Cell, Matrix
+from gaeq.results.compare import compare_traces, tolerance_for
+from gaeq.results.outcome import CellOutcome
+from gaeq.results.trace import read_trace
+
+VERDICTS = ("match", "diverge", "error", "skipped")
+EXIT_OK, EXIT_VERDICT, EXIT_BAD_INPUT, EXIT_RUN_FAILED = 0, 1, 2, 3
+
+
+@dataclass(frozen=True, kw_only=True)
+class CellReport:
+    id: str
+    trainer: str
+    world_size: int
+    micro_batch_size: int
+    grad_accum_steps: int | None
+    zero_stage: int | None
+    dtype: str
+    bug: str | None
+    expect: str
+    verdict: str
+    max_abs_loss_diff: float | None
+    max_rel_grad_norm_diff: float | None
+    first_divergent_step: int | None
+    reason: str
+    seconds: float | None
+
+    @property
+    def as_expected(self) -> bool:
+        return self.verdict == "skipped" or self.verdict == self.expect
+
+
+@dataclass(frozen=True, kw_only=True)
+class Report:
+    baselines: dict[str, str]
+    cells: list[CellReport]
+
+    @property
+    def ok(self) -> bool:
+        return all(c.as_expected for c in self.cells)
+
+    @property
+    def summary(self) -> dict[str, int]:
+        counts = Counter(c.verdict for c in self.cells)
+        return {v: counts.get(v, 0) for v in VERDICTS}
+
+    @property
+    def exit_code(self) -> int:
+        if any(c.verdict == "error" for c in self.cells):
+            return EXIT_RUN_FAILED
+        return EXIT_OK if self.ok else EXIT_VERDICT
+
+    def to_json(self) -> dict:
+        return {
+            "ok": self.ok,
+            "baseline": next(iter(self.baselines.values())),
+            "baselines": self.baselines,
+            "cells": [{k: _finite(v) for k, v in asdict(c).items()} for c in self.cells],
+            "summary": self.summary,
+        }
+
+
+def judge(matrix: Matrix, run_dir: Path, outcomes: Mapping[str, CellOutcome]) -> Report:
+    """Compare every cell's trace in `run_dir` with the baseline of its dtype group."""
+    overrides = {dtype: spec.model_dump() for dtype, spec in matrix.spec.tolerances.items()}
+    traces = {}
+    cells = []
+    for cell in matrix.cells:
+        base_id = matrix.baselines[cell.group]
+        verdict, reason, comparison = _judge_cell(
+            cell, base_id=base_id, run_dir=run_dir, outcomes=outcomes, traces=traces,
+            tolerance=tolerance_for(cell.dtype, overrides.get(cell.dtype)),
+        )
+        outcome = outcomes.get(cell.id)
+        cells.append(
+            CellReport(
+                id=cell.id,
+                trainer=cell.trainer,
+                world_size=cell.world_size,
+                micro_batch_size=cell.micro_batch_size,
+                grad_accum_steps=cell.grad_accum_steps if cell.divisible else None,
+                zero_stage=cell.zero_stage,
+                dtype=cell.dtype,
+                bug=cell.bug,
+                expect=cell.expect,
+                verdict=verdict,
+                max_abs_loss_diff=comparison.max_abs_loss_diff if comparison else None,
+                max_rel_grad_norm_diff=comparison.max_rel_grad_norm_diff if comparison else None,
+                first_divergent_step=comparison.first_divergent_step if comparison else None,
+                reason=reason,
+                seconds=outcome.seconds if outcome else None,
+            )
+        )
+    return Report(baselines=dict(matrix.baselines), cells=cells)
+
+
+def _judge_cell(cell: Cell, *, base_id, run_dir, outcomes, traces, tolerance):
+    if cell.skip_reason:
+        return "skipped", cell.skip_reason, None
+    outcome = outcomes.get(cell.id)
+    if outcome is None:
+        return "error", "did not run", None
+    if outcome.status != "done":
+        return "error", outcome.reason, None
+    base_outcome = outcomes.get(base_id)
+    if base_outcome is None or base_outcome.status != "done":
+        return "error", f"baseline {base_id} did not finish: nothing to compare with", None
+    try:
+        base = _trace(traces, run_dir, base_id)
+        comparison = compare_traces(base, _trace(traces, run_dir, cell.id), tolerance)
+    except (OSError, ValueError, TypeError) as exc:
+        return "error", f"unreadable or incomplete trace: {exc}", None
+    reason = "baseline" if cell.id == base_id else comparison.reason
+    return comparison.verdict, reason, comparison
+
+
+def _trace(cache: dict, run_dir: Path, cell_id: str):
+    if cell_id not in cache:
+        cache[cell_id] = read_trace(run_dir / "cells" / cell_id)
+    return cache[cell_id]
+
+
+def _finite(value):
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def write_report(run_dir: Path, report: Report) -> None:
+    """report.json and report.md, each written atomically."""
+    _atomic_write(run_dir / "report.json", json.dumps(report.to_json(), indent=2) + "\n")
+    _atomic_write(run_dir / "report.md", render_markdown(report))
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+_COLUMNS = ("cell", "W", "MB", "GA", "ZeRO", "dtype", "expect", "verdict", "max |Δloss|", "max rel Δ‖g‖", "diverged at", "s")
+
+
+def _row(c: CellReport) -> list[str]:
+    return [
+        c.id,
+        str(c.world_size),
+        str(c.micro_batch_size),
+        "-" if c.grad_accum_steps is None else str(c.grad_accum_steps),
+        "-" if c.zero_stage is None else str(c.zero_stage),
+        c.dtype,
+        c.expect,
+        c.verdict,
+        _sci(c.max_abs_loss_diff),
+        _sci(c.max_rel_grad_norm_diff),
+        "-" if c.first_divergent_step is None else f"step {c.first_divergent_step}",
+        "-" if c.seconds is None else f"{c.seconds:.1f}",
+    ]
+
+
+def _sci(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1e}"
+
+
+_STYLE = {"match": "green", "diverge": "yellow", "error": "bold red", "skipped": "dim"}
+
+
+def verdict_table(report: Report) -> Table:
+    table = Table(title="gaeq verdicts", title_justify="left", show_lines=False)
+    for name in _COLUMNS + ("ok",):
+        table.add_column(name, justify="right" if name in {"W", "MB", "GA", "ZeRO", "s"} else "left", no_wrap=name == "cell")
+    for c in report.cells:
+        row = _row(c)
+        row[7] = Text(c.verdict, style=_STYLE[c.verdict])
+        ok = Text("✓", style="green") if c.as_expected else Text("✗", style="bold red")
+        table.add_row(*row, ok)
+    return table
+
+
+def render_markdown(report: Report) -> str:
+    s = report.summary
+    lines = [
+        "# gaeq report",
+        "",
+        f"**{'OK' if report.ok else 'NOT OK'}** — "
+        + ", ".join(f"{n} {v}" for v, n in s.items())
+        + f"; baseline{'s' if len(report.baselines) > 1 else ''}: "
+        + ", ".join(f"`{b}` ({d})" for d, b in report.baselines.items()),
+        "",
+        "| " + " | ".join(_COLUMNS + ("ok",)) + " |",
+        "|" + "---|" * (len(_COLUMNS) + 1),
+    ]
+    for c in report.cells:
+        lines.append("| " + " | ".join(_row(c) + ["✓" if c.as_expected else "✗"]) + " |")
+    notes = [c for c in report.cells if c.reason and c.reason != "baseline"]
+    if notes:
+        lines += ["", "## Reasons", ""]
+        for c in notes:
+            first, *rest = c.reason.splitlines()
+            lines.append(f"- `{c.id}` ({c.verdict}): {first}")
+            if rest:
+                lines += ["", "  ```", *("  " + r for r in rest), "  ```"]
+    return "\n".join(lines) + "\n"

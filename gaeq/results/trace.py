@@ -1,0 +1,57 @@
+"""Per-step records of a cell, one JSON object per line, floats at full float64 precision.
+
+A trace is written to ``trace.jsonl.partial`` and renamed to ``trace.jsonl`` only when the cell
+finished, so a ``trace.jsonl`` on disk is always complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import IO
+
+TRACE_FILE = "trace.jsonl"
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepRecord:
+    step: int
+    loss: float
+    """Mean loss over the global batch of this step (before its update), accumulated in float64."""
+    grad_norm: float
+    """Global L2 norm of the accumulated gradient at the boundary, before clipping."""
+    lr: float
+    """Learning rate used by this step's update."""
+    samples: int
+    """Samples consumed after this step, over all ranks."""
+    seconds: float
+    """Wall time of this optimizer step (all its micro-steps)."""
+
+
+class TraceWriter:
+    def __init__(self, cell_dir: Path) -> None:
+        self.path = Path(cell_dir) / TRACE_FILE
+        self._partial = self.path.with_name(TRACE_FILE + ".partial")
+        self._file: IO[str] | None = self._partial.open("w")
+
+    def write(self, record: StepRecord) -> None:
+        assert self._file is not None, "trace already closed"
+        self._file.write(json.dumps(asdict(record)) + "\n")
+
+    def close(self) -> None:
+        """Complete the trace: flush, sync and atomically publish it as ``trace.jsonl``."""
+        if self._file is None:
+            return
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        self._file = None
+        os.replace(self._partial, self.path)
+
+
+def read_trace(cell_dir: Path) -> list[StepRecord]:
+    path = Path(cell_dir) / TRACE_FILE
+    with path.open() as f:
+        return [StepRecord(**json.loads(line)) for line in f if line.strip()]

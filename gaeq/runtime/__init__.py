@@ -1,0 +1,1 @@
+"""WHERE it runs: process groups, ranks, ports, timeouts and failures."""

@@ -1,0 +1,225 @@
+"""The local launcher: one process group per world size, reused for all of its cells.
+
+Starting ranks and joining a process group costs seconds; a cell of the default matrix trains in
+well under one. So each world size gets one group that runs its cells in sequence (engines and DDP
+are rebuilt per cell). The parent never waits without a deadline: every wait on the queue is
+short, and between waits it checks that every rank is alive and that the current cell has made
+progress within ``timeout_s``. A failed or hung cell kills its group (its peers may be stuck in a
+collective); the cells after it run in a fresh group.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import signal
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from gaeq.matrix import Cell, ProblemSpec
+from gaeq.results.outcome import CellOutcome, write_outcome
+from gaeq.runtime import worker
+from gaeq.runtime.dist import free_port
+
+
+@dataclass(frozen=True, kw_only=True)
+class Event:
+    """Progress for whoever owns the terminal."""
+
+    kind: str  # "group" | "start" | "step" | "end"
+    world_size: int
+    cell_id: str | None = None
+    step: int | None = None
+    outcome: CellOutcome | None = None
+
+
+OnEvent = Callable[[Event], None]
+
+# First start-up on a fresh machine JIT-builds DeepSpeed's comm op (~25 s on 2 cores).
+DEFAULT_INIT_TIMEOUT_S = 600.0
+LOG_TAIL_LINES = 12
+
+
+def run_cells(
+    *,
+    cells: Sequence[Cell],
+    problem: ProblemSpec,
+    run_dir: Path,
+    timeout_s: float,
+    init_timeout_s: float = DEFAULT_INIT_TIMEOUT_S,
+    on_event: OnEvent = lambda event: None,
+) -> dict[str, CellOutcome]:
+    """Run every cell; return how each ended. Writes ``cells/<id>/outcome.json`` for each."""
+    by_world: dict[int, list[Cell]] = {}
+    for cell in cells:
+        by_world.setdefault(cell.world_size, []).append(cell)
+    outcomes: dict[str, CellOutcome] = {}
+    for world_size, group in by_world.items():
+        pending = list(group)
+        while pending:
+            on_event(Event(kind="group", world_size=world_size))
+            finished = _run_group(
+                world_size=world_size,
+                cells=pending,
+                problem=problem,
+                run_dir=run_dir,
+                timeout_s=timeout_s,
+                init_timeout_s=init_timeout_s,
+                on_event=on_event,
+            )
+            outcomes.update(finished)
+            pending = [c for c in pending if c.id not in finished]
+    return outcomes
+
+
+class _GroupRun:
+    """Book-keeping of one process group: which cell is current, what each rank has said."""
+
+    def __init__(self, *, world_size: int, cells: Sequence[Cell], run_dir: Path, on_event: OnEvent) -> None:
+        self.world_size = world_size
+        self.cells = list(cells)
+        self.run_dir = run_dir
+        self.on_event = on_event
+        self.ready: set[int] = set()
+        self.done: dict[str, dict[int, float]] = {}
+        self.outcomes: dict[str, CellOutcome] = {}
+        self.failure: tuple[int, str] | None = None  # (rank, reason) reported by a rank
+
+    @property
+    def current(self) -> Cell | None:
+        return self.cells[len(self.outcomes)] if len(self.outcomes) < len(self.cells) else None
+
+    def finish(self, cell: Cell, outcome: CellOutcome) -> None:
+        self.outcomes[cell.id] = outcome
+        write_outcome(worker.cell_dir(self.run_dir, cell.id), outcome)
+        self.on_event(Event(kind="end", world_size=self.world_size, cell_id=cell.id, outcome=outcome))
+
+    def handle(self, msg: tuple) -> bool:
+        """Apply one message from a rank. True when it shows progress (resets the deadline)."""
+        kind, rank = msg[0], msg[1]
+        if kind == worker.READY:
+            self.ready.add(rank)
+        elif kind == worker.START and rank == 0:
+            self.on_event(Event(kind="start", world_size=self.world_size, cell_id=msg[2]))
+        elif kind == worker.STEP:
+            self.on_event(Event(kind="step", world_size=self.world_size, cell_id=msg[2], step=msg[3]))
+        elif kind == worker.DONE:
+            ranks = self.done.setdefault(msg[2], {})
+            ranks[rank] = msg[3]
+            if len(ranks) == self.world_size and self.current is not None and self.current.id == msg[2]:
+                self.finish(self.current, CellOutcome(status="done", seconds=max(ranks.values())))
+        elif kind == worker.FAILED:
+            self.failure = self.failure or (rank, msg[3])
+            return False
+        return True
+
+    def fail(self, why: str, *, rank: int | None) -> None:
+        """The group is lost: the current cell is `error`; before start-up, every cell is."""
+        started = len(self.ready) == self.world_size
+        victims = [self.current] if started else self.cells[len(self.outcomes) :]
+        for cell in victims:
+            if cell is None:
+                continue
+            log = worker.cell_dir(self.run_dir, cell.id) / f"rank{rank or 0}.log"
+            if not started or not log.is_file():
+                log = worker.group_log(self.run_dir, self.world_size, rank or 0)
+            self.finish(cell, CellOutcome(status="error", seconds=0.0, reason=f"{why}\n{_tail(log)}".rstrip()))
+
+
+def _run_group(
+    *,
+    world_size: int,
+    cells: Sequence[Cell],
+    problem: ProblemSpec,
+    run_dir: Path,
+    timeout_s: float,
+    init_timeout_s: float,
+    on_event: OnEvent,
+) -> dict[str, CellOutcome]:
+    ctx = mp.get_context("spawn")
+    events = ctx.Queue()
+    job = worker.GroupJob(
+        world_size=world_size,
+        port=free_port(),
+        cells=tuple(cells),
+        problem=problem,
+        run_dir=str(run_dir),
+        init_timeout_s=init_timeout_s,
+    )
+    procs = [
+        ctx.Process(target=worker.worker_main, args=(rank, job, events), name=f"gaeq-w{world_size}-r{rank}")
+        for rank in range(world_size)
+    ]
+    state = _GroupRun(world_size=world_size, cells=cells, run_dir=run_dir, on_event=on_event)
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + init_timeout_s
+        while state.current is not None:
+            try:
+                msg = events.get(timeout=0.2)
+            except queue.Empty:
+                msg = None
+            if msg is not None and state.handle(msg):
+                started = len(state.ready) == world_size
+                deadline = time.monotonic() + (timeout_s if started else init_timeout_s)
+            if state.failure is None and any(p.exitcode is not None for p in procs):
+                _drain(events, state)  # a rank's last words (or last DONE) may still be in the pipe
+            if state.current is None:
+                break
+            if state.failure is not None:
+                rank, reason = state.failure
+                state.fail(f"rank {rank} failed: {reason}", rank=rank)
+                break
+            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode is not None]
+            if dead:
+                rank, code = dead[0]
+                state.fail(f"rank {rank} exited with code {code} before the cell finished", rank=rank)
+                break
+            if time.monotonic() > deadline:
+                started = len(state.ready) == world_size
+                budget = timeout_s if started else init_timeout_s
+                phase = "in the cell" if started else "while joining the process group"
+                state.fail(f"timed out: no progress for {budget:.0f} s {phase} (a rank hangs?)", rank=0)
+                break
+    finally:
+        _stop(procs, graceful=state.current is None)
+        events.close()
+        events.cancel_join_thread()
+    return state.outcomes
+
+
+def _drain(events, state: _GroupRun, *, seconds: float = 1.0) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and state.current is not None:
+        try:
+            state.handle(events.get(timeout=0.1))
+        except queue.Empty:
+            if state.failure is not None:
+                return
+
+
+def _stop(procs: list, *, graceful: bool) -> None:
+    """Leave no process behind: a finished group exits by itself; anything else is killed."""
+    if graceful:
+        deadline = time.monotonic() + 30
+        for p in procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive() or p.exitcode is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)  # the rank and anything it started
+            except (ProcessLookupError, PermissionError, TypeError):
+                pass
+            p.kill()
+        p.join(timeout=10)
+
+
+def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    if not path.is_file():
+        return ""
+    text = path.read_text(errors="replace").rstrip().splitlines()[-lines:]
+    return f"--- {path.name} (last {len(text)} lines) ---\n" + "\n".join(text)

@@ -1,0 +1,146 @@
+"""The per-rank loop: join the group once, then for each cell build the problem, train, record.
+
+Runs in a child process started by :mod:`gaeq.runtime.launch`. It talks to the parent only through
+plain-data tuples on a queue; everything it prints (DeepSpeed's logging included) goes to log
+files: the group's log, and while a cell runs, that cell's ``rank<r>.log``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gaeq.matrix import Cell, ProblemSpec
+
+# Messages to the parent (tuples of plain data):
+#   ("ready", rank)                       joined the process group
+#   ("start", rank, cell_id)              began a cell
+#   ("step", rank, cell_id, step)         finished an optimizer step (rank 0 only)
+#   ("done", rank, cell_id, seconds)      finished a cell
+#   ("failed", rank, cell_id, reason)     the cell raised; this rank exits right after
+READY, START, STEP, DONE, FAILED = "ready", "start", "step", "done", "failed"
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupJob:
+    """What one process group runs: cells of a single world size, in order."""
+
+    world_size: int
+    port: int
+    cells: tuple[Cell, ...]
+    problem: ProblemSpec
+    run_dir: str
+    init_timeout_s: float
+
+
+def cell_dir(run_dir: str | Path, cell_id: str) -> Path:
+    return Path(run_dir) / "cells" / cell_id
+
+
+def group_log(run_dir: str | Path, world_size: int, rank: int) -> Path:
+    return Path(run_dir) / "logs" / f"group-w{world_size}-rank{rank}.log"
+
+
+def worker_main(rank: int, job: GroupJob, events: Any) -> None:
+    _detach_from_terminal()
+    log = group_log(job.run_dir, job.world_size, rank)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    _redirect_fds(log)
+
+    from gaeq.runtime import dist
+
+    dist.set_accelerator_env()  # before anything imports DeepSpeed
+    import torch
+
+    from gaeq.trainers import RunContext, trainer_for
+
+    # Ranks share the machine's cores instead of each oversubscribing all of them.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.world_size))
+    dist.init_process_group(
+        rank=rank,
+        world_size=job.world_size,
+        port=job.port,
+        with_deepspeed=any(c.trainer == "deepspeed" for c in job.cells),
+        timeout_s=job.init_timeout_s,
+    )
+    events.put((READY, rank))
+
+    for cell in job.cells:
+        out = cell_dir(job.run_dir, cell.id)
+        out.mkdir(parents=True, exist_ok=True)
+        with redirected_output(out / f"rank{rank}.log"):
+            events.put((START, rank, cell.id))
+            started = time.perf_counter()
+            ctx = RunContext(
+                rank=rank,
+                world_size=job.world_size,
+                device=dist.device_for(rank),
+                cell_dir=out,
+                on_step=lambda step, cell_id=cell.id: events.put((STEP, rank, cell_id, step)),
+            )
+            try:
+                trainer_for(cell.trainer)(cell=cell, problem=job.problem, ctx=ctx)
+            except BaseException as exc:  # noqa: BLE001 - any failure ends this rank
+                traceback.print_exc()
+                events.put((FAILED, rank, cell.id, f"{type(exc).__name__}: {exc}"))
+                # Peers may be blocked in a collective with us: the group is finished. The parent
+                # tears it down and runs the remaining cells in a fresh one.
+                _exit(events, 1)
+        events.put((DONE, rank, cell.id, time.perf_counter() - started))
+
+    dist.destroy_process_group()
+    _exit(events, 0)
+
+
+def _exit(events: Any, code: int) -> None:
+    """Exit without losing queued messages (os._exit would drop what the feeder thread holds)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    events.close()
+    events.join_thread()
+    os._exit(code)
+
+
+def _detach_from_terminal() -> None:
+    # Own process group: Ctrl-C reaches only the parent, which stops the ranks in order, and the
+    # parent can kill a rank together with anything it started (e.g. a JIT compiler).
+    os.setpgrp()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Die with the parent, whatever kills it.
+    if sys.platform == "linux":
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _redirect_fds(path: Path) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+@contextlib.contextmanager
+def redirected_output(path: Path) -> Iterator[None]:
+    """Send fds 1 and 2 (Python, C++ and DeepSpeed output alike) to `path` for the duration."""
+    saved = os.dup(1), os.dup(2)
+    _redirect_fds(path)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in saved:
+            os.close(fd)

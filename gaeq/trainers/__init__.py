@@ -1,0 +1,21 @@
+"""HOW gradients are accumulated: the pair of trainers the lab exists to compare."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from gaeq.trainers.base import RunContext
+
+
+def trainer_for(name: str) -> Callable[..., None]:
+    """The train function of a trainer name (imports DeepSpeed only when asked for)."""
+    if name == "torch":
+        from gaeq.trainers.torch_manual import train
+    elif name == "deepspeed":
+        from gaeq.trainers.deepspeed_native import train
+    else:
+        raise ValueError(f"unknown trainer {name!r}")
+    return train
+
+
+__all__ = ["RunContext", "trainer_for"]
