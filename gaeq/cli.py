@@ -13,6 +13,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -36,7 +37,7 @@ def _load(path: Path) -> Matrix:
     try:
         return load_matrix(path)
     except MatrixError as exc:
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         raise typer.Exit(EXIT_BAD_INPUT) from None
 
 
@@ -113,7 +114,7 @@ def run(
             elif event.kind == "end":
                 progress.advance(overall)
                 if event.outcome.status == "error":
-                    progress.console.print(f"[bold red]error[/] {event.cell_id}: {event.outcome.reason.splitlines()[0]}", highlight=False)
+                    progress.console.print(f"[bold red]error[/] {event.cell_id}: {escape(event.outcome.reason.splitlines()[0])}", highlight=False)
 
         try:
             outcomes = run_cells(cells=cells, problem=m.problem, run_dir=run_dir, timeout_s=m.spec.timeout_s, on_event=on_event)
@@ -126,7 +127,7 @@ def run(
     console.print(verdict_table(report))
     for c in report.cells:
         if c.reason and c.reason != "baseline" and c.verdict != "skipped":
-            console.print(f"[bold]{c.id}[/] ({c.verdict}): {c.reason}", highlight=False, soft_wrap=True)
+            console.print(f"[bold]{c.id}[/] ({c.verdict}): {escape(c.reason)}", highlight=False, soft_wrap=True)
     s = report.summary
     status = "[bold green]OK[/]" if report.ok else "[bold red]NOT OK[/]"
     console.print(

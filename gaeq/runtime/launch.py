@@ -86,7 +86,8 @@ class _GroupRun:
         self.ready: set[int] = set()
         self.done: dict[str, dict[int, float]] = {}
         self.outcomes: dict[str, CellOutcome] = {}
-        self.failure: tuple[int, str] | None = None  # (rank, reason) reported by a rank
+        self.failures: list[tuple[int, str]] = []  # (rank, reason) as ranks reported them
+        self.cell_started = time.monotonic()
 
     @property
     def current(self) -> Cell | None:
@@ -103,6 +104,7 @@ class _GroupRun:
         if kind == worker.READY:
             self.ready.add(rank)
         elif kind == worker.START and rank == 0:
+            self.cell_started = time.monotonic()
             self.on_event(Event(kind="start", world_size=self.world_size, cell_id=msg[2]))
         elif kind == worker.STEP:
             self.on_event(Event(kind="step", world_size=self.world_size, cell_id=msg[2], step=msg[3]))
@@ -112,21 +114,27 @@ class _GroupRun:
             if len(ranks) == self.world_size and self.current is not None and self.current.id == msg[2]:
                 self.finish(self.current, CellOutcome(status="done", seconds=max(ranks.values())))
         elif kind == worker.FAILED:
-            self.failure = self.failure or (rank, msg[3])
+            self.failures.append((rank, msg[3]))
             return False
         return True
 
     def fail(self, why: str, *, rank: int | None) -> None:
-        """The group is lost: the current cell is `error`; before start-up, every cell is."""
+        """The group is lost: the current cell is `error`; before start-up, every cell is.
+
+        The reason carries the log tail of the rank that failed (of every rank when we cannot
+        tell which one, e.g. a hang).
+        """
         started = len(self.ready) == self.world_size
         victims = [self.current] if started else self.cells[len(self.outcomes) :]
+        ranks = range(self.world_size) if rank is None else [rank]
         for cell in victims:
-            if cell is None:
-                continue
-            log = worker.cell_dir(self.run_dir, cell.id) / f"rank{rank or 0}.log"
-            if not started or not log.is_file():
-                log = worker.group_log(self.run_dir, self.world_size, rank or 0)
-            self.finish(cell, CellOutcome(status="error", seconds=0.0, reason=f"{why}\n{_tail(log)}".rstrip()))
+            logs = [
+                worker.cell_dir(self.run_dir, cell.id) / f"rank{r}.log" if started else worker.group_log(self.run_dir, self.world_size, r)
+                for r in ranks
+            ]
+            tails = "\n".join(t for t in map(_tail, logs) if t)
+            seconds = time.monotonic() - self.cell_started if started else 0.0
+            self.finish(cell, CellOutcome(status="error", seconds=seconds, reason=f"{why}\n{tails}".rstrip()))
 
 
 def _run_group(
@@ -166,24 +174,20 @@ def _run_group(
             if msg is not None and state.handle(msg):
                 started = len(state.ready) == world_size
                 deadline = time.monotonic() + (timeout_s if started else init_timeout_s)
-            if state.failure is None and any(p.exitcode is not None for p in procs):
-                _drain(events, state)  # a rank's last words (or last DONE) may still be in the pipe
-            if state.current is None:
-                break
-            if state.failure is not None:
-                rank, reason = state.failure
-                state.fail(f"rank {rank} failed: {reason}", rank=rank)
-                break
-            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode is not None]
-            if dead:
-                rank, code = dead[0]
-                state.fail(f"rank {rank} exited with code {code} before the cell finished", rank=rank)
+            if state.failures or any(p.exitcode is not None for p in procs):
+                # Ranks are exiting: either the group finished (last DONEs still in the pipe) or
+                # it is failing. Let it settle, then name the root cause.
+                _drain(events, state)
+                if state.current is None:
+                    break
+                why, rank = _root_cause(procs, state)
+                state.fail(why, rank=rank)
                 break
             if time.monotonic() > deadline:
                 started = len(state.ready) == world_size
                 budget = timeout_s if started else init_timeout_s
                 phase = "in the cell" if started else "while joining the process group"
-                state.fail(f"timed out: no progress for {budget:.0f} s {phase} (a rank hangs?)", rank=0)
+                state.fail(f"timed out: no progress for {budget:.0f} s {phase} (a rank hangs?)", rank=None)
                 break
     finally:
         _stop(procs, graceful=state.current is None)
@@ -198,8 +202,18 @@ def _drain(events, state: _GroupRun, *, seconds: float = 1.0) -> None:
         try:
             state.handle(events.get(timeout=0.1))
         except queue.Empty:
-            if state.failure is not None:
-                return
+            pass
+
+
+def _root_cause(procs: list, state: _GroupRun) -> tuple[str, int]:
+    """A rank that died without a word comes first: the errors its peers then report (a reset
+    connection in a collective) are consequences. Otherwise, the first rank that reported."""
+    reported = {rank for rank, _ in state.failures}
+    for rank, p in enumerate(procs):
+        if p.exitcode is not None and rank not in reported:
+            return f"rank {rank} exited with code {p.exitcode} before the cell finished", rank
+    rank, reason = state.failures[0]
+    return f"rank {rank} failed: {reason}", rank
 
 
 def _stop(procs: list, *, graceful: bool) -> None:
@@ -219,7 +233,5 @@ def _stop(procs: list, *, graceful: bool) -> None:
 
 
 def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
-    if not path.is_file():
-        return ""
-    text = path.read_text(errors="replace").rstrip().splitlines()[-lines:]
-    return f"--- {path.name} (last {len(text)} lines) ---\n" + "\n".join(text)
+    text = path.read_text(errors="replace").rstrip().splitlines()[-lines:] if path.is_file() else []
+    return f"--- {path.name} (last {len(text)} lines) ---\n" + "\n".join(text) if text else ""

@@ -14,6 +14,7 @@ import signal
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +56,8 @@ def worker_main(rank: int, job: GroupJob, events: Any) -> None:
     log = group_log(job.run_dir, job.world_size, rank)
     log.parent.mkdir(parents=True, exist_ok=True)
     _redirect_fds(log)
+    # torch.distributed repeats the same deprecation warning on every ZeRO collective.
+    warnings.filterwarnings("once", category=FutureWarning)
 
     from gaeq.runtime import dist
 

@@ -1,0 +1,150 @@
+"""`gaeq run` end to end: real process groups (gloo), real DeepSpeed on the CPU accelerator."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+from tests.helpers import small_spec
+
+pytestmark = pytest.mark.integration
+
+
+def gaeq_run(matrix: Path, out: Path, *, timeout: float = 600) -> tuple[subprocess.CompletedProcess, dict, str]:
+    """Run the CLI in a child process tagged with a unique environment marker (to find leftovers)."""
+    tag = uuid.uuid4().hex
+    env = {**os.environ, "GAEQ_TEST_TAG": tag, "COLUMNS": "200"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "gaeq", "run", "--matrix", str(matrix), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=REPO,
+    )
+    report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else {}
+    return proc, report, tag
+
+
+def leftover_processes(tag: str, *, grace: float = 5.0) -> list[int]:
+    """PIDs of live processes that inherited the tag (every rank gaeq started would have)."""
+    deadline = time.monotonic() + grace
+    while True:
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                if f"GAEQ_TEST_TAG={tag}".encode() in (entry / "environ").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+        if not pids or time.monotonic() > deadline:
+            return pids
+        time.sleep(0.2)
+
+
+def cells_by_id(report: dict) -> dict[str, dict]:
+    return {c["id"]: c for c in report["cells"]}
+
+
+def test_both_trainers_all_zero_stages_match_and_controls_diverge(write_matrix, tmp_path):
+    spec = small_spec(
+        axes={"trainer": ["torch", "deepspeed"], "world_size": [1, 2], "micro_batch_size": [2, 8], "zero_stage": [0, 1, 2, 3]},
+        cells=[
+            {"trainer": "torch", "world_size": 1, "micro_batch_size": 2, "bug": "no_loss_division"},
+            {"trainer": "torch", "world_size": 2, "micro_batch_size": 2, "bug": "no_loss_division"},
+        ],
+    )
+    proc, report, tag = gaeq_run(write_matrix(spec), tmp_path / "run")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert report["ok"] is True
+    cells = cells_by_id(report)
+    assert report["summary"] == {"match": 1 + 4 + 16, "diverge": 2, "error": 0, "skipped": 0}
+
+    matching = [c for c in cells.values() if c["expect"] == "match" and c["id"] != report["baseline"]]
+    for c in matching:
+        assert c["verdict"] == "match", c
+        # Equal up to float summation order: not bitwise, but far inside the fp32 tolerance.
+        assert c["max_abs_loss_diff"] < 1e-6 and c["max_rel_grad_norm_diff"] < 1e-5, c
+    assert {c["zero_stage"] for c in matching if c["trainer"] == "deepspeed"} == {0, 1, 2, 3}
+    assert max(c["max_abs_loss_diff"] for c in matching) > 0  # a different split really ran
+
+    # AdamW barely feels a uniformly scaled gradient; the grad norm does, at step 0, by GA.
+    w1 = cells["torch-w1-mb2-ga8-bug_no_loss_division"]
+    w2 = cells["torch-w2-mb2-ga4-bug_no_loss_division"]
+    assert (w1["verdict"], w1["first_divergent_step"]) == ("diverge", 0)
+    assert w1["reason"].startswith("grad norm diverged at step 0: rel 7.00e+00")
+    assert w2["reason"].startswith("grad norm diverged at step 0: rel 3.00e+00")
+
+    # Traces: one line per step, complete; DeepSpeed chatter went to the cell logs.
+    trace = (tmp_path / "run" / "cells" / "deepspeed-z3-w2-mb2-ga4" / "trace.jsonl").read_text().splitlines()
+    assert len(trace) == 12 and set(json.loads(trace[0])) == {"step", "loss", "grad_norm", "lr", "samples", "seconds"}
+    assert (tmp_path / "run" / "cells" / "deepspeed-z3-w2-mb2-ga4" / "rank1.log").exists()
+    assert "DeepSpeed" not in proc.stdout
+    assert "gaeq verdicts" in proc.stdout and "OK: 21 match, 2 diverge" in proc.stdout
+    assert leftover_processes(tag) == []
+
+
+def test_sgd_control_is_caught_on_the_loss(write_matrix, tmp_path):
+    spec = small_spec(
+        axes={"trainer": ["torch", "deepspeed"], "world_size": [2], "micro_batch_size": [2], "zero_stage": [1]},
+        cells=[{"trainer": "torch", "world_size": 2, "micro_batch_size": 2, "bug": "no_loss_division"}],
+        tolerances={"fp32": {"grad_norm_rtol": 1e9}},  # judge on the loss alone
+    )
+    spec["problem"]["optimizer"] = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
+    proc, report, _ = gaeq_run(write_matrix(spec), tmp_path / "run")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    cells = cells_by_id(report)
+    assert cells["deepspeed-z1-w2-mb2-ga4"]["verdict"] == "match"
+    control = cells["torch-w2-mb2-ga4-bug_no_loss_division"]
+    assert control["verdict"] == "diverge"
+    assert control["reason"].startswith("loss diverged at step 1")
+    assert control["max_abs_loss_diff"] > 1e-3
+
+
+def test_a_crashing_or_hanging_rank_errors_its_cell_and_the_rest_still_run(write_matrix, tmp_path):
+    spec = small_spec(
+        axes={"trainer": ["torch", "deepspeed"], "world_size": [2], "micro_batch_size": [2], "zero_stage": [2]},
+        cells=[
+            {"trainer": "deepspeed", "world_size": 2, "micro_batch_size": 4, "zero_stage": 1, "fault": {"rank": 1, "step": 3, "kind": "raise"}},
+            {"trainer": "torch", "world_size": 2, "micro_batch_size": 8, "fault": {"rank": 0, "step": 2, "kind": "exit"}},
+            {"trainer": "torch", "world_size": 2, "micro_batch_size": 1, "fault": {"rank": 1, "step": 2, "kind": "hang"}},
+            {"trainer": "torch", "world_size": 2, "micro_batch_size": 1},
+        ],
+        timeout_s=15,
+    )
+    started = time.monotonic()
+    proc, report, tag = gaeq_run(write_matrix(spec), tmp_path / "run")
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert time.monotonic() - started < 240
+    cells = cells_by_id(report)
+    raised = cells["deepspeed-z1-w2-mb4-ga2-fault_raise_r1_s3"]
+    assert raised["verdict"] == "error"
+    assert raised["reason"].startswith("rank 1 failed: RuntimeError: injected fault: rank 1 raises at step 3")
+    assert "--- rank1.log" in raised["reason"] and "Traceback" in raised["reason"]
+    exited = cells["torch-w2-mb8-ga1-fault_exit_r0_s2"]
+    assert (exited["verdict"], exited["reason"]) == ("error", "rank 0 exited with code 17 before the cell finished")
+    hung = cells["torch-w2-mb1-ga8-fault_hang_r1_s2"]
+    assert hung["verdict"] == "error" and hung["reason"].startswith("timed out: no progress for 15 s")
+    for ok in ("torch-w1-mb16-ga1", "torch-w2-mb2-ga4", "deepspeed-z2-w2-mb2-ga4", "torch-w2-mb1-ga8"):
+        assert cells[ok]["verdict"] == "match", cells[ok]
+    assert report["summary"]["error"] == 3
+    assert leftover_processes(tag) == []
+
+
+def test_default_matrix_from_the_readme(tmp_path):
+    proc, report, tag = gaeq_run(REPO / "experiments" / "ga.yaml", tmp_path / "run")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert report["ok"] is True
+    assert report["summary"]["match"] >= 16 and report["summary"]["error"] == 0
+    assert {c["verdict"] for c in report["cells"] if c["expect"] == "diverge"} == {"diverge"}
+    assert leftover_processes(tag) == []

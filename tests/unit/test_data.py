@@ -1,0 +1,74 @@
+"""The BatchPlan: every split of a step sees exactly the same samples."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from gaeq.matrix import DataSpec, ModelSpec
+from gaeq.problem.data import BatchPlan, RegressionData
+
+B = 24
+
+
+def splits(batch: int):
+    for micro, world in itertools.product(range(1, batch + 1), range(1, 5)):
+        if batch % (micro * world) == 0:
+            yield micro, world
+
+
+@pytest.mark.parametrize("num_samples", [None, 40])
+def test_every_split_covers_each_sample_of_the_step_exactly_once(num_samples):
+    reference = None
+    for micro, world in splits(B):
+        plan = BatchPlan(train_batch_size=B, micro_batch_size=micro, world_size=world, num_samples=num_samples, seed=3)
+        assert plan.grad_accum_steps == B // (micro * world)
+        for step in range(4):
+            seen = [
+                i
+                for k in range(plan.grad_accum_steps)
+                for r in range(world)
+                for i in plan.sample_indices(step=step, micro_step=k, rank=r)
+            ]
+            assert len(seen) == B
+            if num_samples is None:
+                assert sorted(seen) == list(range(step * B, (step + 1) * B))
+            step_samples = sorted(seen)
+            if reference is None:
+                reference = {}
+            assert reference.setdefault(step, step_samples) == step_samples
+
+
+def test_layout_is_micro_step_major_then_rank():
+    plan = BatchPlan(train_batch_size=8, micro_batch_size=2, world_size=2)
+    assert list(plan.positions(step=1, micro_step=0, rank=0)) == [8, 9]
+    assert list(plan.positions(step=1, micro_step=0, rank=1)) == [10, 11]
+    assert list(plan.positions(step=1, micro_step=1, rank=0)) == [12, 13]
+
+
+def test_finite_dataset_walks_a_fresh_permutation_each_epoch():
+    plan = BatchPlan(train_batch_size=4, micro_batch_size=4, world_size=1, num_samples=8, seed=1)
+    epochs = [[plan.sample_at(p) for p in range(e * 8, (e + 1) * 8)] for e in range(3)]
+    assert all(sorted(e) == list(range(8)) for e in epochs)
+    assert epochs[0] != epochs[1]
+    other_seed = BatchPlan(train_batch_size=4, micro_batch_size=4, world_size=1, num_samples=8, seed=2)
+    assert [other_seed.sample_at(p) for p in range(8)] != epochs[0]
+
+
+def test_indivisible_plan_is_rejected_with_numbers():
+    with pytest.raises(ValueError, match="train_batch_size 10 is not divisible by micro_batch_size 4 × world_size 1"):
+        BatchPlan(train_batch_size=10, micro_batch_size=4, world_size=1)
+
+
+def test_a_sample_is_a_pure_function_of_seed_and_index():
+    data = RegressionData(data=DataSpec(), model=ModelSpec(), seed=5)
+    again = RegressionData(data=DataSpec(), model=ModelSpec(), seed=5)
+    x1, y1 = data.batch([3, 17, 2])
+    x2, y2 = again.batch([17])
+    torch.testing.assert_close(x1[1:2], x2, rtol=0, atol=0)
+    torch.testing.assert_close(y1[1:2], y2, rtol=0, atol=0)
+    x3, _ = RegressionData(data=DataSpec(), model=ModelSpec(), seed=6).batch([17])
+    assert not np.allclose(x2.numpy(), x3.numpy())

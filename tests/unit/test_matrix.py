@@ -1,0 +1,133 @@
+"""The matrix schema: what a user may write, what gets expanded, and the errors they see."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from gaeq.cli import app
+from gaeq.matrix import MatrixError, load_matrix
+from tests.helpers import small_spec
+
+runner = CliRunner()
+
+
+def test_ga_is_derived_and_cells_are_named(write_matrix):
+    spec = small_spec(axes={"trainer": ["torch", "deepspeed"], "world_size": [1, 2], "micro_batch_size": [2, 8], "zero_stage": [0, 3]})
+    m = load_matrix(write_matrix(spec))
+    by_id = {c.id: c for c in m.cells}
+    # 1 baseline + torch 2×2 + deepspeed 2×2×2
+    assert len(m.cells) == 1 + 4 + 8
+    assert m.baselines == {"fp32": "torch-w1-mb16-ga1"}
+    assert by_id["deepspeed-z3-w2-mb2-ga4"].grad_accum_steps == 4  # 16 / (2 × 2)
+    assert by_id["torch-w1-mb8-ga2"].grad_accum_steps == 2
+    assert by_id["torch-w2-mb8-ga1"].zero_stage is None
+    assert all(c.expect == "match" for c in m.cells)
+
+
+def test_baseline_in_the_axes_is_not_duplicated(write_matrix):
+    m = load_matrix(write_matrix(small_spec(axes={"micro_batch_size": [16, 4]})))
+    assert [c.id for c in m.cells] == ["torch-w1-mb16-ga1", "torch-w1-mb4-ga4"]
+
+
+def test_unknown_key_is_named(write_matrix):
+    spec = small_spec()
+    spec["problem"]["optimiser"] = {"name": "sgd"}
+    with pytest.raises(MatrixError, match=r"unknown key 'problem\.optimiser'"):
+        load_matrix(write_matrix(spec))
+
+
+def test_bad_type_is_named(write_matrix):
+    spec = small_spec()
+    spec["problem"]["steps"] = "many"
+    with pytest.raises(MatrixError, match=r"problem\.steps: .*integer.*'many'"):
+        load_matrix(write_matrix(spec))
+
+
+def test_missing_key_is_named(write_matrix):
+    spec = small_spec()
+    del spec["problem"]["train_batch_size"]
+    with pytest.raises(MatrixError, match=r"missing key 'problem\.train_batch_size'"):
+        load_matrix(write_matrix(spec))
+
+
+def test_indivisible_split_names_the_numbers(write_matrix):
+    with pytest.raises(MatrixError, match=r"train_batch_size 16 is not divisible by micro_batch_size 3 × world_size 2"):
+        load_matrix(write_matrix(small_spec(axes={"world_size": [2], "micro_batch_size": [3]})))
+
+
+def test_indivisible_split_can_be_skipped_with_a_reason(write_matrix):
+    m = load_matrix(write_matrix(small_spec(axes={"world_size": [1, 3], "micro_batch_size": [4]}, on_indivisible="skip")))
+    skipped = [c for c in m.cells if c.skip_reason]
+    assert [c.id for c in skipped] == ["torch-w3-mb4-gaNA"]
+    assert "not divisible by micro_batch_size 4 × world_size 3" in skipped[0].skip_reason
+    assert skipped[0] not in m.runnable()
+
+
+def test_zero_stage_is_deepspeed_only(write_matrix):
+    spec = small_spec(cells=[{"trainer": "torch", "micro_batch_size": 4, "zero_stage": 2}])
+    with pytest.raises(MatrixError, match="zero_stage is a DeepSpeed setting"):
+        load_matrix(write_matrix(spec))
+
+
+def test_bug_cells_default_to_diverge_and_unknown_bugs_are_rejected(write_matrix):
+    m = load_matrix(write_matrix(small_spec(cells=[{"trainer": "torch", "micro_batch_size": 4, "bug": "no_loss_division"}])))
+    control = m.cells[-1]
+    assert (control.id, control.expect) == ("torch-w1-mb4-ga4-bug_no_loss_division", "diverge")
+    with pytest.raises(MatrixError, match="unknown bug 'nope'"):
+        load_matrix(write_matrix(small_spec(cells=[{"trainer": "torch", "micro_batch_size": 4, "bug": "nope"}])))
+    with pytest.raises(MatrixError, match="exists only in the torch trainer"):
+        load_matrix(write_matrix(small_spec(cells=[{"trainer": "deepspeed", "micro_batch_size": 4, "bug": "no_loss_division"}])))
+
+
+def test_each_dtype_group_gets_its_baseline(write_matrix):
+    m = load_matrix(write_matrix(small_spec(axes={"micro_batch_size": [4], "dtype": ["fp32", "bf16"]})))
+    assert m.baselines == {"fp32": "torch-w1-mb16-ga1", "bf16": "torch-w1-mb16-ga1-bf16"}
+
+
+def test_not_a_mapping_and_not_yaml(tmp_path):
+    listing = tmp_path / "list.yaml"
+    listing.write_text("- 1\n- 2\n")
+    with pytest.raises(MatrixError, match="top level must be a mapping"):
+        load_matrix(listing)
+    junk = tmp_path / "junk.yaml"
+    junk.write_text("a: [1, 2\n")
+    with pytest.raises(MatrixError, match="not valid YAML"):
+        load_matrix(junk)
+    with pytest.raises(MatrixError, match="no such file"):
+        load_matrix(tmp_path / "absent.yaml")
+
+
+@pytest.mark.parametrize("command", [["validate"], ["run", "--matrix"]])
+def test_cli_bad_input_exits_2_with_one_line(write_matrix, command):
+    spec = small_spec()
+    spec["axes"]["micro_batch_sizes"] = [4]
+    result = runner.invoke(app, [*command, str(write_matrix(spec))])
+    assert result.exit_code == 2
+    assert "unknown key 'axes.micro_batch_sizes'" in result.output
+    assert "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+def test_cli_validate_prints_cells_without_training(write_matrix, tmp_path):
+    spec = small_spec(axes={"trainer": ["torch", "deepspeed"], "world_size": [1, 2], "micro_batch_size": [4], "zero_stage": [2]})
+    result = runner.invoke(app, ["validate", str(write_matrix(spec))])
+    assert result.exit_code == 0, result.output
+    for cell_id in ("torch-w1-mb16-ga1", "torch-w2-mb4-ga2", "deepspeed-z2-w1-mb4-ga4", "deepspeed-z2-w2-mb4-ga2"):
+        assert cell_id in result.output
+    assert "baseline" in result.output
+    assert not (tmp_path / "runs").exists()
+
+
+def test_shipped_experiments_validate():
+    from tests.conftest import REPO
+
+    m = load_matrix(REPO / "experiments" / "ga.yaml")
+    matches = [c for c in m.cells if c.expect == "match"]
+    assert len(matches) >= 16
+    assert {c.trainer for c in matches} == {"torch", "deepspeed"}
+    assert {c.zero_stage for c in matches if c.trainer == "deepspeed"} == {0, 1, 2, 3}
+    assert {c.world_size for c in matches} == {1, 2}
+    assert len({c.micro_batch_size for c in matches} - {m.problem.train_batch_size}) >= 3
+    assert m.problem.train_batch_size == 32 and m.problem.steps >= 50
+    assert any(c.bug == "no_loss_division" and c.expect == "diverge" for c in m.cells)
