@@ -50,9 +50,12 @@ def validate(matrix: Annotated[Path, typer.Argument(help="Matrix YAML file.")]) 
         table.add_column(name, justify="right" if name in {"world", "micro", "GA", "ZeRO"} else "left", no_wrap=name == "cell")
     baselines = set(m.baselines.values())
     for c in m.cells:
-        note = c.skip_reason and f"skipped: {c.skip_reason}" or ("baseline" if c.id in baselines else "")
-        if c.bug:
+        if c.skip_reason:
+            note = f"skipped: {c.skip_reason}"
+        elif c.bug:
             note = f"planted bug: {c.bug}"
+        else:
+            note = "baseline" if c.id in baselines else ""
         table.add_row(
             c.id,
             c.trainer,

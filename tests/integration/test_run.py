@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -148,3 +149,33 @@ def test_default_matrix_from_the_readme(tmp_path):
     assert report["summary"]["match"] >= 16 and report["summary"]["error"] == 0
     assert {c["verdict"] for c in report["cells"] if c["expect"] == "diverge"} == {"diverge"}
     assert leftover_processes(tag) == []
+
+
+def test_ctrl_c_stops_every_rank(write_matrix, tmp_path):
+    spec = small_spec(
+        axes={"trainer": ["deepspeed"], "world_size": [2], "micro_batch_size": [2], "zero_stage": [1]},
+        baseline={"trainer": "deepspeed", "world_size": 2, "micro_batch_size": 2, "zero_stage": 1},
+    )
+    spec["problem"]["steps"] = 100_000
+    out = tmp_path / "run"
+    tag = uuid.uuid4().hex
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gaeq", "run", "--matrix", str(write_matrix(spec)), "--out", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "GAEQ_TEST_TAG": tag},
+        cwd=REPO,
+    )
+    partial = out / "cells" / "deepspeed-z1-w2-mb2-ga4" / "trace.jsonl.partial"
+    deadline = time.monotonic() + 300
+    while not (partial.exists() and partial.stat().st_size > 0):
+        assert proc.poll() is None and time.monotonic() < deadline, "the DeepSpeed cell never started training"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, output
+    assert "interrupted" in output
+    assert leftover_processes(tag) == []
+    assert not (out / "report.json").exists()
+    assert not partial.with_name("trace.jsonl").exists()  # an unfinished trace is never published
