@@ -192,7 +192,7 @@ class Cell:
     @property
     def grad_accum_steps(self) -> int:
         if not self.divisible:
-            raise MatrixError(indivisible_message(self))
+            raise MatrixError(self._indivisible())
         return self.train_batch_size // (self.micro_batch_size * self.world_size)
 
     @property
@@ -210,16 +210,21 @@ class Cell:
             parts.append(f"fault_{self.fault.kind}_r{self.fault.rank}_s{self.fault.step}")
         return "-".join(parts)
 
+    def _indivisible(self) -> str:
+        return indivisible_message(
+            train_batch_size=self.train_batch_size, micro_batch_size=self.micro_batch_size, world_size=self.world_size
+        )
+
     @property
     def group(self) -> str:
         """Cells are judged against the baseline of their dtype group."""
         return self.dtype
 
 
-def indivisible_message(cell: Cell) -> str:
+def indivisible_message(*, train_batch_size: int, micro_batch_size: int, world_size: int) -> str:
     return (
-        f"train_batch_size {cell.train_batch_size} is not divisible by "
-        f"micro_batch_size {cell.micro_batch_size} × world_size {cell.world_size}"
+        f"train_batch_size {train_batch_size} is not divisible by "
+        f"micro_batch_size {micro_batch_size} × world_size {world_size}"
     )
 
 
@@ -243,6 +248,8 @@ class Matrix:
 def load_matrix(path: str | Path) -> Matrix:
     """Read, validate and expand a matrix file. Raises :class:`MatrixError` with one readable line."""
     path = Path(path)
+    if path.is_dir():
+        raise MatrixError(f"{path}: is a directory, not a matrix file")
     if not path.is_file():
         raise MatrixError(f"{path}: no such file")
     try:
@@ -295,8 +302,8 @@ def expand(spec: MatrixSpec) -> Matrix:
         )
         if not cell.divisible:
             if spec.on_indivisible == "error":
-                raise MatrixError(indivisible_message(cell) + " (or set on_indivisible: skip)")
-            cell = dataclasses.replace(cell, skip_reason=indivisible_message(cell))
+                raise MatrixError(cell._indivisible() + " (or set on_indivisible: skip)")
+            cell = dataclasses.replace(cell, skip_reason=cell._indivisible())
         return cell
 
     cells: list[Cell] = []

@@ -19,7 +19,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from gaeq.matrix import DataSpec, ModelSpec
+from gaeq.matrix import DataSpec, ModelSpec, indivisible_message
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,8 +37,11 @@ class BatchPlan:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.train_batch_size % (self.micro_batch_size * self.world_size):
             raise ValueError(
-                f"train_batch_size {self.train_batch_size} is not divisible by "
-                f"micro_batch_size {self.micro_batch_size} × world_size {self.world_size}"
+                indivisible_message(
+                    train_batch_size=self.train_batch_size,
+                    micro_batch_size=self.micro_batch_size,
+                    world_size=self.world_size,
+                )
             )
 
     @property
