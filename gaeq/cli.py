@@ -18,7 +18,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from gaeq.matrix import Matrix, MatrixError, load_matrix
-from gaeq.results.report import EXIT_BAD_INPUT, judge, verdict_table, write_report
+from gaeq.results.outcome import read_outcome
+from gaeq.results.overlay import OVERLAY_FILE, plot_overlay
+from gaeq.results.report import EXIT_BAD_INPUT, judge, resolve_tolerances, verdict_table, write_report
+from gaeq.results.tensorboard import TB_DIR, write_tensorboard
+from gaeq.results.trace import TraceStore, cell_dir
 
 app = typer.Typer(
     name="gaeq",
@@ -125,17 +129,44 @@ def run(
             err_console.print("[bold red]interrupted[/]: every rank was stopped; no report written")
             raise typer.Exit(130) from None
 
-    report = judge(m, run_dir, outcomes)
-    write_report(run_dir, report)
-    console.print(verdict_table(report))
-    for c in report.cells:
+    code = _judge_and_report(m, run_dir, outcomes)
+    console.print(f"Overlay in TensorBoard:  [bold]tensorboard --logdir {run_dir / TB_DIR}[/]", highlight=False)
+    raise typer.Exit(code)
+
+
+@app.command()
+def report(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory written by `gaeq run`.")],
+    atol: Annotated[float | None, typer.Option("--atol", min=0, help="Loss tolerance, absolute (every dtype).")] = None,
+    rtol: Annotated[float | None, typer.Option("--rtol", min=0, help="Loss tolerance, relative (every dtype).")] = None,
+    grad_rtol: Annotated[float | None, typer.Option("--grad-rtol", min=0, help="Grad-norm tolerance, relative.")] = None,
+) -> None:
+    """Re-judge a finished run from its saved traces (e.g. with other tolerances), without training."""
+    if not (run_dir / "matrix.yaml").is_file():
+        err_console.print(f"[bold red]error:[/] {escape(str(run_dir))} is not a gaeq run directory (no matrix.yaml)", highlight=False)
+        raise typer.Exit(EXIT_BAD_INPUT)
+    m = _load(run_dir / "matrix.yaml")
+    outcomes = {c.id: o for c in m.cells if (o := read_outcome(cell_dir(run_dir, c.id))) is not None}
+    overrides = {"loss_atol": atol, "loss_rtol": rtol, "grad_norm_rtol": grad_rtol}
+    raise typer.Exit(_judge_and_report(m, run_dir, outcomes, overrides=overrides))
+
+
+def _judge_and_report(m: Matrix, run_dir: Path, outcomes, *, overrides: dict | None = None) -> int:
+    """Judge, write every artefact (report.json/.md, TensorBoard, overlay.png), print; the exit code."""
+    traces = TraceStore(run_dir)
+    result = judge(m, outcomes, traces, resolve_tolerances(m, overrides))
+    write_tensorboard(run_dir, result, traces)
+    plot_overlay(run_dir / OVERLAY_FILE, result, traces)
+    write_report(run_dir, result, figure=OVERLAY_FILE)
+    console.print(verdict_table(result))
+    for c in result.cells:
         if c.reason and c.reason != "baseline" and c.verdict != "skipped":
             console.print(f"[bold]{c.id}[/] ({c.verdict}): {escape(c.reason)}", highlight=False, soft_wrap=True)
-    s = report.summary
-    status = "[bold green]OK[/]" if report.ok else "[bold red]NOT OK[/]"
+    s = result.summary
+    status = "[bold green]OK[/]" if result.ok else "[bold red]NOT OK[/]"
     console.print(
         f"{status}: {s['match']} match, {s['diverge']} diverge, {s['error']} error, {s['skipped']} skipped "
         f"— report: {run_dir / 'report.md'}",
         highlight=False,
     )
-    raise typer.Exit(report.exit_code)
+    return result.exit_code

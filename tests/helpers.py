@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import torch
+
+from gaeq.results.outcome import CellOutcome, write_outcome
+from gaeq.trainers import RunContext, trainer_for
+
 
 def small_spec(**overrides) -> dict:
     """A quick matrix: B=16, 12 steps, AdamW + warmup-cosine + clipping, both trainers."""
@@ -24,3 +29,16 @@ def small_spec(**overrides) -> dict:
         else:
             spec[key] = value
     return spec
+
+
+def run_in_process(matrix, run_dir):
+    """Train every runnable cell of a world-size-1 matrix in this process; return their outcomes."""
+    outcomes = {}
+    for cell in matrix.runnable():
+        cell_dir = run_dir / "cells" / cell.id
+        cell_dir.mkdir(parents=True)
+        ctx = RunContext(rank=0, world_size=1, device=torch.device("cpu"), cell_dir=cell_dir)
+        trainer_for(cell.trainer)(cell=cell, problem=matrix.problem, ctx=ctx)
+        outcomes[cell.id] = CellOutcome(status="done", seconds=0.0)
+        write_outcome(cell_dir, outcomes[cell.id])
+    return outcomes

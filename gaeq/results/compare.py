@@ -24,7 +24,7 @@ class Tolerance:
     """|Δ grad norm| / baseline grad norm allowed at every step."""
 
     def loss_ok(self, base: float, other: float) -> bool:
-        return abs(other - base) <= self.loss_atol + self.loss_rtol * abs(base)
+        return abs(other - base) <= self.loss_tol(base)
 
     def loss_tol(self, base: float) -> float:
         return self.loss_atol + self.loss_rtol * abs(base)
@@ -54,39 +54,47 @@ class Comparison:
     reason: str
 
 
-def compare_traces(base: Sequence[StepRecord], other: Sequence[StepRecord], tol: Tolerance) -> Comparison:
-    """Compare step by step. Raises ValueError if the traces do not cover the same steps."""
+@dataclass(frozen=True, kw_only=True)
+class StepDiff:
+    step: int
+    abs_loss: float
+    """|loss − baseline loss|"""
+    rel_grad_norm: float
+    """|grad norm − baseline grad norm| / baseline grad norm"""
+
+
+def step_diffs(base: Sequence[StepRecord], other: Sequence[StepRecord]) -> list[StepDiff]:
+    """Per-step differences. Raises ValueError if the traces do not cover the same steps."""
     if [r.step for r in base] != [r.step for r in other]:
         raise ValueError(f"trace has {len(other)} steps, baseline has {len(base)}")
+    return [
+        StepDiff(step=b.step, abs_loss=abs(o.loss - b.loss), rel_grad_norm=_rel(o.grad_norm, b.grad_norm))
+        for b, o in zip(base, other)
+    ]
+
+
+def compare_traces(base: Sequence[StepRecord], other: Sequence[StepRecord], tol: Tolerance) -> Comparison:
+    """Compare step by step. Raises ValueError if the traces do not cover the same steps."""
+    diffs = step_diffs(base, other)
     max_loss = max_grad = 0.0
     first: tuple[int, str] | None = None
-    for b, o in zip(base, other):
-        d_loss = abs(o.loss - b.loss)
-        d_grad = _rel(o.grad_norm, b.grad_norm)
-        max_loss, max_grad = _nanmax(max_loss, d_loss), _nanmax(max_grad, d_grad)
+    for b, o, d in zip(base, other, diffs):
+        max_loss, max_grad = _nanmax(max_loss, d.abs_loss), _nanmax(max_grad, d.rel_grad_norm)
         if first is None:
             if not tol.loss_ok(b.loss, o.loss):
-                first = (b.step, f"loss diverged at step {b.step}: |Δ| {d_loss:.2e} > tol {tol.loss_tol(b.loss):.1e}")
-            elif not d_grad <= tol.grad_norm_rtol:
+                first = (d.step, f"loss diverged at step {d.step}: |Δ| {d.abs_loss:.2e} > tol {tol.loss_tol(b.loss):.1e}")
+            elif not d.rel_grad_norm <= tol.grad_norm_rtol:
                 first = (
-                    b.step,
-                    f"grad norm diverged at step {b.step}: rel {d_grad:.2e} > tol {tol.grad_norm_rtol:.1e}"
+                    d.step,
+                    f"grad norm diverged at step {d.step}: rel {d.rel_grad_norm:.2e} > tol {tol.grad_norm_rtol:.1e}"
                     f" ({o.grad_norm:.4g} vs {b.grad_norm:.4g})",
                 )
-    if first is None:
-        return Comparison(
-            verdict="match",
-            max_abs_loss_diff=max_loss,
-            max_rel_grad_norm_diff=max_grad,
-            first_divergent_step=None,
-            reason="",
-        )
     return Comparison(
-        verdict="diverge",
+        verdict="match" if first is None else "diverge",
         max_abs_loss_diff=max_loss,
         max_rel_grad_norm_diff=max_grad,
-        first_divergent_step=first[0],
-        reason=first[1],
+        first_divergent_step=None if first is None else first[0],
+        reason="" if first is None else first[1],
     )
 
 

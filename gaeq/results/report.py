@@ -7,16 +7,16 @@ import math
 import os
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from rich.table import Table
 from rich.text import Text
 
 from gaeq.matrix import Cell, Matrix
-from gaeq.results.compare import compare_traces, tolerance_for
+from gaeq.results.compare import Tolerance, compare_traces, tolerance_for
 from gaeq.results.outcome import CellOutcome
-from gaeq.results.trace import read_trace
+from gaeq.results.trace import TraceStore
 
 VERDICTS = ("match", "diverge", "error", "skipped")
 EXIT_OK, EXIT_VERDICT, EXIT_BAD_INPUT, EXIT_RUN_FAILED = 0, 1, 2, 3
@@ -48,6 +48,9 @@ class CellReport:
 @dataclass(frozen=True, kw_only=True)
 class Report:
     baselines: dict[str, str]
+    """dtype group → baseline cell id."""
+    tolerances: dict[str, Tolerance]
+    """dtype group → the tolerances the cells were judged with."""
     cells: list[CellReport]
 
     @property
@@ -65,26 +68,43 @@ class Report:
             return EXIT_RUN_FAILED
         return EXIT_OK if self.ok else EXIT_VERDICT
 
+    def baseline_of(self, cell: CellReport) -> str:
+        return self.baselines[cell.dtype]
+
     def to_json(self) -> dict:
         return {
             "ok": self.ok,
             "baseline": next(iter(self.baselines.values())),
             "baselines": self.baselines,
+            "tolerances": {dtype: asdict(tol) for dtype, tol in self.tolerances.items()},
             "cells": [{k: _finite(v) for k, v in asdict(c).items()} for c in self.cells],
             "summary": self.summary,
         }
 
 
-def judge(matrix: Matrix, run_dir: Path, outcomes: Mapping[str, CellOutcome]) -> Report:
-    """Compare every cell's trace in `run_dir` with the baseline of its dtype group."""
-    overrides = {dtype: spec.model_dump() for dtype, spec in matrix.spec.tolerances.items()}
-    traces = {}
+def resolve_tolerances(matrix: Matrix, overrides: Mapping[str, float | None] | None = None) -> dict[str, Tolerance]:
+    """Per dtype group: the ladder's defaults, then the matrix's `tolerances:`, then `overrides` (all groups)."""
+    resolved = {}
+    for dtype in matrix.baselines:
+        from_yaml = matrix.spec.tolerances.get(dtype)
+        tol = tolerance_for(dtype, from_yaml.model_dump() if from_yaml else None)
+        resolved[dtype] = replace(tol, **{k: v for k, v in (overrides or {}).items() if v is not None})
+    return resolved
+
+
+def judge(
+    matrix: Matrix,
+    outcomes: Mapping[str, CellOutcome],
+    traces: TraceStore,
+    tolerances: Mapping[str, Tolerance] | None = None,
+) -> Report:
+    """Compare every cell's trace with the baseline of its dtype group."""
+    tolerances = dict(tolerances or resolve_tolerances(matrix))
     cells = []
     for cell in matrix.cells:
         base_id = matrix.baselines[cell.group]
         verdict, reason, comparison = _judge_cell(
-            cell, base_id=base_id, run_dir=run_dir, outcomes=outcomes, traces=traces,
-            tolerance=tolerance_for(cell.dtype, overrides.get(cell.dtype)),
+            cell, base_id=base_id, outcomes=outcomes, traces=traces, tolerance=tolerances[cell.group]
         )
         outcome = outcomes.get(cell.id)
         cells.append(
@@ -106,10 +126,10 @@ def judge(matrix: Matrix, run_dir: Path, outcomes: Mapping[str, CellOutcome]) ->
                 seconds=outcome.seconds if outcome else None,
             )
         )
-    return Report(baselines=dict(matrix.baselines), cells=cells)
+    return Report(baselines=dict(matrix.baselines), tolerances=tolerances, cells=cells)
 
 
-def _judge_cell(cell: Cell, *, base_id, run_dir, outcomes, traces, tolerance):
+def _judge_cell(cell: Cell, *, base_id: str, outcomes, traces: TraceStore, tolerance: Tolerance):
     if cell.skip_reason:
         return "skipped", cell.skip_reason, None
     outcome = outcomes.get(cell.id)
@@ -121,28 +141,21 @@ def _judge_cell(cell: Cell, *, base_id, run_dir, outcomes, traces, tolerance):
     if base_outcome is None or base_outcome.status != "done":
         return "error", f"baseline {base_id} did not finish: nothing to compare with", None
     try:
-        base = _trace(traces, run_dir, base_id)
-        comparison = compare_traces(base, _trace(traces, run_dir, cell.id), tolerance)
+        comparison = compare_traces(traces.get(base_id), traces.get(cell.id), tolerance)
     except (OSError, ValueError, TypeError) as exc:
         return "error", f"unreadable or incomplete trace: {exc}", None
     reason = "baseline" if cell.id == base_id else comparison.reason
     return comparison.verdict, reason, comparison
 
 
-def _trace(cache: dict, run_dir: Path, cell_id: str):
-    if cell_id not in cache:
-        cache[cell_id] = read_trace(run_dir / "cells" / cell_id)
-    return cache[cell_id]
-
-
 def _finite(value):
     return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
-def write_report(run_dir: Path, report: Report) -> None:
-    """report.json and report.md, each written atomically."""
+def write_report(run_dir: Path, report: Report, *, figure: str | None = None) -> None:
+    """report.json and report.md (linking `figure`, a file in run_dir), each written atomically."""
     _atomic_write(run_dir / "report.json", json.dumps(report.to_json(), indent=2) + "\n")
-    _atomic_write(run_dir / "report.md", render_markdown(report))
+    _atomic_write(run_dir / "report.md", render_markdown(report, figure=figure))
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -190,7 +203,7 @@ def verdict_table(report: Report) -> Table:
     return table
 
 
-def render_markdown(report: Report) -> str:
+def render_markdown(report: Report, *, figure: str | None = None) -> str:
     s = report.summary
     lines = [
         "# gaeq report",
@@ -200,7 +213,14 @@ def render_markdown(report: Report) -> str:
         + f"; baseline{'s' if len(report.baselines) > 1 else ''}: "
         + ", ".join(f"`{b}` ({d})" for d, b in report.baselines.items()),
         "",
-        "| " + " | ".join(_COLUMNS + ("ok",)) + " |",
+        *([f"![loss of every cell, and |Δloss| vs baseline]({figure})", ""] if figure else []),
+        "Tolerances: "
+        + "; ".join(
+            f"{d}: loss {t.loss_atol:g} abs + {t.loss_rtol:g} rel, grad norm {t.grad_norm_rtol:g} rel"
+            for d, t in report.tolerances.items()
+        ),
+        "",
+        "| " + " | ".join(name.replace("|", "\\|") for name in _COLUMNS + ("ok",)) + " |",
         "|" + "---|" * (len(_COLUMNS) + 1),
     ]
     for c in report.cells:

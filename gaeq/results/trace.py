@@ -15,6 +15,11 @@ from typing import IO
 TRACE_FILE = "trace.jsonl"
 
 
+def cell_dir(run_dir: str | Path, cell_id: str) -> Path:
+    """Where everything of one cell lives in a run directory."""
+    return Path(run_dir) / "cells" / cell_id
+
+
 @dataclass(frozen=True, kw_only=True)
 class StepRecord:
     step: int
@@ -31,8 +36,8 @@ class StepRecord:
 
 
 class TraceWriter:
-    def __init__(self, cell_dir: Path) -> None:
-        self.path = Path(cell_dir) / TRACE_FILE
+    def __init__(self, directory: Path) -> None:
+        self.path = Path(directory) / TRACE_FILE
         self._partial = self.path.with_name(TRACE_FILE + ".partial")
         self._file: IO[str] | None = self._partial.open("w")
 
@@ -51,7 +56,28 @@ class TraceWriter:
         os.replace(self._partial, self.path)
 
 
-def read_trace(cell_dir: Path) -> list[StepRecord]:
-    path = Path(cell_dir) / TRACE_FILE
+def read_trace(directory: Path) -> list[StepRecord]:
+    path = Path(directory) / TRACE_FILE
     with path.open() as f:
         return [StepRecord(**json.loads(line)) for line in f if line.strip()]
+
+
+class TraceStore:
+    """The traces of a run directory, each read once and shared by the judge, TensorBoard and the figure."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = Path(run_dir)
+        self._cache: dict[str, list[StepRecord]] = {}
+
+    def get(self, cell_id: str) -> list[StepRecord]:
+        """Raises OSError (missing) or ValueError/TypeError (malformed) for a trace that cannot be used."""
+        if cell_id not in self._cache:
+            self._cache[cell_id] = read_trace(cell_dir(self.run_dir, cell_id))
+        return self._cache[cell_id]
+
+    def usable(self, cell_id: str) -> list[StepRecord] | None:
+        """The trace, or None where there is none to show (an error or skipped cell)."""
+        try:
+            return self.get(cell_id)
+        except (OSError, ValueError, TypeError):
+            return None

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from gaeq.matrix import Cell, ProblemSpec
 from gaeq.results.outcome import CellOutcome, write_outcome
+from gaeq.results.trace import cell_dir
 from gaeq.runtime import worker
 from gaeq.runtime.dist import free_port
 
@@ -95,7 +96,7 @@ class _GroupRun:
 
     def finish(self, cell: Cell, outcome: CellOutcome) -> None:
         self.outcomes[cell.id] = outcome
-        write_outcome(worker.cell_dir(self.run_dir, cell.id), outcome)
+        write_outcome(cell_dir(self.run_dir, cell.id), outcome)
         self.on_event(Event(kind="end", world_size=self.world_size, cell_id=cell.id, outcome=outcome))
 
     def handle(self, msg: tuple) -> bool:
@@ -129,7 +130,7 @@ class _GroupRun:
         ranks = range(self.world_size) if rank is None else [rank]
         for cell in victims:
             logs = [
-                worker.cell_dir(self.run_dir, cell.id) / f"rank{r}.log" if started else worker.group_log(self.run_dir, self.world_size, r)
+                cell_dir(self.run_dir, cell.id) / f"rank{r}.log" if started else worker.group_log(self.run_dir, self.world_size, r)
                 for r in ranks
             ]
             tails = "\n".join(t for t in map(_tail, logs) if t)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from gaeq.matrix import Cell, ProblemSpec
+from gaeq.results.trace import cell_dir
 
 # Messages to the parent (tuples of plain data):
 #   ("ready", rank)                       joined the process group
@@ -41,10 +42,6 @@ class GroupJob:
     problem: ProblemSpec
     run_dir: str
     init_timeout_s: float
-
-
-def cell_dir(run_dir: str | Path, cell_id: str) -> Path:
-    return Path(run_dir) / "cells" / cell_id
 
 
 def group_log(run_dir: str | Path, world_size: int, rank: int) -> Path:

@@ -92,6 +92,10 @@ def test_both_trainers_all_zero_stages_match_and_controls_diverge(write_matrix, 
     assert (tmp_path / "run" / "cells" / "deepspeed-z3-w2-mb2-ga4" / "rank1.log").exists()
     assert "DeepSpeed" not in proc.stdout
     assert "gaeq verdicts" in proc.stdout and "OK: 21 match, 2 diverge" in proc.stdout
+    # Artefacts for looking at the runs: one TensorBoard run per cell, the overlay figure.
+    assert f"tensorboard --logdir {tmp_path / 'run' / 'tb'}" in proc.stdout
+    assert sorted(p.name for p in (tmp_path / "run" / "tb").iterdir()) == sorted(cells)
+    assert (tmp_path / "run" / "overlay.png").stat().st_size > 30_000
     assert leftover_processes(tag) == []
 
 

@@ -9,25 +9,12 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from gaeq.matrix import load_matrix
 from gaeq.results.outcome import CellOutcome
 from gaeq.results.report import judge, write_report
-from gaeq.results.trace import read_trace
-from gaeq.trainers import RunContext, trainer_for
-from tests.helpers import small_spec
-
-
-def run_in_process(matrix, run_dir):
-    outcomes = {}
-    for cell in matrix.runnable():
-        cell_dir = run_dir / "cells" / cell.id
-        cell_dir.mkdir(parents=True)
-        ctx = RunContext(rank=0, world_size=1, device=torch.device("cpu"), cell_dir=cell_dir)
-        trainer_for(cell.trainer)(cell=cell, problem=matrix.problem, ctx=ctx)
-        outcomes[cell.id] = CellOutcome(status="done", seconds=0.0)
-    return outcomes
+from gaeq.results.trace import TraceStore, read_trace
+from tests.helpers import run_in_process, small_spec
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
@@ -38,7 +25,7 @@ def test_accumulation_matches_full_batch_and_the_control_diverges(write_matrix, 
     )
     spec["problem"]["optimizer"] = {"name": optimizer, "lr": 0.05 if optimizer == "sgd" else 3e-3}
     matrix = load_matrix(write_matrix(spec))
-    report = judge(matrix, tmp_path, run_in_process(matrix, tmp_path))
+    report = judge(matrix, run_in_process(matrix, tmp_path), TraceStore(tmp_path))
     by_id = {c.id: c for c in report.cells}
 
     for cell_id in ("torch-w1-mb1-ga16", "torch-w1-mb4-ga4", "torch-w1-mb8-ga2"):
@@ -60,7 +47,7 @@ def test_sgd_control_is_caught_on_the_loss_when_grad_norm_is_not_compared(write_
     spec["problem"]["optimizer"] = {"name": "sgd", "lr": 0.05}
     spec["tolerances"] = {"fp32": {"grad_norm_rtol": 1e9}}  # blind the grad-norm check
     matrix = load_matrix(write_matrix(spec))
-    report = judge(matrix, tmp_path, run_in_process(matrix, tmp_path))
+    report = judge(matrix, run_in_process(matrix, tmp_path), TraceStore(tmp_path))
     control = report.cells[-1]
     assert control.verdict == "diverge"
     assert control.first_divergent_step == 1  # step 0's loss is computed before any update
@@ -75,7 +62,7 @@ def test_report_json_schema_and_exit_codes(write_matrix, tmp_path):
     )
     matrix = load_matrix(write_matrix(spec))
     outcomes = run_in_process(matrix, tmp_path)
-    report = judge(matrix, tmp_path, outcomes)
+    report = judge(matrix, outcomes, TraceStore(tmp_path))
     write_report(tmp_path, report)
     data = json.loads((tmp_path / "report.json").read_text())
     assert data["baseline"] == "torch-w1-mb16-ga1"
@@ -90,9 +77,9 @@ def test_report_json_schema_and_exit_codes(write_matrix, tmp_path):
 
     broken = dict(outcomes)
     broken["torch-w1-mb4-ga4"] = CellOutcome(status="error", seconds=1.0, reason="rank 0 exited with code 17")
-    assert judge(matrix, tmp_path, broken).exit_code == 3
+    assert judge(matrix, broken, TraceStore(tmp_path)).exit_code == 3
     no_baseline = {k: v for k, v in outcomes.items() if k != "torch-w1-mb16-ga1"}
-    assert all(c.verdict == "error" for c in judge(matrix, tmp_path, no_baseline).cells if c.verdict != "skipped")
+    assert all(c.verdict == "error" for c in judge(matrix, no_baseline, TraceStore(tmp_path)).cells if c.verdict != "skipped")
 
 
 def test_trace_records_global_mean_loss_in_float64(write_matrix, tmp_path):

@@ -1,0 +1,65 @@
+"""The overlay figure: every cell's loss on one axis, |Δloss| vs baseline on a log axis below.
+
+Headless: a bare matplotlib Figure (no pyplot, no display backend, no global state).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from gaeq.results.compare import step_diffs
+from gaeq.results.report import Report
+from gaeq.results.trace import TraceStore
+
+OVERLAY_FILE = "overlay.png"
+DIVERGENCE = ":first-divergence"
+"""Suffix of the gid of a first-divergence marker (curves carry the bare cell id)."""
+
+
+def plot_overlay(path: Path, report: Report, traces: TraceStore):
+    """Draw and save the figure; returns the matplotlib Figure (for tests and notebooks)."""
+    from matplotlib.figure import Figure
+
+    drawn = [(c, t) for c in report.cells if (t := traces.usable(c.id)) is not None]
+    fig = Figure(figsize=(13, 8.5), layout="constrained")
+    ax_loss, ax_diff = fig.subplots(2, 1, sharex=True, height_ratios=[3, 2])
+    palette = _colors(len(drawn))
+    for (cell, trace), color in zip(drawn, palette):
+        steps = [r.step for r in trace]
+        baseline = cell.id == report.baseline_of(cell)
+        # The baseline is drawn wide and underneath: matching cells run along it in colour.
+        style = {"color": "black", "lw": 3.5, "zorder": 1} if baseline else {"color": color, "lw": 1.0, "zorder": 2}
+        ls = "--" if cell.expect == "diverge" else "-"
+        ax_loss.plot(steps, [r.loss for r in trace], ls=ls, label=cell.id, gid=cell.id, **style)
+        base = traces.usable(report.baseline_of(cell))
+        if not baseline and base is not None and len(base) == len(trace):
+            diffs = [d.abs_loss if d.abs_loss > 0 else math.nan for d in step_diffs(base, trace)]
+            ax_diff.plot(steps, diffs, ls=ls, gid=cell.id, **style)
+        if cell.first_divergent_step is not None:
+            s = cell.first_divergent_step
+            ax_loss.plot([s], [trace[s].loss], marker="X", ms=9, color=color, mec="black", ls="", gid=cell.id + DIVERGENCE)
+            ax_diff.axvline(s, color=color, lw=0.8, ls=":", gid=cell.id + DIVERGENCE)
+    for dtype, tol in report.tolerances.items():
+        ax_diff.axhline(tol.loss_atol, color="grey", lw=1, ls="-.", label=f"{dtype} loss_atol {tol.loss_atol:g}")
+    ax_loss.set_ylabel("loss (global-batch mean)")
+    ax_loss.set_title(
+        f"{len(drawn)} cells overlaid — wide black: baseline, dashed: expected to diverge, X: first divergence",
+        fontsize=10,
+    )
+    ax_diff.set_yscale("log")
+    ax_diff.set_ylabel("|Δloss| vs baseline (exact zeros not drawn)")
+    ax_diff.set_xlabel("optimizer step")
+    ax_diff.legend(loc="upper left", fontsize=8)
+    ax_loss.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, ncol=1 + len(drawn) // 28, frameon=False)
+    for ax in (ax_loss, ax_diff):
+        ax.grid(True, alpha=0.3)
+    fig.savefig(path, dpi=100)
+    return fig
+
+
+def _colors(n: int) -> list:
+    from matplotlib import colormaps
+
+    cmap = colormaps["turbo"]
+    return [cmap(0.05 + 0.9 * i / max(1, n - 1)) for i in range(n)]

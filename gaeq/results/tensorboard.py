@@ -1,0 +1,100 @@
+"""TensorBoard event files: one run per cell under ``RUN_DIR/tb/<cell id>/``.
+
+Every run carries the same tags, so the Scalars dashboard overlays all cells on one chart per tag;
+a custom-scalars layout ("equivalence") puts the loss of every cell and the differences from the
+baseline on multiline charts; each run's hparams (trainer, world, micro, GA, ZeRO stage, dtype,
+verdict) let the HParams dashboard filter by configuration.
+
+Event files are written once per cell, after judging, from the cell's trace — so their values are
+the trace's (as float32), and `gaeq report` rewrites them with the new verdicts. hparams are written
+into the cell's own run: `SummaryWriter.add_hparams` would create an extra, timestamped run
+directory per call.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from gaeq.results.compare import step_diffs
+from gaeq.results.report import Report
+from gaeq.results.trace import TraceStore
+
+TB_DIR = "tb"
+
+LOSS = "train/loss"
+GRAD_NORM = "train/grad_norm"
+LR = "train/lr"
+ABS_LOSS_DIFF = "vs_baseline/abs_loss_diff"
+REL_GRAD_NORM_DIFF = "vs_baseline/rel_grad_norm_diff"
+MAX_ABS_LOSS_DIFF = "summary/max_abs_loss_diff"
+MAX_REL_GRAD_NORM_DIFF = "summary/max_rel_grad_norm_diff"
+
+LAYOUT = {
+    "equivalence": {
+        "loss — every cell": ["Multiline", [f"^{LOSS}$"]],
+        "|Δloss| vs baseline": ["Multiline", [f"^{ABS_LOSS_DIFF}$"]],
+        "rel Δ grad norm vs baseline": ["Multiline", [f"^{REL_GRAD_NORM_DIFF}$"]],
+        "grad norm (before clipping) — every cell": ["Multiline", [f"^{GRAD_NORM}$"]],
+    }
+}
+
+# hparams whose values are names: their domains are listed so the dashboard can filter on them.
+_DISCRETE = ("trainer", "zero_stage", "dtype", "expect", "verdict", "bug")
+
+
+def write_tensorboard(run_dir: Path, report: Report, traces: TraceStore) -> Path:
+    """(Re)write ``RUN_DIR/tb``; returns it. Cells without a usable trace get no run."""
+    from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when writing
+
+    tb = Path(run_dir) / TB_DIR
+    shutil.rmtree(tb, ignore_errors=True)
+    params = {c.id: _hparams(c) for c in report.cells}
+    domains = {k: sorted({str(p[k]) for p in params.values()}) for k in _DISCRETE}
+    for cell in report.cells:
+        trace = traces.usable(cell.id)
+        if trace is None:
+            continue
+        base = traces.usable(report.baseline_of(cell))
+        writer = SummaryWriter(log_dir=str(tb / cell.id))
+        try:
+            for r in trace:
+                writer.add_scalar(LOSS, r.loss, r.step)
+                writer.add_scalar(GRAD_NORM, r.grad_norm, r.step)
+                writer.add_scalar(LR, r.lr, r.step)
+            if base is not None and [r.step for r in base] == [r.step for r in trace]:
+                for d in step_diffs(base, trace):
+                    writer.add_scalar(ABS_LOSS_DIFF, d.abs_loss, d.step)
+                    writer.add_scalar(REL_GRAD_NORM_DIFF, d.rel_grad_norm, d.step)
+            writer.add_custom_scalars(LAYOUT)
+            _add_hparams(writer, params[cell.id], domains, cell)
+        finally:
+            writer.close()  # flushes: a reader sees complete files
+    return tb
+
+
+def _hparams(cell) -> dict[str, object]:
+    return {
+        "trainer": cell.trainer,
+        "world_size": cell.world_size,
+        "micro_batch_size": cell.micro_batch_size,
+        "grad_accum_steps": cell.grad_accum_steps or 0,
+        "zero_stage": "none" if cell.zero_stage is None else str(cell.zero_stage),
+        "dtype": cell.dtype,
+        "expect": cell.expect,
+        "verdict": cell.verdict,
+        "bug": cell.bug or "none",
+    }
+
+
+def _add_hparams(writer, params: dict, domains: dict, cell) -> None:
+    from torch.utils.tensorboard.summary import hparams
+
+    metrics = {
+        MAX_ABS_LOSS_DIFF: cell.max_abs_loss_diff if cell.max_abs_loss_diff is not None else float("nan"),
+        MAX_REL_GRAD_NORM_DIFF: cell.max_rel_grad_norm_diff if cell.max_rel_grad_norm_diff is not None else float("nan"),
+    }
+    for summary in hparams(params, metrics, hparam_domain_discrete=domains):
+        writer.file_writer.add_summary(summary)
+    for tag, value in metrics.items():  # the HParams dashboard reads metrics from the run's scalars
+        writer.add_scalar(tag, value, 0)

@@ -1,0 +1,83 @@
+"""A real TensorBoard server on 127.0.0.1 shows every cell as a run — what a user's browser sees."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from gaeq.cli import app
+from gaeq.matrix import load_matrix
+from gaeq.runtime.dist import free_port
+from tests.helpers import run_in_process, small_spec
+
+pytestmark = pytest.mark.integration
+
+
+def fetch(url: str, body: dict | None = None):
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return json.loads(response.read())
+
+
+def test_tensorboard_server_lists_every_cell_with_the_loss_tag(tmp_path):
+    spec = small_spec(
+        axes={"trainer": ["torch"], "world_size": [1], "micro_batch_size": [1, 2, 4, 8]},
+        cells=[{"trainer": "torch", "micro_batch_size": 2, "bug": "no_loss_division"}],
+    )
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "matrix.yaml").write_text(yaml.safe_dump(spec))
+    matrix = load_matrix(run_dir / "matrix.yaml")
+    run_in_process(matrix, run_dir)
+    assert CliRunner().invoke(app, ["report", str(run_dir)]).exit_code == 0
+    cells = [c.id for c in matrix.cells]
+    assert len(cells) == 6
+
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "tensorboard.main", "--logdir", str(run_dir / "tb"), "--host", "127.0.0.1",
+         "--port", str(port), "--load_fast", "false", "--reload_interval", "1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        runs: list[str] = []
+        while sorted(runs) != sorted(cells):
+            assert server.poll() is None, server.stderr.read()
+            assert time.monotonic() < deadline, f"TensorBoard shows {runs}, expected {cells}"
+            time.sleep(0.5)
+            try:
+                runs = fetch(f"{base}/data/runs")
+            except OSError:
+                continue
+        tags = fetch(f"{base}/data/plugin/scalars/tags")
+        assert set(tags) == set(cells)
+        assert all("train/loss" in tags[c] and "vs_baseline/abs_loss_diff" in tags[c] for c in cells)
+        points = fetch(f"{base}/data/plugin/scalars/scalars?run=torch-w1-mb2-ga8&tag=train/loss")
+        assert [p[1] for p in points] == list(range(12))
+
+        layout = fetch(f"{base}/data/plugin/custom_scalars/layout")
+        assert [c["title"] for c in layout["category"]] == ["equivalence"]
+
+        experiment = fetch(f"{base}/data/plugin/hparams/experiment", {"experimentName": ""})
+        domains = {h["name"]: h.get("domainDiscrete") for h in experiment["hparamInfos"]}
+        assert domains["verdict"] == ["diverge", "match"] and domains["trainer"] == ["torch"]
+        sessions = fetch(
+            f"{base}/data/plugin/hparams/session_groups",
+            {"experimentName": "", "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_FAILURE", "STATUS_RUNNING"], "colParams": [], "startIndex": 0, "sliceSize": 100},
+        )
+        assert sessions["totalSize"] == len(cells)  # one session per cell, no extra hparams runs
+    finally:
+        server.terminate()
+        server.wait(timeout=30)

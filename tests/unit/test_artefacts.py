@@ -1,0 +1,152 @@
+"""Report artefacts: TensorBoard event files, the overlay figure, and `gaeq report` re-judging."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.custom_scalar import layout_pb2
+from typer.testing import CliRunner
+
+from gaeq.cli import app
+from gaeq.matrix import load_matrix
+from gaeq.results import tensorboard as tbmod
+from gaeq.results.overlay import DIVERGENCE, plot_overlay
+from gaeq.results.report import judge
+from gaeq.results.trace import TraceStore, read_trace
+from tests.helpers import run_in_process, small_spec
+
+CELLS = ["torch-w1-mb16-ga1", "torch-w1-mb2-ga8", "torch-w1-mb8-ga2", "torch-w1-mb4-ga4-bug_no_loss_division"]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A small finished run directory (trained in-process), as `gaeq run` leaves it before judging."""
+    run_dir = tmp_path_factory.mktemp("run")
+    spec = small_spec(
+        axes={"trainer": ["torch"], "world_size": [1, 3], "micro_batch_size": [2, 8]},
+        on_indivisible="skip",
+        cells=[{"trainer": "torch", "micro_batch_size": 4, "bug": "no_loss_division"}],
+    )
+    import yaml
+
+    (run_dir / "matrix.yaml").write_text(yaml.safe_dump(spec))
+    matrix = load_matrix(run_dir / "matrix.yaml")
+    outcomes = run_in_process(matrix, run_dir)
+    return matrix, run_dir, outcomes
+
+
+@pytest.fixture
+def judged(finished_run, tmp_path):
+    matrix, source, outcomes = finished_run
+    run_dir = tmp_path / "run"
+    shutil.copytree(source, run_dir)
+    traces = TraceStore(run_dir)
+    return matrix, run_dir, judge(matrix, outcomes, traces), traces
+
+
+def accumulate(path) -> EventAccumulator:
+    acc = EventAccumulator(str(path), size_guidance={"scalars": 0, "tensors": 0})  # 0 = keep everything
+    acc.Reload()
+    return acc
+
+
+def test_every_cell_is_one_run_with_identical_tags_and_the_trace_values(judged):
+    matrix, run_dir, report, traces = judged
+    tb = tbmod.write_tensorboard(run_dir, report, traces)
+    # One run directory per cell with a trace (the skipped cell has none), one event file each:
+    # no extra run directory from hparams.
+    assert sorted(p.name for p in tb.iterdir()) == sorted(CELLS)
+    assert all(len(list((tb / c).iterdir())) == 1 for c in CELLS)
+
+    expected_tags = {tbmod.LOSS, tbmod.GRAD_NORM, tbmod.LR, tbmod.ABS_LOSS_DIFF, tbmod.REL_GRAD_NORM_DIFF,
+                     tbmod.MAX_ABS_LOSS_DIFF, tbmod.MAX_REL_GRAD_NORM_DIFF}
+    baseline = read_trace(run_dir / "cells" / CELLS[0])
+    for cell_id in CELLS:
+        acc = accumulate(tb / cell_id)
+        assert set(acc.Tags()["scalars"]) == expected_tags
+        trace = read_trace(run_dir / "cells" / cell_id)
+        for tag, field in ((tbmod.LOSS, "loss"), (tbmod.GRAD_NORM, "grad_norm"), (tbmod.LR, "lr")):
+            events = acc.Scalars(tag)
+            assert [e.step for e in events] == list(range(12))
+            np.testing.assert_array_equal(
+                np.array([e.value for e in events], dtype=np.float32),
+                np.array([getattr(r, field) for r in trace], dtype=np.float32),
+            )
+        diffs = [e.value for e in acc.Scalars(tbmod.ABS_LOSS_DIFF)]
+        np.testing.assert_array_equal(
+            np.array(diffs, dtype=np.float32),
+            np.array([abs(r.loss - b.loss) for r, b in zip(trace, baseline)], dtype=np.float32),
+        )
+        # custom-scalars layout and hparams live in the cell's own run
+        layout = layout_pb2.Layout()
+        layout.ParseFromString(acc.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
+        assert [c.title for c in layout.category] == ["equivalence"]
+        charts = {ch.title: list(ch.multiline.tag) for ch in layout.category[0].chart}
+        assert charts["loss — every cell"] == [f"^{tbmod.LOSS}$"]
+        assert charts["|Δloss| vs baseline"] == [f"^{tbmod.ABS_LOSS_DIFF}$"]
+        hparams = acc.PluginTagToContent("hparams")
+        assert {"_hparams_/experiment", "_hparams_/session_start_info", "_hparams_/session_end_info"} <= set(hparams)
+        cell = next(c for c in report.cells if c.id == cell_id)
+        session = hparams["_hparams_/session_start_info"]
+        assert cell.verdict.encode() in session and b"grad_accum_steps" in session
+
+    control = accumulate(tb / CELLS[3]).Scalars(tbmod.REL_GRAD_NORM_DIFF)
+    assert control[0].value == pytest.approx(3.0)  # GA 4: the gradient is 4× the mean
+
+    # Rewriting replaces, never appends.
+    tbmod.write_tensorboard(run_dir, report, traces)
+    assert len(accumulate(tb / CELLS[1]).Scalars(tbmod.LOSS)) == 12
+
+
+def test_overlay_figure_has_one_curve_per_cell_and_marks_divergence(judged):
+    matrix, run_dir, report, traces = judged
+    path = run_dir / "overlay.png"
+    fig = plot_overlay(path, report, traces)
+    ax_loss, ax_diff = fig.axes[:2]
+    curves = [line.get_gid() for line in ax_loss.lines if not line.get_gid().endswith(DIVERGENCE)]
+    assert sorted(curves) == sorted(CELLS)
+    assert [line.get_gid() for line in ax_loss.lines if line.get_gid().endswith(DIVERGENCE)] == [CELLS[3] + DIVERGENCE]
+    assert ax_diff.get_yscale() == "log"
+    assert sorted(line.get_gid() for line in ax_diff.lines if line.get_gid() in CELLS) == sorted(CELLS[1:])
+    from matplotlib.image import imread
+
+    pixels = imread(path)
+    assert path.stat().st_size > 30_000 and pixels.shape[0] > 500 and pixels.shape[1] > 800
+    assert len(np.unique(pixels.reshape(-1, pixels.shape[-1]), axis=0)) > 50  # not a blank canvas
+
+
+def test_report_command_rejudges_with_other_tolerances(finished_run, tmp_path):
+    _, source, _ = finished_run
+    run_dir = tmp_path / "run"
+    shutil.copytree(source, run_dir)
+    runner = CliRunner()
+
+    result = runner.invoke(app, ["report", str(run_dir)])
+    assert result.exit_code == 0, result.output
+    first = json.loads((run_dir / "report.json").read_text())
+    assert first["ok"] and first["summary"] == {"match": 3, "diverge": 1, "error": 0, "skipped": 2}
+    assert "![" in (run_dir / "report.md").read_text() and (run_dir / "overlay.png").exists()
+
+    # Tolerances tighter than float summation noise: the accumulated cells now "diverge".
+    result = runner.invoke(app, ["report", str(run_dir), "--atol", "0", "--rtol", "0", "--grad-rtol", "0"])
+    assert result.exit_code == 1, result.output
+    tight = json.loads((run_dir / "report.json").read_text())
+    assert tight["tolerances"]["fp32"] == {"loss_atol": 0.0, "loss_rtol": 0.0, "grad_norm_rtol": 0.0}
+    verdicts = {c["id"]: c["verdict"] for c in tight["cells"]}
+    assert verdicts["torch-w1-mb2-ga8"] == "diverge" and verdicts["torch-w1-mb16-ga1"] == "match"
+    hparams = accumulate(run_dir / "tb" / "torch-w1-mb2-ga8").PluginTagToContent("hparams")
+    assert b"diverge" in hparams["_hparams_/session_start_info"]
+
+    # A cell that never finished is an error on re-judging: exit 3.
+    (run_dir / "cells" / "torch-w1-mb8-ga2" / "outcome.json").unlink()
+    assert runner.invoke(app, ["report", str(run_dir)]).exit_code == 3
+
+
+def test_report_command_on_a_non_run_directory_is_bad_input(tmp_path):
+    result = CliRunner().invoke(app, ["report", str(tmp_path)])
+    assert result.exit_code == 2
+    assert "is not a gaeq run directory" in result.output
