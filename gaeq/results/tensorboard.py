@@ -49,12 +49,10 @@ def write_tensorboard(run_dir: Path, report: Report, traces: TraceStore) -> Path
 
     tb = Path(run_dir) / TB_DIR
     shutil.rmtree(tb, ignore_errors=True)
-    params = {c.id: _hparams(c) for c in report.cells}
+    shown = [(c, t) for c in report.cells if (t := traces.usable(c.id)) is not None]
+    params = {c.id: _hparams(c) for c, _ in shown}
     domains = {k: sorted({str(p[k]) for p in params.values()}) for k in _DISCRETE}
-    for cell in report.cells:
-        trace = traces.usable(cell.id)
-        if trace is None:
-            continue
+    for cell, trace in shown:
         base = traces.usable(report.baseline_of(cell))
         writer = SummaryWriter(log_dir=str(tb / cell.id))
         try:
