@@ -28,5 +28,33 @@ BUGS: dict[str, PlantedBug] = {
                 "so the accumulated gradient is GA times the global-batch mean gradient"
             ),
         ),
+        PlantedBug(
+            name="mean_of_means",
+            trainers=("torch", "deepspeed"),
+            description=(
+                "each micro-batch is normalised by its own element count, then ÷ GA: the mean of "
+                "micro-batch means, not the global mean — tokens of short micro-batches weigh more"
+            ),
+        ),
+        PlantedBug(
+            name="clip_every_micro_step",
+            trainers=("torch",),
+            description="gradients are clipped after every micro-step's backward, i.e. partial sums are clipped",
+        ),
+        PlantedBug(
+            name="scheduler_every_micro_step",
+            trainers=("torch",),
+            description="the LR scheduler is stepped every micro-step: the schedule runs GA× too fast",
+        ),
+        PlantedBug(
+            name="deepspeed_default_clipping",
+            trainers=("deepspeed",),
+            description="gradient_clipping is left out of the DeepSpeed config: 0.19 clips at 1.0 by default",
+        ),
+        PlantedBug(
+            name="grad_accum_bf16",
+            trainers=("deepspeed",),
+            description="ds_bf16 gradients accumulated in bf16 (data_types.grad_accum_dtype) instead of fp32",
+        ),
     )
 }

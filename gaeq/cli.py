@@ -37,9 +37,19 @@ console = Console(width=None if sys.stdout.isatty() else 200)
 err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
 
 
-def _load(path: Path) -> Matrix:
+def _load(path: Path, *, check: bool = True) -> Matrix:
+    """A validated matrix whose problems (plugins included) build and run a forward pass — or exit 2."""
     try:
-        return load_matrix(path)
+        matrix = load_matrix(path)
+        if check:
+            from gaeq.problem.build import check_problem
+
+            for name, problem in matrix.problems.items():
+                try:
+                    check_problem(problem, search=matrix.plugin_dirs)
+                except ValueError as exc:  # PluginError, or a built-in's own size checks
+                    raise MatrixError(f"{path}: problem {name!r}: {exc}") from None
+        return matrix
     except MatrixError as exc:
         err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         raise typer.Exit(EXIT_BAD_INPUT) from None
@@ -124,7 +134,14 @@ def run(
                     progress.console.print(f"[bold red]error[/] {event.cell_id}: {escape(event.outcome.reason.splitlines()[0])}", highlight=False)
 
         try:
-            outcomes = run_cells(cells=cells, problem=m.problem, run_dir=run_dir, timeout_s=m.spec.timeout_s, on_event=on_event)
+            outcomes = run_cells(
+                cells=cells,
+                problems=m.problems,
+                search=m.plugin_dirs,
+                run_dir=run_dir,
+                timeout_s=m.spec.timeout_s,
+                on_event=on_event,
+            )
         except KeyboardInterrupt:
             err_console.print("[bold red]interrupted[/]: every rank was stopped; no report written")
             raise typer.Exit(130) from None
@@ -145,7 +162,7 @@ def report(
     if not (run_dir / "matrix.yaml").is_file():
         err_console.print(f"[bold red]error:[/] {escape(str(run_dir))} is not a gaeq run directory (no matrix.yaml)", highlight=False)
         raise typer.Exit(EXIT_BAD_INPUT)
-    m = _load(run_dir / "matrix.yaml")
+    m = _load(run_dir / "matrix.yaml", check=False)
     outcomes = {c.id: o for c in m.cells if (o := read_outcome(cell_dir(run_dir, c.id))) is not None}
     overrides = {"loss_atol": atol, "loss_rtol": rtol, "grad_norm_rtol": grad_rtol}
     raise typer.Exit(_judge_and_report(m, run_dir, outcomes, overrides=overrides))

@@ -13,85 +13,25 @@ import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError
 
 from gaeq.bugs import BUGS
+from gaeq.problem.spec import Dtype, PositiveInt, ProblemSpec
+from gaeq.problem.spec import Spec as _Spec
 
 Trainer = Literal["torch", "deepspeed"]
-Dtype = Literal["fp32", "bf16"]
 Expect = Literal["match", "diverge"]
 ZeroStage = Literal[0, 1, 2, 3]
-PositiveInt = Annotated[int, Field(gt=0)]
+VariantName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_]+$")]
+BASE = "base"
+"""The variant name of the matrix's own `problem`."""
 
 
 class MatrixError(ValueError):
     """A matrix file a user can fix. The message says what to change."""
-
-
-class _Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-# ---------------------------------------------------------------------------------------------
-# The problem: WHAT is trained. Identical for every cell of the matrix.
-# ---------------------------------------------------------------------------------------------
-
-
-class ModelSpec(_Spec):
-    kind: Literal["mlp"] = "mlp"
-    in_features: PositiveInt = 16
-    hidden: PositiveInt = 64
-    out_features: PositiveInt = 4
-    depth: PositiveInt = Field(2, description="Hidden layers. Small enough that a step is dominated by accumulation logic.")
-
-
-class DataSpec(_Spec):
-    kind: Literal["regression"] = "regression"
-    noise: float = Field(0.1, ge=0, description="Std of the label noise; > 0 keeps the loss away from 0.")
-    num_samples: PositiveInt | None = Field(
-        None,
-        description="Finite dataset size: global positions walk a seeded permutation per epoch. "
-        "None: an endless stream, sample i at position i.",
-    )
-
-
-class OptimizerSpec(_Spec):
-    name: Literal["adamw", "sgd"] = "adamw"
-    lr: float = Field(1e-3, gt=0, description="Peak learning rate (after warmup).")
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW only.")
-    eps: float = Field(1e-8, gt=0, description="AdamW only. Makes Adam *almost* scale-invariant.")
-    momentum: float = Field(0.0, ge=0, description="SGD only.")
-
-
-class ScheduleSpec(_Spec):
-    name: Literal["constant", "warmup_cosine"] = "warmup_cosine"
-    warmup_steps: int = Field(0, ge=0, description="Linear warmup, in optimizer steps (never micro-steps).")
-    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Cosine floor as a fraction of the peak lr.")
-
-
-class ProblemSpec(_Spec):
-    model: ModelSpec = ModelSpec()
-    data: DataSpec = DataSpec()
-    loss: Literal["mse"] = Field("mse", description="Normalised over the global batch (sample count).")
-    optimizer: OptimizerSpec = OptimizerSpec()
-    schedule: ScheduleSpec = ScheduleSpec()
-    gradient_clipping: float = Field(
-        0.0, ge=0, description="Max global grad norm at the boundary; 0 disables. Set explicitly on both trainers."
-    )
-    steps: PositiveInt = Field(50, description="Optimizer steps (not micro-steps).")
-    seed: int = Field(0, ge=0, description="Seeds the model init and every sample (sample = f(seed, index)).")
-    dtype: Dtype = Field("fp32", description="Compute dtype when the axes do not list dtypes.")
-    train_batch_size: PositiveInt = Field(description="Global batch B: samples per optimizer step, fixed for all cells.")
-
-    @model_validator(mode="after")
-    def _check(self) -> ProblemSpec:
-        if self.schedule.warmup_steps > self.steps:
-            raise ValueError(f"schedule.warmup_steps {self.schedule.warmup_steps} exceeds steps {self.steps}")
-        return self
 
 
 # ---------------------------------------------------------------------------------------------
@@ -105,6 +45,7 @@ class AxesSpec(_Spec):
     micro_batch_size: list[PositiveInt] = Field(min_length=1)
     zero_stage: list[ZeroStage] = Field([0], min_length=1, description="DeepSpeed cells only.")
     dtype: list[Dtype] | None = Field(None, min_length=1, description="Default: [problem.dtype].")
+    variant: list[VariantName] = Field([BASE], min_length=1, description="Problem variants the axes apply to.")
 
 
 class FaultSpec(_Spec):
@@ -123,6 +64,7 @@ class CellSpec(_Spec):
     micro_batch_size: PositiveInt
     zero_stage: ZeroStage | None = None
     dtype: Dtype | None = None
+    variant: VariantName = BASE
     bug: str | None = Field(None, description=f"A planted bug: one of {sorted(BUGS)}.")
     expect: Expect | None = Field(None, description="Default: 'diverge' with a bug, else 'match'.")
     fault: FaultSpec | None = None
@@ -133,6 +75,13 @@ class BaselineSpec(_Spec):
     world_size: PositiveInt = 1
     micro_batch_size: PositiveInt | None = Field(None, description="Default: train_batch_size (GA = 1).")
     zero_stage: ZeroStage | None = None
+
+
+class VariantSpec(_Spec):
+    """Another problem in the same matrix: the matrix's `problem` with these keys replaced."""
+
+    problem: dict[str, Any] = Field(default_factory=dict, description="Deep-merged onto the matrix's problem.")
+    baseline: BaselineSpec | None = Field(None, description="Default: the matrix's baseline.")
 
 
 class ToleranceSpec(_Spec):
@@ -147,7 +96,8 @@ class MatrixSpec(_Spec):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
     description: str = ""
     problem: ProblemSpec
-    axes: AxesSpec
+    variants: dict[VariantName, VariantSpec] = {}
+    axes: AxesSpec | None = Field(None, description="The cartesian product of splits; optional with explicit cells.")
     cells: list[CellSpec] = []
     baseline: BaselineSpec = BaselineSpec()
     on_indivisible: Literal["error", "skip"] = Field(
@@ -169,6 +119,11 @@ class Fault:
     kind: str
 
 
+def group_key(*, dtype: str, variant: str) -> str:
+    """Cells are judged against the baseline of their group: same problem variant, same dtype."""
+    return dtype if variant == BASE else f"{dtype}@{variant}"
+
+
 @dataclass(frozen=True, kw_only=True)
 class Cell:
     """One way of splitting the global batch. Plain data: it crosses process boundaries."""
@@ -180,6 +135,7 @@ class Cell:
     zero_stage: int | None
     """ZeRO stage for DeepSpeed cells; None for the torch trainer."""
     dtype: str = "fp32"
+    variant: str = BASE
     bug: str | None = None
     expect: str = "match"
     fault: Fault | None = None
@@ -208,17 +164,17 @@ class Cell:
             parts.append(f"bug_{self.bug}")
         if self.fault:
             parts.append(f"fault_{self.fault.kind}_r{self.fault.rank}_s{self.fault.step}")
-        return "-".join(parts)
+        suffix = "" if self.variant == BASE else f"@{self.variant}"
+        return "-".join(parts) + suffix
+
+    @property
+    def group(self) -> str:
+        return group_key(dtype=self.dtype, variant=self.variant)
 
     def _indivisible(self) -> str:
         return indivisible_message(
             train_batch_size=self.train_batch_size, micro_batch_size=self.micro_batch_size, world_size=self.world_size
         )
-
-    @property
-    def group(self) -> str:
-        """Cells are judged against the baseline of their dtype group."""
-        return self.dtype
 
 
 def indivisible_message(*, train_batch_size: int, micro_batch_size: int, world_size: int) -> str:
@@ -230,16 +186,20 @@ def indivisible_message(*, train_batch_size: int, micro_batch_size: int, world_s
 
 @dataclass(frozen=True, kw_only=True)
 class Matrix:
-    """A validated matrix: the problem and its expanded cells, baselines included."""
+    """A validated matrix: its problems (one per variant) and expanded cells, baselines included."""
 
     spec: MatrixSpec
+    problems: dict[str, ProblemSpec]
+    """variant name → problem ('base' is the matrix's own)."""
     cells: tuple[Cell, ...]
     baselines: dict[str, str]
-    """dtype group → id of its baseline cell."""
+    """group (dtype[@variant]) → id of its baseline cell."""
+    plugin_dirs: tuple[str, ...] = ()
+    """Folders searched for plugin modules: the matrix file's folder and the working directory."""
 
     @property
     def problem(self) -> ProblemSpec:
-        return self.spec.problem
+        return self.problems[BASE]
 
     def runnable(self) -> list[Cell]:
         return [c for c in self.cells if c.skip_reason is None]
@@ -260,26 +220,58 @@ def load_matrix(path: str | Path) -> Matrix:
         raise MatrixError(f"{path}: the top level must be a mapping of keys (name, problem, axes, ...)")
     try:
         spec = MatrixSpec.model_validate(raw)
+        matrix = expand(spec, plugin_dirs=(str(path.resolve().parent), str(Path.cwd())))
     except ValidationError as exc:
         raise MatrixError(f"{path}: {_describe(exc)}") from None
-    try:
-        return expand(spec)
     except MatrixError as exc:
         raise MatrixError(f"{path}: {exc}") from None
+    return matrix
 
 
-def expand(spec: MatrixSpec) -> Matrix:
-    """Axes × explicit cells + one baseline per dtype group → cells, in a stable order."""
-    problem = spec.problem
-    dtypes = spec.axes.dtype or [problem.dtype]
-    if spec.axes.dtype and "dtype" in problem.model_fields_set:
+def _variant_problems(spec: MatrixSpec) -> dict[str, ProblemSpec]:
+    problems = {BASE: spec.problem}
+    base = spec.problem.model_dump(by_alias=True, exclude_unset=True)
+    for name, variant in spec.variants.items():
+        if name == BASE:
+            raise MatrixError(f"variant name {BASE!r} is reserved for the matrix's own problem")
+        try:
+            problems[name] = ProblemSpec.model_validate(_deep_merge(base, variant.problem))
+        except ValidationError as exc:
+            raise MatrixError(f"variants.{name}.problem: {_describe(exc)}") from None
+    return problems
+
+
+def _deep_merge(base: dict, override: dict) -> dict:
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict) and value.get("kind", merged[key].get("kind")) == merged[key].get("kind"):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def expand(spec: MatrixSpec, *, plugin_dirs: tuple[str, ...] = ()) -> Matrix:
+    """Baselines + axes × variants + explicit cells → cells, in a stable order."""
+    problems = _variant_problems(spec)
+    if spec.axes is None and not spec.cells:
+        raise MatrixError("no cells: give axes, cells, or both")
+    if spec.axes and spec.axes.dtype and "dtype" in spec.problem.model_fields_set:
         raise MatrixError("set dtype either in problem.dtype or in axes.dtype, not both")
 
-    def make(*, trainer, world_size, micro_batch_size, zero_stage, dtype, bug=None, expect=None, fault=None) -> Cell:
+    def make(*, trainer, world_size, micro_batch_size, zero_stage, dtype, variant, bug=None, expect=None, fault=None) -> Cell:
+        if variant not in problems:
+            raise MatrixError(f"unknown variant {variant!r}; known: {', '.join(problems)}")
+        problem = problems[variant]
         if trainer == "torch" and zero_stage is not None:
             raise MatrixError(f"zero_stage is a DeepSpeed setting; the torch cell w{world_size} mb{micro_batch_size} sets it")
         if trainer == "deepspeed" and zero_stage is None:
             zero_stage = 0
+        if dtype == "ds_bf16" and not (trainer == "deepspeed" and zero_stage >= 1):
+            raise MatrixError(
+                "dtype ds_bf16 is DeepSpeed's bf16 mixed precision: DeepSpeed cells at ZeRO ≥ 1 only "
+                "(at ZeRO-0 DeepSpeed 0.19 cannot accumulate bf16 gradients in fp32)"
+            )
         if bug is not None:
             if bug not in BUGS:
                 raise MatrixError(f"unknown bug {bug!r}; known: {', '.join(sorted(BUGS))}")
@@ -296,6 +288,7 @@ def expand(spec: MatrixSpec) -> Matrix:
             train_batch_size=problem.train_batch_size,
             zero_stage=zero_stage,
             dtype=dtype,
+            variant=variant,
             bug=bug,
             expect=expect or ("diverge" if bug else "match"),
             fault=Fault(**fault.model_dump()) if fault else None,
@@ -308,30 +301,47 @@ def expand(spec: MatrixSpec) -> Matrix:
 
     cells: list[Cell] = []
     baselines: dict[str, str] = {}
-    for dtype in dtypes:
-        b = spec.baseline
+
+    def ensure_baseline(*, dtype: str, variant: str) -> None:
+        if variant not in problems:
+            raise MatrixError(f"unknown variant {variant!r}; known: {', '.join(problems)}")
+        key = group_key(dtype=dtype, variant=variant)
+        if key in baselines:
+            return
+        b = (spec.variants[variant].baseline if variant in spec.variants else None) or spec.baseline
         baseline = make(
             trainer=b.trainer,
             world_size=b.world_size,
-            micro_batch_size=b.micro_batch_size or problem.train_batch_size,
+            micro_batch_size=b.micro_batch_size or problems[variant].train_batch_size,
             zero_stage=b.zero_stage,
             dtype=dtype,
+            variant=variant,
         )
         if baseline.skip_reason:
-            raise MatrixError(f"the baseline cannot run: {baseline.skip_reason}")
-        baselines[dtype] = baseline.id
+            raise MatrixError(f"the baseline of {key} cannot run: {baseline.skip_reason}")
+        baselines[key] = baseline.id
         cells.append(baseline)
-        for trainer, world, micro in itertools.product(
-            spec.axes.trainer, spec.axes.world_size, spec.axes.micro_batch_size
-        ):
-            stages = spec.axes.zero_stage if trainer == "deepspeed" else [None]
-            for stage in stages:
-                cells.append(make(trainer=trainer, world_size=world, micro_batch_size=micro, zero_stage=stage, dtype=dtype))
+
+    axes = spec.axes
+
+    def dtypes_of(variant: str) -> list[str]:
+        if variant not in problems:
+            raise MatrixError(f"unknown variant {variant!r}; known: {', '.join(problems)}")
+        return list(axes.dtype) if axes and axes.dtype else [problems[variant].dtype]
+
+    if axes is not None:
+        for variant in axes.variant:
+            for dtype in dtypes_of(variant):
+                ensure_baseline(dtype=dtype, variant=variant)
+                for trainer, world, micro in itertools.product(axes.trainer, axes.world_size, axes.micro_batch_size):
+                    for stage in axes.zero_stage if trainer == "deepspeed" else [None]:
+                        cells.append(
+                            make(trainer=trainer, world_size=world, micro_batch_size=micro, zero_stage=stage, dtype=dtype, variant=variant)
+                        )
 
     for c in spec.cells:
-        dtype = c.dtype or dtypes[0]
-        if dtype not in baselines:
-            raise MatrixError(f"cell dtype {dtype} has no baseline: add it to axes.dtype")
+        dtype = c.dtype or dtypes_of(c.variant)[0]
+        ensure_baseline(dtype=dtype, variant=c.variant)
         cells.append(
             make(
                 trainer=c.trainer,
@@ -339,6 +349,7 @@ def expand(spec: MatrixSpec) -> Matrix:
                 micro_batch_size=c.micro_batch_size,
                 zero_stage=c.zero_stage,
                 dtype=dtype,
+                variant=c.variant,
                 bug=c.bug,
                 expect=c.expect,
                 fault=c.fault,
@@ -350,7 +361,7 @@ def expand(spec: MatrixSpec) -> Matrix:
         if cell.id in unique and unique[cell.id] != cell:
             raise MatrixError(f"two different cells share the id {cell.id}")
         unique.setdefault(cell.id, cell)
-    return Matrix(spec=spec, cells=tuple(unique.values()), baselines=baselines)
+    return Matrix(spec=spec, problems=problems, cells=tuple(unique.values()), baselines=baselines, plugin_dirs=plugin_dirs)
 
 
 def _first_line(exc: BaseException) -> str:

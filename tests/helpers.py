@@ -13,7 +13,8 @@ def small_spec(**overrides) -> dict:
     spec = {
         "name": "small",
         "problem": {
-            "model": {"in_features": 8, "hidden": 16, "out_features": 2, "depth": 2},
+            "model": {"kind": "mlp", "hidden": 16, "depth": 2},
+            "data": {"kind": "regression", "in_features": 8, "out_features": 2},
             "optimizer": {"name": "adamw", "lr": 3e-3, "weight_decay": 0.01},
             "schedule": {"name": "warmup_cosine", "warmup_steps": 3, "min_lr_ratio": 0.1},
             "gradient_clipping": 1.0,

@@ -13,13 +13,16 @@ epoch for a finite dataset), and a sample is a pure function of (seed, index).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from gaeq.matrix import DataSpec, ModelSpec, indivisible_message
+from gaeq.matrix import indivisible_message
+from gaeq.problem.spec import RegressionSpec, TokensSpec
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,29 +75,92 @@ def _epoch_permutation(seed: int, epoch: int, n: int) -> np.ndarray:
     return np.random.default_rng([seed, 0x5EED, epoch]).permutation(n)
 
 
+class Dataset(Protocol):
+    """What a data source (built-in or plugin) offers: samples by global index.
+
+    ``loss_elements`` is how many elements of sample `index` the loss averages over (1 for a
+    per-sample loss, the valid-token count for a token loss). It must be cheap: the trainers sum
+    it over a whole global batch to know the normaliser up front. Optional for plugins (default 1).
+    """
+
+    def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def loss_elements(self, index: int) -> int: ...
+
+
 class RegressionData:
-    """Noisy targets of a fixed random two-layer teacher: y = tanh(x W1) W2 + noise.
+    """Noisy targets of a fixed random two-layer teacher: y = scale * tanh(x W1) W2 + noise.
 
     Sample ``i`` depends only on (seed, i), so any process can build any micro-batch on its own.
     """
 
-    def __init__(self, *, data: DataSpec, model: ModelSpec, seed: int) -> None:
+    def __init__(self, spec: RegressionSpec, *, seed: int) -> None:
         self.seed = seed
-        self.noise = data.noise
-        self.in_features = model.in_features
+        self.spec = spec
+        self.in_features = spec.in_features
+        self.out_features = spec.out_features
+        hidden = 4 * spec.in_features
         teacher = np.random.default_rng([seed, 0x7EAC])
-        self._w1 = teacher.standard_normal((model.in_features, model.hidden)) / np.sqrt(model.in_features)
-        self._w2 = teacher.standard_normal((model.hidden, model.out_features)) / np.sqrt(model.hidden)
+        self._w1 = teacher.standard_normal((spec.in_features, hidden)) / np.sqrt(spec.in_features)
+        self._w2 = teacher.standard_normal((hidden, spec.out_features)) / np.sqrt(hidden)
 
     def sample(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         rng = np.random.default_rng([self.seed, 0xDA7A, index])
         x = rng.standard_normal(self.in_features)
-        y = np.tanh(x @ self._w1) @ self._w2 + self.noise * rng.standard_normal(self._w2.shape[1])
-        return x, y
+        y = self.spec.target_scale * np.tanh(x @ self._w1) @ self._w2
+        return x, y + self.spec.noise * rng.standard_normal(self.out_features)
 
-    def batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         xs, ys = zip(*(self.sample(i) for i in indices))
         return (
             torch.from_numpy(np.stack(xs)).to(torch.float32),
             torch.from_numpy(np.stack(ys)).to(torch.float32),
         )
+
+    def loss_elements(self, index: int) -> int:
+        return 1
+
+
+IGNORE_INDEX = -100
+"""Label of padding positions: no loss, no gradient (torch's cross-entropy default)."""
+
+
+class TokenData:
+    """Variable-length sequences from a seeded Markov chain over `vocab_size` tokens.
+
+    Sample ``i`` has ``L_i`` tokens (min_len ≤ L_i ≤ seq_len + 1); inputs are tokens[:-1], labels
+    tokens[1:], both right-padded to ``seq_len`` (labels with IGNORE_INDEX). Causal attention means
+    padding never influences a valid position, so ``L_i - 1`` tokens count toward the loss.
+    """
+
+    def __init__(self, spec: TokensSpec, *, seed: int) -> None:
+        self.seed = seed
+        self.vocab_size = spec.vocab_size
+        self.seq_len = spec.seq_len
+        self.min_len = spec.min_len
+        logits = 2.5 * np.random.default_rng([seed, 0x70CE]).standard_normal((spec.vocab_size, spec.vocab_size))
+        probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+        self._cumulative = np.cumsum(probs / probs.sum(axis=1, keepdims=True), axis=1)
+
+    def length(self, index: int) -> int:
+        return int(np.random.default_rng([self.seed, 0x1E9, index]).integers(self.min_len, self.seq_len + 2))
+
+    def loss_elements(self, index: int) -> int:
+        return self.length(index) - 1
+
+    def tokens(self, index: int) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, 0xDA7A, index])
+        out = np.empty(self.length(index), dtype=np.int64)
+        out[0] = rng.integers(self.vocab_size)
+        for t, u in enumerate(rng.random(len(out) - 1), start=1):
+            out[t] = min(int(np.searchsorted(self._cumulative[out[t - 1]], u)), self.vocab_size - 1)
+        return out
+
+    def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs = np.zeros((len(indices), self.seq_len), dtype=np.int64)
+        labels = np.full((len(indices), self.seq_len), IGNORE_INDEX, dtype=np.int64)
+        for row, index in enumerate(indices):
+            seq = self.tokens(index)
+            inputs[row, : len(seq) - 1] = seq[:-1]
+            labels[row, : len(seq) - 1] = seq[1:]
+        return torch.from_numpy(inputs), torch.from_numpy(labels)

@@ -1,33 +1,132 @@
-"""Built-in models. Built from a seed so every rank and every cell starts from the same weights."""
+"""Built-in models. Built from a seed so every rank and every cell starts from the same weights.
+
+Dropout is the one place where a model consumes randomness per sample. With ``dropout_rng:
+indexed`` each sample's mask is a pure function of (seed, global position, layer), so it is the
+same whatever micro-batch or rank the sample lands in; the trainers publish the positions of the
+current micro-batch with :func:`sample_keys`. ``dropout_rng: global`` is plain ``nn.Dropout``
+(torch's global RNG): its masks depend on the split — one of the pitfalls the lab must catch.
+"""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
+
+import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from gaeq.matrix import ModelSpec
+from gaeq.problem.spec import GPTSpec, MLPSpec
+
+_SAMPLE_KEYS: ContextVar[Sequence[int] | None] = ContextVar("gaeq_sample_keys", default=None)
+
+
+@contextlib.contextmanager
+def sample_keys(keys: Sequence[int]) -> Iterator[None]:
+    """Global positions of the micro-batch being forwarded (for split-invariant dropout)."""
+    token = _SAMPLE_KEYS.set(keys)
+    try:
+        yield
+    finally:
+        _SAMPLE_KEYS.reset(token)
+
+
+class IndexedDropout(nn.Module):
+    """Dropout whose mask for a sample depends only on (seed, its global position, this layer)."""
+
+    def __init__(self, p: float, *, seed: int, layer: int) -> None:
+        super().__init__()
+        self.p, self.seed, self.layer = p, seed, layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return x
+        keys = _SAMPLE_KEYS.get()
+        if keys is None or len(keys) != x.shape[0]:
+            raise RuntimeError("IndexedDropout needs the micro-batch's sample positions: forward inside sample_keys()")
+        masks = []
+        for key in keys:
+            state = np.random.SeedSequence([self.seed, 0xD50, self.layer, key]).generate_state(1)[0]
+            masks.append(torch.rand(x.shape[1:], generator=torch.Generator().manual_seed(int(state))))
+        keep = (torch.stack(masks) >= self.p).to(device=x.device, dtype=x.dtype)
+        return x * keep / (1 - self.p)
+
+
+def _dropout(p: float, rng: str, *, seed: int, layer: int) -> nn.Module:
+    if p == 0:
+        return nn.Identity()
+    return IndexedDropout(p, seed=seed, layer=layer) if rng == "indexed" else nn.Dropout(p)
 
 
 class MLP(nn.Module):
-    """A tiny tanh MLP. No BatchNorm and no dropout: nothing in it depends on how the batch is split."""
+    """A tiny tanh MLP for the regression data; optional norm and dropout after each hidden layer."""
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: MLPSpec, *, in_features: int, out_features: int, seed: int) -> None:
         super().__init__()
-        widths = [spec.in_features] + [spec.hidden] * spec.depth
+        widths = [in_features] + [spec.hidden] * spec.depth
         self.hidden = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths[:-1], widths[1:]))
-        self.head = nn.Linear(widths[-1], spec.out_features)
+        norm = {"none": lambda n: nn.Identity(), "layer": nn.LayerNorm, "batch": nn.BatchNorm1d}[spec.norm]
+        self.norms = nn.ModuleList(norm(spec.hidden) for _ in range(spec.depth))
+        self.drops = nn.ModuleList(_dropout(spec.dropout, spec.dropout_rng, seed=seed, layer=i) for i in range(spec.depth))
+        self.head = nn.Linear(widths[-1], out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.hidden:
-            x = torch.tanh(layer(x))
+        for layer, norm, drop in zip(self.hidden, self.norms, self.drops):
+            x = drop(torch.tanh(norm(layer(x))))
         return self.head(x)
 
 
-def build_model(spec: ModelSpec, *, seed: int) -> nn.Module:
-    # A private generator state: the init must not depend on what ran before in this process
-    # (processes are reused across cells).
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        if spec.kind == "mlp":
-            return MLP(spec)
-    raise ValueError(f"unknown model kind {spec.kind!r}")
+class CausalSelfAttention(nn.Module):
+    def __init__(self, spec: GPTSpec) -> None:
+        super().__init__()
+        self.n_head = spec.n_head
+        self.qkv = nn.Linear(spec.n_embd, 3 * spec.n_embd)
+        self.proj = nn.Linear(spec.n_embd, spec.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
+
+
+class Block(nn.Module):
+    def __init__(self, spec: GPTSpec, *, seed: int, index: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(spec.n_embd)
+        self.attn = CausalSelfAttention(spec)
+        self.ln_2 = nn.LayerNorm(spec.n_embd)
+        self.mlp = nn.Sequential(nn.Linear(spec.n_embd, 4 * spec.n_embd), nn.GELU(), nn.Linear(4 * spec.n_embd, spec.n_embd))
+        self.drop_attn = _dropout(spec.dropout, spec.dropout_rng, seed=seed, layer=2 * index + 1)
+        self.drop_mlp = _dropout(spec.dropout, spec.dropout_rng, seed=seed, layer=2 * index + 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop_attn(self.attn(self.ln_1(x)))
+        return x + self.drop_mlp(self.mlp(self.ln_2(x)))
+
+
+class GPT(nn.Module):
+    """nanoGPT-shaped: token + position embeddings, pre-LN blocks, final LN, linear head.
+
+    The head is not tied to the token embedding: shared parameters would add a ZeRO-3 corner case
+    that has nothing to do with gradient accumulation.
+    """
+
+    def __init__(self, spec: GPTSpec, *, vocab_size: int, block_size: int, seed: int) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab_size, spec.n_embd)
+        self.wpe = nn.Embedding(block_size, spec.n_embd)
+        self.drop = _dropout(spec.dropout, spec.dropout_rng, seed=seed, layer=0)
+        self.blocks = nn.ModuleList(Block(spec, seed=seed, index=i) for i in range(spec.n_layer))
+        self.ln_f = nn.LayerNorm(spec.n_embd)
+        self.head = nn.Linear(spec.n_embd, vocab_size, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(positions))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))

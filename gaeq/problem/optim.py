@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from gaeq.matrix import OptimizerSpec, ProblemSpec, ScheduleSpec
+from gaeq.problem.spec import OptimizerSpec, ProblemSpec, ScheduleSpec
 
 
 def lr_factor(schedule: ScheduleSpec, *, steps: int) -> Callable[[int], float]:

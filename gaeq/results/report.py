@@ -13,7 +13,7 @@ from pathlib import Path
 from rich.table import Table
 from rich.text import Text
 
-from gaeq.matrix import Cell, Matrix
+from gaeq.matrix import Cell, Matrix, group_key
 from gaeq.results.compare import Tolerance, compare_traces, tolerance_for
 from gaeq.results.outcome import CellOutcome
 from gaeq.results.trace import TraceStore
@@ -31,12 +31,15 @@ class CellReport:
     grad_accum_steps: int | None
     zero_stage: int | None
     dtype: str
+    variant: str
     bug: str | None
     expect: str
     verdict: str
     max_abs_loss_diff: float | None
     max_rel_grad_norm_diff: float | None
     first_divergent_step: int | None
+    caught_by: str | None
+    """The metric that diverged first: loss, grad_norm or lr."""
     reason: str
     seconds: float | None
 
@@ -48,9 +51,9 @@ class CellReport:
 @dataclass(frozen=True, kw_only=True)
 class Report:
     baselines: dict[str, str]
-    """dtype group → baseline cell id."""
+    """group (dtype[@variant]) → baseline cell id."""
     tolerances: dict[str, Tolerance]
-    """dtype group → the tolerances the cells were judged with."""
+    """dtype → the tolerances the cells were judged with."""
     cells: list[CellReport]
 
     @property
@@ -69,7 +72,7 @@ class Report:
         return EXIT_OK if self.ok else EXIT_VERDICT
 
     def baseline_of(self, cell: CellReport) -> str:
-        return self.baselines[cell.dtype]
+        return self.baselines[group_key(dtype=cell.dtype, variant=cell.variant)]
 
     def to_json(self) -> dict:
         return {
@@ -85,7 +88,7 @@ class Report:
 def resolve_tolerances(matrix: Matrix, overrides: Mapping[str, float | None] | None = None) -> dict[str, Tolerance]:
     """Per dtype group: the ladder's defaults, then the matrix's `tolerances:`, then `overrides` (all groups)."""
     resolved = {}
-    for dtype in matrix.baselines:
+    for dtype in sorted({c.dtype for c in matrix.cells}):
         from_yaml = matrix.spec.tolerances.get(dtype)
         tol = tolerance_for(dtype, from_yaml.model_dump() if from_yaml else None)
         resolved[dtype] = replace(tol, **{k: v for k, v in (overrides or {}).items() if v is not None})
@@ -104,7 +107,7 @@ def judge(
     for cell in matrix.cells:
         base_id = matrix.baselines[cell.group]
         verdict, reason, comparison = _judge_cell(
-            cell, base_id=base_id, outcomes=outcomes, traces=traces, tolerance=tolerances[cell.group]
+            cell, base_id=base_id, outcomes=outcomes, traces=traces, tolerance=tolerances[cell.dtype]
         )
         outcome = outcomes.get(cell.id)
         cells.append(
@@ -116,12 +119,14 @@ def judge(
                 grad_accum_steps=cell.grad_accum_steps if cell.divisible else None,
                 zero_stage=cell.zero_stage,
                 dtype=cell.dtype,
+                variant=cell.variant,
                 bug=cell.bug,
                 expect=cell.expect,
                 verdict=verdict,
                 max_abs_loss_diff=comparison.max_abs_loss_diff if comparison else None,
                 max_rel_grad_norm_diff=comparison.max_rel_grad_norm_diff if comparison else None,
                 first_divergent_step=comparison.first_divergent_step if comparison else None,
+                caught_by=comparison.caught_by if comparison else None,
                 reason=reason,
                 seconds=outcome.seconds if outcome else None,
             )
@@ -164,7 +169,7 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-_COLUMNS = ("cell", "W", "MB", "GA", "ZeRO", "dtype", "expect", "verdict", "max |Δloss|", "max rel Δ‖g‖", "diverged at", "s")
+_COLUMNS = ("cell", "W", "MB", "GA", "ZeRO", "dtype", "expect", "verdict", "max |Δloss|", "max rel Δ‖g‖", "caught", "s")
 
 
 def _row(c: CellReport) -> list[str]:
@@ -179,7 +184,7 @@ def _row(c: CellReport) -> list[str]:
         c.verdict,
         _sci(c.max_abs_loss_diff),
         _sci(c.max_rel_grad_norm_diff),
-        "-" if c.first_divergent_step is None else f"step {c.first_divergent_step}",
+        "-" if c.first_divergent_step is None else f"{c.caught_by} @ step {c.first_divergent_step}",
         "-" if c.seconds is None else f"{c.seconds:.1f}",
     ]
 

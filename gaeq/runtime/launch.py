@@ -15,11 +15,12 @@ import os
 import queue
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from gaeq.matrix import Cell, ProblemSpec
+from gaeq.matrix import Cell
+from gaeq.problem.spec import ProblemSpec
 from gaeq.results.outcome import CellOutcome, write_outcome
 from gaeq.results.trace import cell_dir
 from gaeq.runtime import worker
@@ -47,9 +48,10 @@ LOG_TAIL_LINES = 12
 def run_cells(
     *,
     cells: Sequence[Cell],
-    problem: ProblemSpec,
+    problems: Mapping[str, ProblemSpec],
     run_dir: Path,
     timeout_s: float,
+    search: Sequence[str] = (),
     init_timeout_s: float = DEFAULT_INIT_TIMEOUT_S,
     on_event: OnEvent = lambda event: None,
 ) -> dict[str, CellOutcome]:
@@ -65,7 +67,8 @@ def run_cells(
             finished = _run_group(
                 world_size=world_size,
                 cells=pending,
-                problem=problem,
+                problems=dict(problems),
+                search=tuple(search),
                 run_dir=run_dir,
                 timeout_s=timeout_s,
                 init_timeout_s=init_timeout_s,
@@ -142,7 +145,8 @@ def _run_group(
     *,
     world_size: int,
     cells: Sequence[Cell],
-    problem: ProblemSpec,
+    problems: dict[str, ProblemSpec],
+    search: tuple[str, ...],
     run_dir: Path,
     timeout_s: float,
     init_timeout_s: float,
@@ -154,7 +158,8 @@ def _run_group(
         world_size=world_size,
         port=free_port(),
         cells=tuple(cells),
-        problem=problem,
+        problems=problems,
+        search=search,
         run_dir=str(run_dir),
         init_timeout_s=init_timeout_s,
     )

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gaeq.matrix import Cell, ProblemSpec
+from gaeq.matrix import Cell
+from gaeq.problem.spec import ProblemSpec
 from gaeq.results.trace import cell_dir
 
 # Messages to the parent (tuples of plain data):
@@ -39,7 +40,10 @@ class GroupJob:
     world_size: int
     port: int
     cells: tuple[Cell, ...]
-    problem: ProblemSpec
+    problems: dict[str, ProblemSpec]
+    """variant → problem"""
+    search: tuple[str, ...]
+    """Folders plugin modules are imported from."""
     run_dir: str
     init_timeout_s: float
 
@@ -86,9 +90,10 @@ def worker_main(rank: int, job: GroupJob, events: Any) -> None:
                 device=dist.device_for(rank),
                 cell_dir=out,
                 on_step=lambda step, cell_id=cell.id: events.put((STEP, rank, cell_id, step)),
+                search=job.search,
             )
             try:
-                trainer_for(cell.trainer)(cell=cell, problem=job.problem, ctx=ctx)
+                trainer_for(cell.trainer)(cell=cell, problem=job.problems[cell.variant], ctx=ctx)
             except BaseException as exc:  # noqa: BLE001 - any failure ends this rank
                 traceback.print_exc()
                 events.put((FAILED, rank, cell.id, f"{type(exc).__name__}: {exc}"))

@@ -9,17 +9,19 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from gaeq.matrix import Cell, ProblemSpec
-from gaeq.problem.data import BatchPlan, RegressionData
-from gaeq.problem.loss import LOSSES
-from gaeq.problem.models import build_model
+from gaeq.matrix import Cell
+from gaeq.problem.spec import ProblemSpec
+from gaeq.problem.build import BuiltProblem
+from gaeq.problem.build import build_problem as build
+from gaeq.problem.data import BatchPlan
+from gaeq.problem.models import sample_keys
 from gaeq.results.trace import StepRecord, TraceWriter
 
 
@@ -33,6 +35,18 @@ class RunContext:
     cell_dir: Path
     on_step: Callable[[int], None] = lambda step: None
     """Called by rank 0 after each optimizer step (progress reporting)."""
+    search: tuple[str, ...] = ()
+    """Folders where plugin modules are imported from."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MicroBatch:
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    positions: range
+    """Global positions of its samples (keys of split-invariant dropout)."""
+    loss_elements: int
+    """Loss elements in this micro-batch (samples, or valid tokens)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,34 +54,65 @@ class Problem:
     """The built problem of one cell: identical for both trainers."""
 
     plan: BatchPlan
-    data: RegressionData
-    model: torch.nn.Module
-    loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    built: BuiltProblem
+    dtype: str
+    device: torch.device
 
-    def micro_batch(self, *, step: int, micro_step: int, rank: int, device: torch.device):
-        x, y = self.data.batch(self.plan.sample_indices(step=step, micro_step=micro_step, rank=rank))
-        return x.to(device), y.to(device)
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.built.model
+
+    def loss_sum(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.built.loss_sum(outputs, targets)
+
+    def normaliser(self, step: int) -> int:
+        """Loss elements in the whole global batch of `step` (samples, or valid tokens): the
+        denominator of the step's loss, known before any forward pass."""
+        positions = range(step * self.plan.train_batch_size, (step + 1) * self.plan.train_batch_size)
+        return sum(self.built.loss_elements(self.plan.sample_at(p)) for p in positions)
+
+    def micro_batch(self, *, step: int, micro_step: int, rank: int) -> MicroBatch:
+        positions = self.plan.positions(step=step, micro_step=micro_step, rank=rank)
+        indices = [self.plan.sample_at(p) for p in positions]
+        inputs, targets = self.built.dataset.batch(indices)
+        if self.dtype == "ds_bf16" and inputs.is_floating_point():
+            inputs = inputs.to(torch.bfloat16)  # DeepSpeed's bf16 engine holds a bf16 model
+        return MicroBatch(
+            inputs=inputs.to(self.device),
+            targets=targets.to(self.device),
+            positions=positions,
+            loss_elements=sum(self.built.loss_elements(i) for i in indices),
+        )
+
+    @contextlib.contextmanager
+    def forwarding(self, mb: MicroBatch) -> Iterator[None]:
+        """Around a forward pass: low-precision autocast (bf16 cells) and the sample keys that
+        make dropout split-invariant."""
+        with autocast(self.dtype, self.device), sample_keys(mb.positions):
+            yield
 
 
-def build_problem(cell: Cell, problem: ProblemSpec) -> Problem:
+def build_problem(cell: Cell, problem: ProblemSpec, ctx: RunContext) -> Problem:
     if cell.world_size != (dist.get_world_size() if dist.is_initialized() else 1):
         raise RuntimeError(f"cell {cell.id} needs world_size {cell.world_size}, process group has another")
+    torch.manual_seed(problem.seed)  # the global RNG (dropout_rng: global) starts alike in every cell
     return Problem(
         plan=BatchPlan(
             train_batch_size=cell.train_batch_size,
             micro_batch_size=cell.micro_batch_size,
             world_size=cell.world_size,
-            num_samples=problem.data.num_samples,
+            num_samples=problem.num_samples,
             seed=problem.seed,
         ),
-        data=RegressionData(data=problem.data, model=problem.model, seed=problem.seed),
-        model=build_model(problem.model, seed=problem.seed),
-        loss_sum=LOSSES[problem.loss],
+        built=build(problem, search=ctx.search),
+        dtype=cell.dtype,
+        device=ctx.device,
     )
 
 
 def autocast(dtype: str, device: torch.device) -> contextlib.AbstractContextManager:
-    """Forward-pass autocast for low-precision cells; a no-op in fp32."""
+    """Forward-pass autocast for `bf16` cells; a no-op in fp32 (and ds_bf16, where DeepSpeed
+    itself holds the model in bf16)."""
     if dtype == "bf16":
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()

@@ -2,7 +2,8 @@
 
 Read it side by side with torch_manual.py: same skeleton, same names. The differences are
 marked ``# ACCUMULATION:`` and are exactly where accumulation differs — who divides the loss,
-when gradients are synchronised, who clips and steps at the boundary.
+when gradients are synchronised, who clips and steps at the boundary. ``cell.bug`` lines plant
+the mistakes of gaeq/bugs.py where they would really be made.
 """
 
 from __future__ import annotations
@@ -14,14 +15,15 @@ from typing import Any
 import deepspeed
 import torch
 
-from gaeq.matrix import Cell, ProblemSpec
-from gaeq.problem.loss import global_normaliser
+from gaeq.matrix import Cell
+from gaeq.problem.loss import mean_of_means_factor, share_of_global_mean
 from gaeq.problem.optim import build_scheduler, deepspeed_optimizer
-from gaeq.trainers.base import RunContext, StepRecorder, autocast, build_problem, inject_fault
+from gaeq.problem.spec import ProblemSpec
+from gaeq.trainers.base import RunContext, StepRecorder, build_problem, inject_fault
 
 
 def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> None:
-    built = build_problem(cell, problem)
+    built = build_problem(cell, problem, ctx)
     plan = built.plan
     model = built.model.to(ctx.device)
     # ACCUMULATION: the engine owns data parallelism (and ZeRO partitioning), the optimizer it
@@ -39,21 +41,26 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> None:
         inject_fault(cell, rank=ctx.rank, step=step)
         started = time.perf_counter()
         lr = engine.get_lr()[0]
-        normaliser = global_normaliser(plan, step=step)
+        normaliser = built.normaliser(step)  # loss elements (samples or valid tokens) in the global batch
         local_loss_sum = 0.0  # this rank's part of the global loss sum, float64 on the host
         for micro_step in range(plan.grad_accum_steps):
-            x, y = built.micro_batch(step=step, micro_step=micro_step, rank=ctx.rank, device=ctx.device)
+            mb = built.micro_batch(step=step, micro_step=micro_step, rank=ctx.rank)
             boundary = micro_step == plan.grad_accum_steps - 1
             # ACCUMULATION: the engine counts micro-steps and reduces gradients at its own
             # boundary; ours must be the same one.
             if engine.is_gradient_accumulation_boundary() != boundary:
                 raise RuntimeError(f"DeepSpeed's boundary disagrees with the plan at step {step}.{micro_step}")
-            with autocast(cell.dtype, ctx.device):
-                micro_loss_sum = built.loss_sum(net(x), y)
+            with built.forwarding(mb):
+                micro_loss_sum = built.loss_sum(net(mb.inputs), mb.targets)
             # ACCUMULATION: DeepSpeed divides by GA itself inside engine.backward, so we hand it GA ×
             # this micro-batch's share of the global-batch mean (× world: it averages over ranks).
             # Its return value is that ÷ GA; the loss we log is the forward one.
-            loss = micro_loss_sum * ctx.world_size / normaliser * plan.grad_accum_steps
+            loss = micro_loss_sum * share_of_global_mean(world_size=ctx.world_size, normaliser=normaliser)
+            loss = loss * plan.grad_accum_steps
+            if cell.bug == "mean_of_means":  # planted bug: normalises by its own micro-batch
+                loss = micro_loss_sum * mean_of_means_factor(
+                    micro_elements=mb.loss_elements, grad_accum_steps=plan.grad_accum_steps
+                ) * plan.grad_accum_steps
             engine.backward(loss)
             if boundary:
                 grad_norm = _norm_before_step(engine)
@@ -76,7 +83,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> None:
 
 def deepspeed_config(cell: Cell, problem: ProblemSpec) -> dict[str, Any]:
     """Every knob that changes the optimisation, written out. Nothing is left to a default."""
-    return {
+    config = {
         "train_batch_size": cell.train_batch_size,
         "train_micro_batch_size_per_gpu": cell.micro_batch_size,
         "gradient_accumulation_steps": cell.grad_accum_steps,
@@ -89,12 +96,17 @@ def deepspeed_config(cell: Cell, problem: ProblemSpec) -> dict[str, Any]:
         "zero_optimization": {"stage": cell.zero_stage},
         # torch.optim.SGD is not on ZeRO's list of tested optimizers; it is exact elementwise math.
         "zero_allow_untested_optimizer": True,
-        # Low precision is forward autocast on both sides (see base.autocast); weights stay fp32.
+        # fp32 and bf16 (forward autocast, base.autocast) keep fp32 weights. ds_bf16 is DeepSpeed's
+        # own bf16: bf16 weights and gradients, fp32 master weights, gradients accumulated in fp32.
         "fp16": {"enabled": False},
-        "bf16": {"enabled": False},
+        "bf16": {"enabled": cell.dtype == "ds_bf16"},
+        "data_types": {"grad_accum_dtype": "bf16" if cell.bug == "grad_accum_bf16" else "fp32"},
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
+    if cell.bug == "deepspeed_default_clipping":
+        del config["gradient_clipping"]  # planted bug: trusts DeepSpeed's default (1.0 in 0.19)
+    return config
 
 
 def _norm_before_step(engine) -> float | None:

@@ -2,7 +2,8 @@
 
 Read it side by side with deepspeed_native.py: same skeleton, same names. The differences are
 marked ``# ACCUMULATION:`` and are exactly where accumulation differs — who divides the loss,
-when gradients are synchronised, who clips and steps at the boundary.
+when gradients are synchronised, who clips and steps at the boundary. ``cell.bug`` lines plant
+the mistakes of gaeq/bugs.py where they would really be made.
 """
 
 from __future__ import annotations
@@ -14,14 +15,15 @@ import time
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gaeq.matrix import Cell, ProblemSpec
-from gaeq.problem.loss import global_normaliser
+from gaeq.matrix import Cell
+from gaeq.problem.loss import mean_of_means_factor, share_of_global_mean
 from gaeq.problem.optim import build_optimizer, build_scheduler
-from gaeq.trainers.base import RunContext, StepRecorder, autocast, build_problem, inject_fault
+from gaeq.problem.spec import ProblemSpec
+from gaeq.trainers.base import RunContext, StepRecorder, build_problem, inject_fault
 
 
 def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> None:
-    built = build_problem(cell, problem)
+    built = build_problem(cell, problem, ctx)
     plan = built.plan
     model = built.model.to(ctx.device)
     # ACCUMULATION: we own the data-parallel wrapper; DDP averages gradients over ranks (÷ world).
@@ -37,24 +39,31 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> None:
         inject_fault(cell, rank=ctx.rank, step=step)
         started = time.perf_counter()
         lr = scheduler.get_last_lr()[0]
-        normaliser = global_normaliser(plan, step=step)
+        normaliser = built.normaliser(step)  # loss elements (samples or valid tokens) in the global batch
         local_loss_sum = 0.0  # this rank's part of the global loss sum, float64 on the host
         for micro_step in range(plan.grad_accum_steps):
-            x, y = built.micro_batch(step=step, micro_step=micro_step, rank=ctx.rank, device=ctx.device)
+            mb = built.micro_batch(step=step, micro_step=micro_step, rank=ctx.rank)
             boundary = micro_step == plan.grad_accum_steps - 1
             # ACCUMULATION: gradients are all-reduced only on the boundary micro-step; before it,
             # no_sync() lets them pile up locally in .grad.
             sync = contextlib.nullcontext() if ddp is None or boundary else ddp.no_sync()
             with sync:
-                with autocast(cell.dtype, ctx.device):
-                    micro_loss_sum = built.loss_sum(net(x), y)
-                # ACCUMULATION: we divide. This micro-batch's share of the global-batch mean,
-                # × world because DDP averages over ranks; for per-sample losses that is
-                # (micro-batch mean) ÷ GA.
-                loss = micro_loss_sum * ctx.world_size / normaliser
+                with built.forwarding(mb):
+                    micro_loss_sum = built.loss_sum(net(mb.inputs), mb.targets)
+                # ACCUMULATION: we divide. This micro-batch's share of the global-batch mean (× world,
+                # because DDP averages over ranks); for per-sample losses, (micro-batch mean) ÷ GA.
+                loss = micro_loss_sum * share_of_global_mean(world_size=ctx.world_size, normaliser=normaliser)
                 if cell.bug == "no_loss_division":
                     loss = loss * plan.grad_accum_steps  # planted bug: forgets ÷ GA
+                elif cell.bug == "mean_of_means":  # planted bug: normalises by its own micro-batch
+                    loss = micro_loss_sum * mean_of_means_factor(
+                        micro_elements=mb.loss_elements, grad_accum_steps=plan.grad_accum_steps
+                    )
                 loss.backward()
+            if cell.bug == "clip_every_micro_step":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=max_norm)  # planted bug
+            if cell.bug == "scheduler_every_micro_step" and not boundary:
+                scheduler.step()  # planted bug: the schedule runs GA× too fast
             local_loss_sum += micro_loss_sum.item()
         # ACCUMULATION: at the boundary we clip, step the optimizer, step the schedule, zero.
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=max_norm).item()

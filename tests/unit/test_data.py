@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from gaeq.matrix import DataSpec, ModelSpec
+from gaeq.problem.spec import RegressionSpec
 from gaeq.problem.data import BatchPlan, RegressionData
 
 B = 24
@@ -64,11 +64,11 @@ def test_indivisible_plan_is_rejected_with_numbers():
 
 
 def test_a_sample_is_a_pure_function_of_seed_and_index():
-    data = RegressionData(data=DataSpec(), model=ModelSpec(), seed=5)
-    again = RegressionData(data=DataSpec(), model=ModelSpec(), seed=5)
+    data = RegressionData(RegressionSpec(), seed=5)
+    again = RegressionData(RegressionSpec(), seed=5)
     x1, y1 = data.batch([3, 17, 2])
     x2, y2 = again.batch([17])
     torch.testing.assert_close(x1[1:2], x2, rtol=0, atol=0)
     torch.testing.assert_close(y1[1:2], y2, rtol=0, atol=0)
-    x3, _ = RegressionData(data=DataSpec(), model=ModelSpec(), seed=6).batch([17])
+    x3, _ = RegressionData(RegressionSpec(), seed=6).batch([17])
     assert not np.allclose(x2.numpy(), x3.numpy())

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from gaeq.matrix import OptimizerSpec, ProblemSpec, ScheduleSpec
+from gaeq.problem.spec import OptimizerSpec, ProblemSpec, ScheduleSpec
 from gaeq.problem.optim import deepspeed_optimizer, lr_factor
 from gaeq.results.compare import DEFAULT_TOLERANCES, compare_traces, tolerance_for
 from gaeq.results.trace import StepRecord

@@ -1,0 +1,133 @@
+"""From a ProblemSpec to the objects a trainer uses: dataset, model, loss — built-ins or plugins.
+
+Plugin contract (README: Plugins), each named ``{import: "package.module:function", args: {...}}``:
+
+- data:  ``function(*, seed, **args)`` → an object with ``batch(indices) -> (inputs, targets)``
+  (tensors, one row per index) and optionally ``loss_elements(index) -> int`` (default 1);
+- model: ``function(**args)`` → ``torch.nn.Module`` (called under ``torch.manual_seed(seed)``);
+- loss:  ``function(outputs, targets)`` → scalar tensor, the **sum** of the per-element losses of
+  the micro-batch (gaeq divides by the global batch's element count).
+
+Modules are imported with the matrix file's folder and the working directory on ``sys.path``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from gaeq.problem.data import Dataset, RegressionData, TokenData
+from gaeq.problem.loss import LOSSES
+from gaeq.problem.models import GPT, MLP
+from gaeq.problem.spec import GPTSpec, MLPSpec, PluginSpec, ProblemSpec, RegressionSpec, TokensSpec
+
+
+class PluginError(ValueError):
+    """A plugin that cannot be imported or breaks the contract. The message names it."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class BuiltProblem:
+    dataset: Dataset
+    model: torch.nn.Module
+    loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+    def loss_elements(self, index: int) -> int:
+        counter = getattr(self.dataset, "loss_elements", None)
+        return 1 if counter is None else int(counter(index))
+
+
+def resolve(plugin: PluginSpec, *, role: str, search: Sequence[str] = ()) -> Callable:
+    module_name, _, attr = plugin.import_.partition(":")
+    for folder in reversed(search):
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 - any import failure is the plugin's
+        raise PluginError(f"{role} plugin {plugin.import_!r}: cannot import {module_name} ({type(exc).__name__}: {exc})") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise PluginError(f"{role} plugin {plugin.import_!r}: {module_name} has no function {attr!r}")
+    return fn
+
+
+def build_problem(problem: ProblemSpec, *, search: Sequence[str] = ()) -> BuiltProblem:
+    dataset = _build_data(problem, search)
+    # A private generator state: the init must not depend on what ran before in this process
+    # (processes are reused across cells).
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(problem.seed)
+        model = _build_model(problem, dataset, search)
+    if isinstance(problem.loss, PluginSpec):
+        loss_sum = resolve(problem.loss, role="loss", search=search)
+    else:
+        loss_sum = LOSSES[problem.loss]
+    return BuiltProblem(dataset=dataset, model=model, loss_sum=loss_sum)
+
+
+def _build_data(problem: ProblemSpec, search: Sequence[str]) -> Dataset:
+    spec = problem.data
+    if isinstance(spec, RegressionSpec):
+        return RegressionData(spec, seed=problem.seed)
+    if isinstance(spec, TokensSpec):
+        return TokenData(spec, seed=problem.seed)
+    fn = resolve(spec, role="data", search=search)
+    try:
+        dataset = fn(seed=problem.seed, **spec.args)
+    except Exception as exc:  # noqa: BLE001
+        raise PluginError(f"data plugin {spec.import_!r} raised {type(exc).__name__}: {exc}") from None
+    if not callable(getattr(dataset, "batch", None)):
+        raise PluginError(f"data plugin {spec.import_!r} returned {type(dataset).__name__}, which has no batch(indices)")
+    return dataset
+
+
+def _build_model(problem: ProblemSpec, dataset: Dataset, search: Sequence[str]) -> torch.nn.Module:
+    spec = problem.model
+    if isinstance(spec, MLPSpec):
+        return MLP(spec, in_features=dataset.in_features, out_features=dataset.out_features, seed=problem.seed)
+    if isinstance(spec, GPTSpec):
+        return GPT(spec, vocab_size=dataset.vocab_size, block_size=dataset.seq_len, seed=problem.seed)
+    fn = resolve(spec, role="model", search=search)
+    try:
+        model = fn(**spec.args)
+    except Exception as exc:  # noqa: BLE001
+        raise PluginError(f"model plugin {spec.import_!r} raised {type(exc).__name__}: {exc}") from None
+    if not isinstance(model, torch.nn.Module):
+        raise PluginError(f"model plugin {spec.import_!r} returned {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def check_problem(problem: ProblemSpec, *, search: Sequence[str] = ()) -> None:
+    """Build the problem and push two samples through it, before any process starts.
+
+    Raises PluginError naming the plugin that breaks the contract.
+    """
+    from gaeq.problem.models import sample_keys
+
+    built = build_problem(problem, search=search)
+    name = lambda role: getattr(getattr(problem, role), "import_", role)  # noqa: E731
+    try:
+        batch = built.dataset.batch([0, 1])
+    except Exception as exc:  # noqa: BLE001
+        raise PluginError(f"data {name('data')!r}: batch([0, 1]) raised {type(exc).__name__}: {exc}") from None
+    if not (isinstance(batch, tuple) and len(batch) == 2 and all(isinstance(t, torch.Tensor) for t in batch)):
+        raise PluginError(f"data {name('data')!r}: batch() must return (inputs, targets) tensors, got {type(batch).__name__}")
+    try:
+        counts = [built.loss_elements(i) for i in (0, 1)]
+    except Exception as exc:  # noqa: BLE001
+        raise PluginError(f"data {name('data')!r}: loss_elements() raised {type(exc).__name__}: {exc}") from None
+    if any(c <= 0 for c in counts):
+        raise PluginError(f"data {name('data')!r}: loss_elements() must be positive, got {counts}")
+    try:
+        with sample_keys([0, 1]):
+            loss = built.loss_sum(built.model(batch[0]), batch[1])
+    except Exception as exc:  # noqa: BLE001
+        raise PluginError(f"model/loss: a forward pass on two samples raised {type(exc).__name__}: {exc}") from None
+    if not (isinstance(loss, torch.Tensor) and loss.ndim == 0 and loss.requires_grad):
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise PluginError(f"loss {name('loss')!r} must return a scalar tensor with a gradient (a sum), got {shape}")

@@ -1,0 +1,189 @@
+"""The problem schema: WHAT is trained — data, model, loss, optimisation. Pure pydantic, no torch.
+
+Every cell of a matrix variant trains the same problem; only the split differs. Built-in models
+take their input/output sizes from the data (never written twice). Any of model, data and loss
+may instead name a plugin, ``{import: "package.module:function", args: {...}}`` (README: Plugins).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+
+PositiveInt = Annotated[int, Field(gt=0)]
+Dtype = Literal["fp32", "bf16", "ds_bf16"]
+"""fp32; bf16 = forward autocast on both trainers (fp32 weights and gradients); ds_bf16 = DeepSpeed's
+bf16 mixed precision (bf16 weights and gradients, fp32 master weights) — DeepSpeed cells only."""
+
+
+class Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PluginSpec(Spec):
+    """A user function, imported from the matrix file's folder or the working directory."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    import_: str = Field(alias="import", pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", description="package.module:function")
+    args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the function.")
+
+
+class DataPluginSpec(PluginSpec):
+    num_samples: PositiveInt | None = Field(None, description="As for the built-in datasets.")
+
+
+# --- data -----------------------------------------------------------------------------------
+
+_NUM_SAMPLES = Field(
+    None,
+    description="Finite dataset size: global positions walk a seeded permutation per epoch. "
+    "None: an endless stream, sample i at position i.",
+)
+
+
+class RegressionSpec(Spec):
+    """Noisy targets of a fixed random two-layer tanh teacher. One loss element per sample."""
+
+    kind: Literal["regression"] = "regression"
+    in_features: PositiveInt = 16
+    out_features: PositiveInt = 4
+    noise: float = Field(0.1, ge=0, description="Std of the label noise; > 0 keeps the loss away from 0.")
+    target_scale: float = Field(1.0, gt=0, description="Multiplies targets (and so gradient norms).")
+    num_samples: PositiveInt | None = _NUM_SAMPLES
+
+
+class TokensSpec(Spec):
+    """Variable-length sequences of a seeded Markov chain, right-padded; padding labels are ignored.
+
+    Valid-token counts differ from sample to sample, so from micro-batch to micro-batch.
+    """
+
+    kind: Literal["tokens"] = "tokens"
+    vocab_size: PositiveInt = 16
+    seq_len: int = Field(24, ge=2, description="Padded length (the model's block size).")
+    min_len: int = Field(3, ge=2, description="Shortest sequence (tokens, before the shift by one).")
+    num_samples: PositiveInt | None = _NUM_SAMPLES
+
+    @model_validator(mode="after")
+    def _check(self) -> TokensSpec:
+        if self.min_len > self.seq_len + 1:
+            raise ValueError(f"min_len {self.min_len} exceeds seq_len + 1 = {self.seq_len + 1}")
+        return self
+
+
+# --- models ---------------------------------------------------------------------------------
+
+_DROPOUT_RNG = Field(
+    "indexed",
+    description="indexed: each sample's mask is a function of (seed, global position, layer) — the same "
+    "whatever the split; global: torch's global RNG, so the masks depend on the split (a pitfall).",
+)
+
+
+class MLPSpec(Spec):
+    kind: Literal["mlp"] = "mlp"
+    hidden: PositiveInt = 64
+    depth: PositiveInt = Field(2, description="Hidden layers.")
+    norm: Literal["none", "layer", "batch"] = Field(
+        "none", description="After each hidden layer. batch: statistics over the micro-batch (a pitfall)."
+    )
+    dropout: float = Field(0.0, ge=0, lt=1)
+    dropout_rng: Literal["indexed", "global"] = _DROPOUT_RNG
+
+
+class GPTSpec(Spec):
+    """nanoGPT-like: token + position embeddings, pre-LN blocks (causal attention, MLP), tied head."""
+
+    kind: Literal["gpt"] = "gpt"
+    n_layer: PositiveInt = 2
+    n_head: PositiveInt = 2
+    n_embd: PositiveInt = 32
+    dropout: float = Field(0.0, ge=0, lt=1)
+    dropout_rng: Literal["indexed", "global"] = _DROPOUT_RNG
+
+    @model_validator(mode="after")
+    def _check(self) -> GPTSpec:
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd {self.n_embd} is not divisible by n_head {self.n_head}")
+        return self
+
+
+# --- optimisation -----------------------------------------------------------------------------
+
+
+class OptimizerSpec(Spec):
+    name: Literal["adamw", "sgd"] = "adamw"
+    lr: float = Field(1e-3, gt=0, description="Peak learning rate (after warmup).")
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW only.")
+    eps: float = Field(1e-8, gt=0, description="AdamW only. Makes Adam *almost* scale-invariant.")
+    momentum: float = Field(0.0, ge=0, description="SGD only.")
+
+
+class ScheduleSpec(Spec):
+    name: Literal["constant", "warmup_cosine"] = "warmup_cosine"
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup, in optimizer steps (never micro-steps).")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Cosine floor as a fraction of the peak lr.")
+
+
+def _kind(default: str):
+    """Discriminator: `import` → plugin, else `kind` (absent: the default built-in)."""
+
+    def kind(value: Any) -> str:
+        if isinstance(value, dict):
+            return "plugin" if "import" in value or "import_" in value else value.get("kind", default)
+        return "plugin" if isinstance(value, PluginSpec) else getattr(value, "kind", default)
+
+    return kind
+
+
+ModelSpec = Annotated[
+    Union[Annotated[MLPSpec, Tag("mlp")], Annotated[GPTSpec, Tag("gpt")], Annotated[PluginSpec, Tag("plugin")]],
+    Discriminator(_kind("mlp")),
+]
+DataSpec = Annotated[
+    Union[
+        Annotated[RegressionSpec, Tag("regression")],
+        Annotated[TokensSpec, Tag("tokens")],
+        Annotated[DataPluginSpec, Tag("plugin")],
+    ],
+    Discriminator(_kind("regression")),
+]
+LossSpec = Union[Literal["mse", "cross_entropy"], PluginSpec]
+
+
+class ProblemSpec(Spec):
+    model: ModelSpec = MLPSpec()
+    data: DataSpec = RegressionSpec()
+    loss: LossSpec = Field(
+        "mse", description="mse (per sample) or cross_entropy (per valid token); normalised over the global batch."
+    )
+    optimizer: OptimizerSpec = OptimizerSpec()
+    schedule: ScheduleSpec = ScheduleSpec()
+    gradient_clipping: float = Field(
+        0.0, ge=0, description="Max global grad norm at the boundary; 0 disables. Set explicitly on both trainers."
+    )
+    steps: PositiveInt = Field(50, description="Optimizer steps (not micro-steps).")
+    seed: int = Field(0, ge=0, description="Seeds the model init and every sample (sample = f(seed, index)).")
+    dtype: Dtype = Field("fp32", description="Compute dtype when the axes do not list dtypes.")
+    train_batch_size: PositiveInt = Field(description="Global batch B: samples per optimizer step, fixed for all cells.")
+
+    @model_validator(mode="after")
+    def _check(self) -> ProblemSpec:
+        if self.schedule.warmup_steps > self.steps:
+            raise ValueError(f"schedule.warmup_steps {self.schedule.warmup_steps} exceeds steps {self.steps}")
+        pairs = {"mlp": ("regression", "mse"), "gpt": ("tokens", "cross_entropy")}
+        kind = getattr(self.model, "kind", None)
+        if kind in pairs:
+            data_kind = getattr(self.data, "kind", None)
+            want_data, want_loss = pairs[kind]
+            if data_kind != want_data:
+                raise ValueError(f"model {kind} trains on data kind {want_data}, got {data_kind or 'a plugin'}")
+            if self.loss != want_loss:
+                raise ValueError(f"model {kind} needs loss {want_loss}, got {self.loss!r}")
+        return self
+
+    @property
+    def num_samples(self) -> int | None:
+        return self.data.num_samples
