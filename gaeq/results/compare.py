@@ -15,6 +15,10 @@ from dataclasses import dataclass, replace
 from gaeq.results.trace import StepRecord
 
 
+METRICS = ("loss", "grad_norm", "lr")
+"""What is compared at every step, in the order a tie is reported."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Tolerance:
     loss_atol: float
@@ -56,7 +60,9 @@ class Comparison:
     max_rel_grad_norm_diff: float
     first_divergent_step: int | None
     caught_by: str | None
-    """The metric that diverged first: "loss", "grad_norm" or "lr"."""
+    """The metric that diverged first: "loss", "grad_norm" or "lr" (in that order on a tie)."""
+    divergence_steps: dict[str, int | None]
+    """Each metric's first divergent step (None: it never diverged)."""
     reason: str
 
 
@@ -83,30 +89,30 @@ def compare_traces(base: Sequence[StepRecord], other: Sequence[StepRecord], tol:
     """Compare step by step. Raises ValueError if the traces do not cover the same steps."""
     diffs = step_diffs(base, other)
     max_loss = max_grad = 0.0
-    first: tuple[int, str, str] | None = None  # (step, metric, reason)
+    first: dict[str, tuple[int, str]] = {}  # metric → (step, reason) of its first divergence
     for b, o, d in zip(base, other, diffs):
         max_loss, max_grad = _nanmax(max_loss, d.abs_loss), _nanmax(max_grad, d.rel_grad_norm)
-        if first is not None:
-            continue
         d_lr = _rel(o.lr, b.lr) if b.lr else abs(o.lr)
-        if not tol.loss_ok(b.loss, o.loss):
-            first = (d.step, "loss", f"loss diverged at step {d.step}: |Δ| {d.abs_loss:.2e} > tol {tol.loss_tol(b.loss):.1e}")
-        elif not d.rel_grad_norm <= tol.grad_norm_rtol:
-            first = (
+        if "loss" not in first and not tol.loss_ok(b.loss, o.loss):
+            first["loss"] = (d.step, f"loss diverged at step {d.step}: |Δ| {d.abs_loss:.2e} > tol {tol.loss_tol(b.loss):.1e}")
+        if "grad_norm" not in first and not d.rel_grad_norm <= tol.grad_norm_rtol:
+            first["grad_norm"] = (
                 d.step,
-                "grad_norm",
                 f"grad norm diverged at step {d.step}: rel {d.rel_grad_norm:.2e} > tol {tol.grad_norm_rtol:.1e}"
                 f" ({o.grad_norm:.4g} vs {b.grad_norm:.4g})",
             )
-        elif not d_lr <= tol.lr_rtol:
-            first = (d.step, "lr", f"lr diverged at step {d.step}: {o.lr:.4g} vs {b.lr:.4g}")
+        if "lr" not in first and not d_lr <= tol.lr_rtol:
+            first["lr"] = (d.step, f"lr diverged at step {d.step}: {o.lr:.4g} vs {b.lr:.4g}")
+    steps = {metric: first[metric][0] if metric in first else None for metric in METRICS}
+    caught_by = min(first, key=lambda metric: (first[metric][0], METRICS.index(metric))) if first else None
     return Comparison(
-        verdict="match" if first is None else "diverge",
+        verdict="match" if caught_by is None else "diverge",
         max_abs_loss_diff=max_loss,
         max_rel_grad_norm_diff=max_grad,
-        first_divergent_step=None if first is None else first[0],
-        caught_by=None if first is None else first[1],
-        reason="" if first is None else first[2],
+        first_divergent_step=None if caught_by is None else first[caught_by][0],
+        caught_by=caught_by,
+        divergence_steps=steps,
+        reason="" if caught_by is None else first[caught_by][1],
     )
 
 

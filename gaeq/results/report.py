@@ -40,6 +40,8 @@ class CellReport:
     first_divergent_step: int | None
     caught_by: str | None
     """The metric that diverged first: loss, grad_norm or lr."""
+    divergence_steps: dict[str, int | None] | None
+    """Each metric's first divergent step."""
     reason: str
     seconds: float | None
 
@@ -127,6 +129,7 @@ def judge(
                 max_rel_grad_norm_diff=comparison.max_rel_grad_norm_diff if comparison else None,
                 first_divergent_step=comparison.first_divergent_step if comparison else None,
                 caught_by=comparison.caught_by if comparison else None,
+                divergence_steps=comparison.divergence_steps if comparison else None,
                 reason=reason,
                 seconds=outcome.seconds if outcome else None,
             )
@@ -184,9 +187,15 @@ def _row(c: CellReport) -> list[str]:
         c.verdict,
         _sci(c.max_abs_loss_diff),
         _sci(c.max_rel_grad_norm_diff),
-        "-" if c.first_divergent_step is None else f"{c.caught_by} @ step {c.first_divergent_step}",
+        _caught(c),
         "-" if c.seconds is None else f"{c.seconds:.1f}",
     ]
+
+
+def _caught(c: CellReport) -> str:
+    """Every metric that diverged, first one first: `grad_norm@0 loss@1`."""
+    steps = {m: s for m, s in (c.divergence_steps or {}).items() if s is not None}
+    return " ".join(f"{m}@{s}" for m, s in sorted(steps.items(), key=lambda kv: (kv[1], kv[0] != c.caught_by))) or "-"
 
 
 def _sci(x: float | None) -> str:
