@@ -131,3 +131,21 @@ def test_shipped_experiments_validate():
     assert len({c.micro_batch_size for c in matches} - {m.problem.train_batch_size}) >= 3
     assert m.problem.train_batch_size == 32 and m.problem.steps >= 50
     assert any(c.bug == "no_loss_division" and c.expect == "diverge" for c in m.cells)
+
+
+@pytest.mark.parametrize("name", ["ga.yaml", "pitfalls.yaml", "plugins.yaml"])
+def test_every_shipped_experiment_builds(name):
+    from tests.conftest import REPO
+
+    result = runner.invoke(app, ["validate", str(REPO / "experiments" / name)])
+    assert result.exit_code == 0, result.output
+
+
+def test_default_matrix_has_token_normalised_gpt_cells():
+    from tests.conftest import REPO
+
+    m = load_matrix(REPO / "experiments" / "ga.yaml")
+    gpt = [c for c in m.cells if c.variant == "gpt"]
+    assert m.problems["gpt"].loss == "cross_entropy" and m.problems["gpt"].data.kind == "tokens"
+    assert {c.trainer for c in gpt} == {"torch", "deepspeed"} and all(c.expect == "match" for c in gpt)
+    assert {c.zero_stage for c in gpt if c.trainer == "deepspeed"} == {0, 1, 2, 3}
