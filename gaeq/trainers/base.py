@@ -50,7 +50,7 @@ class MicroBatch:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Problem:
+class CellProblem:
     """The built problem of one cell: identical for both trainers."""
 
     plan: BatchPlan
@@ -92,11 +92,11 @@ class Problem:
             yield
 
 
-def build_problem(cell: Cell, problem: ProblemSpec, ctx: RunContext) -> Problem:
+def build_problem(cell: Cell, problem: ProblemSpec, ctx: RunContext) -> CellProblem:
     if cell.world_size != (dist.get_world_size() if dist.is_initialized() else 1):
         raise RuntimeError(f"cell {cell.id} needs world_size {cell.world_size}, process group has another")
     torch.manual_seed(problem.seed)  # the global RNG (dropout_rng: global) starts alike in every cell
-    return Problem(
+    return CellProblem(
         plan=BatchPlan(
             train_batch_size=cell.train_batch_size,
             micro_batch_size=cell.micro_batch_size,
