@@ -56,5 +56,15 @@ BUGS: dict[str, PlantedBug] = {
             trainers=("deepspeed",),
             description="ds_bf16 gradients accumulated in bf16 (data_types.grad_accum_dtype) instead of fp32",
         ),
+        PlantedBug(
+            name="one_grad_scaled",
+            trainers=("torch",),
+            description="the last parameter's accumulated gradient is 4× too large (a hook that forgets a division)",
+        ),
+        PlantedBug(
+            name="lr_zero",
+            trainers=("torch",),
+            description="a control, not a bug: the optimizer's lr is 0, so the parameters never move",
+        ),
     )
 }

@@ -157,6 +157,8 @@ def report(
     atol: Annotated[float | None, typer.Option("--atol", min=0, help="Loss tolerance, absolute (every dtype).")] = None,
     rtol: Annotated[float | None, typer.Option("--rtol", min=0, help="Loss tolerance, relative (every dtype).")] = None,
     grad_rtol: Annotated[float | None, typer.Option("--grad-rtol", min=0, help="Grad-norm tolerance, relative.")] = None,
+    tensor_atol: Annotated[float | None, typer.Option("--tensor-atol", min=0, help="Params/grads tolerance, absolute.")] = None,
+    tensor_rtol: Annotated[float | None, typer.Option("--tensor-rtol", min=0, help="Params/grads tolerance, relative.")] = None,
 ) -> None:
     """Re-judge a finished run from its saved traces (e.g. with other tolerances), without training."""
     if not (run_dir / "matrix.yaml").is_file():
@@ -164,7 +166,13 @@ def report(
         raise typer.Exit(EXIT_BAD_INPUT)
     m = _load(run_dir / "matrix.yaml", check=False)
     outcomes = {c.id: o for c in m.cells if (o := read_outcome(cell_dir(run_dir, c.id))) is not None}
-    overrides = {"loss_atol": atol, "loss_rtol": rtol, "grad_norm_rtol": grad_rtol}
+    overrides = {
+        "loss_atol": atol,
+        "loss_rtol": rtol,
+        "grad_norm_rtol": grad_rtol,
+        "tensor_atol": tensor_atol,
+        "tensor_rtol": tensor_rtol,
+    }
     raise typer.Exit(_judge_and_report(m, run_dir, outcomes, overrides=overrides))
 
 

@@ -25,6 +25,9 @@ from gaeq.problem.spec import Spec as _Spec
 Trainer = Literal["torch", "deepspeed"]
 Expect = Literal["match", "diverge"]
 ZeroStage = Literal[0, 1, 2, 3]
+Offload = Literal["none", "cpu"]
+Tracked = Literal["loss", "grad_norm", "params", "grads"]
+TENSOR_METRICS = ("grads", "params")
 VariantName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_]+$")]
 BASE = "base"
 """The variant name of the matrix's own `problem`."""
@@ -44,6 +47,9 @@ class AxesSpec(_Spec):
     world_size: list[PositiveInt] = Field([1], min_length=1)
     micro_batch_size: list[PositiveInt] = Field(min_length=1)
     zero_stage: list[ZeroStage] = Field([0], min_length=1, description="DeepSpeed cells only.")
+    offload: list[Offload] = Field(
+        ["none"], min_length=1, description="DeepSpeed cells only: ZeRO-Offload of the optimizer (and of parameters at ZeRO-3)."
+    )
     dtype: list[Dtype] | None = Field(None, min_length=1, description="Default: [problem.dtype].")
     variant: list[VariantName] = Field([BASE], min_length=1, description="Problem variants the axes apply to.")
 
@@ -63,6 +69,7 @@ class CellSpec(_Spec):
     world_size: PositiveInt = 1
     micro_batch_size: PositiveInt
     zero_stage: ZeroStage | None = None
+    offload: Offload = "none"
     dtype: Dtype | None = None
     variant: VariantName = BASE
     bug: str | None = Field(None, description=f"A planted bug: one of {sorted(BUGS)}.")
@@ -90,6 +97,8 @@ class ToleranceSpec(_Spec):
     loss_atol: float | None = Field(None, ge=0)
     loss_rtol: float | None = Field(None, ge=0)
     grad_norm_rtol: float | None = Field(None, ge=0)
+    tensor_atol: float | None = Field(None, ge=0)
+    tensor_rtol: float | None = Field(None, ge=0)
 
 
 class MatrixSpec(_Spec):
@@ -104,6 +113,13 @@ class MatrixSpec(_Spec):
         "error", description="A split where B is not divisible by micro × world: fail validation, or skip the cell."
     )
     tolerances: dict[Dtype, ToleranceSpec] = {}
+    track: list[Tracked] = Field(
+        ["loss", "grad_norm"],
+        min_length=1,
+        description="What is compared with the baseline. params/grads also save full (ZeRO-gathered) tensors "
+        "at every boundary: gradients before the update, parameters after it.",
+    )
+    track_every: PositiveInt = Field(1, description="Save params/grads every N optimizer steps (and at the last).")
     timeout_s: float = Field(300.0, gt=0, description="Per cell; a rank silent for longer makes the cell `error`.")
 
 
@@ -134,11 +150,15 @@ class Cell:
     train_batch_size: int
     zero_stage: int | None
     """ZeRO stage for DeepSpeed cells; None for the torch trainer."""
+    offload: str = "none"
     dtype: str = "fp32"
     variant: str = BASE
     bug: str | None = None
     expect: str = "match"
     fault: Fault | None = None
+    snapshots: tuple[str, ...] = ()
+    """Tensors saved at boundaries ("grads", "params"): what the matrix tracks beyond the trace."""
+    snapshot_every: int = 1
     skip_reason: str | None = field(default=None, compare=False)
 
     @property
@@ -156,6 +176,8 @@ class Cell:
         parts = [self.trainer]
         if self.zero_stage is not None:
             parts.append(f"z{self.zero_stage}")
+        if self.offload != "none":
+            parts.append(f"{self.offload}off")
         ga = self.grad_accum_steps if self.divisible else "NA"
         parts += [f"w{self.world_size}", f"mb{self.micro_batch_size}", f"ga{ga}"]
         if self.dtype != "fp32":
@@ -259,7 +281,11 @@ def expand(spec: MatrixSpec, *, plugin_dirs: tuple[str, ...] = ()) -> Matrix:
     if spec.axes and spec.axes.dtype and "dtype" in spec.problem.model_fields_set:
         raise MatrixError("set dtype either in problem.dtype or in axes.dtype, not both")
 
-    def make(*, trainer, world_size, micro_batch_size, zero_stage, dtype, variant, bug=None, expect=None, fault=None) -> Cell:
+    snapshots = tuple(m for m in TENSOR_METRICS if m in spec.track)
+
+    def make(
+        *, trainer, world_size, micro_batch_size, zero_stage, dtype, variant, offload="none", bug=None, expect=None, fault=None
+    ) -> Cell:
         if variant not in problems:
             raise MatrixError(f"unknown variant {variant!r}; known: {', '.join(problems)}")
         problem = problems[variant]
@@ -267,6 +293,8 @@ def expand(spec: MatrixSpec, *, plugin_dirs: tuple[str, ...] = ()) -> Matrix:
             raise MatrixError(f"zero_stage is a DeepSpeed setting; the torch cell w{world_size} mb{micro_batch_size} sets it")
         if trainer == "deepspeed" and zero_stage is None:
             zero_stage = 0
+        if trainer == "torch" and offload != "none":
+            raise MatrixError(f"offload is a DeepSpeed setting; the torch cell w{world_size} mb{micro_batch_size} sets it")
         if dtype == "ds_bf16" and not (trainer == "deepspeed" and zero_stage >= 1):
             raise MatrixError(
                 "dtype ds_bf16 is DeepSpeed's bf16 mixed precision: DeepSpeed cells at ZeRO ≥ 1 only "
@@ -287,12 +315,19 @@ def expand(spec: MatrixSpec, *, plugin_dirs: tuple[str, ...] = ()) -> Matrix:
             micro_batch_size=micro_batch_size,
             train_batch_size=problem.train_batch_size,
             zero_stage=zero_stage,
+            offload=offload,
             dtype=dtype,
             variant=variant,
             bug=bug,
             expect=expect or ("diverge" if bug else "match"),
             fault=Fault(**fault.model_dump()) if fault else None,
+            snapshots=snapshots,
+            snapshot_every=spec.track_every,
         )
+        if offload != "none" and zero_stage == 0:
+            cell = dataclasses.replace(cell, skip_reason="offload needs ZeRO ≥ 1 (ZeRO-0 has no partitioned optimizer to offload)")
+        elif dtype == "fp16" and (reason := _fp16_unsupported()):
+            cell = dataclasses.replace(cell, skip_reason=reason)
         if not cell.divisible:
             if spec.on_indivisible == "error":
                 raise MatrixError(cell._indivisible() + " (or set on_indivisible: skip)")
@@ -317,7 +352,7 @@ def expand(spec: MatrixSpec, *, plugin_dirs: tuple[str, ...] = ()) -> Matrix:
             dtype=dtype,
             variant=variant,
         )
-        if baseline.skip_reason:
+        if not baseline.divisible:  # (a baseline skipped for want of fp16 skips its group with it)
             raise MatrixError(f"the baseline of {key} cannot run: {baseline.skip_reason}")
         baselines[key] = baseline.id
         cells.append(baseline)
@@ -334,9 +369,18 @@ def expand(spec: MatrixSpec, *, plugin_dirs: tuple[str, ...] = ()) -> Matrix:
             for dtype in dtypes_of(variant):
                 ensure_baseline(dtype=dtype, variant=variant)
                 for trainer, world, micro in itertools.product(axes.trainer, axes.world_size, axes.micro_batch_size):
-                    for stage in axes.zero_stage if trainer == "deepspeed" else [None]:
+                    ds = trainer == "deepspeed"
+                    for stage, offload in itertools.product(axes.zero_stage if ds else [None], axes.offload if ds else ["none"]):
                         cells.append(
-                            make(trainer=trainer, world_size=world, micro_batch_size=micro, zero_stage=stage, dtype=dtype, variant=variant)
+                            make(
+                                trainer=trainer,
+                                world_size=world,
+                                micro_batch_size=micro,
+                                zero_stage=stage,
+                                offload=offload,
+                                dtype=dtype,
+                                variant=variant,
+                            )
                         )
 
     for c in spec.cells:
@@ -348,6 +392,7 @@ def expand(spec: MatrixSpec, *, plugin_dirs: tuple[str, ...] = ()) -> Matrix:
                 world_size=c.world_size,
                 micro_batch_size=c.micro_batch_size,
                 zero_stage=c.zero_stage,
+                offload=c.offload,
                 dtype=dtype,
                 variant=c.variant,
                 bug=c.bug,
@@ -362,6 +407,12 @@ def expand(spec: MatrixSpec, *, plugin_dirs: tuple[str, ...] = ()) -> Matrix:
             raise MatrixError(f"two different cells share the id {cell.id}")
         unique.setdefault(cell.id, cell)
     return Matrix(spec=spec, problems=problems, cells=tuple(unique.values()), baselines=baselines, plugin_dirs=plugin_dirs)
+
+
+def _fp16_unsupported() -> str | None:
+    from gaeq.accelerator import fp16_unsupported_reason  # imports torch/DeepSpeed: only for fp16 cells
+
+    return fp16_unsupported_reason()
 
 
 def _first_line(exc: BaseException) -> str:

@@ -12,9 +12,9 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 PositiveInt = Annotated[int, Field(gt=0)]
-Dtype = Literal["fp32", "bf16", "ds_bf16"]
-"""fp32; bf16 = forward autocast on both trainers (fp32 weights and gradients); ds_bf16 = DeepSpeed's
-bf16 mixed precision (bf16 weights and gradients, fp32 master weights) — DeepSpeed cells only."""
+Dtype = Literal["fp32", "bf16", "fp16", "ds_bf16"]
+"""fp32; bf16 / fp16 = forward autocast on both trainers (fp32 weights and gradients); ds_bf16 =
+DeepSpeed's bf16 mixed precision (bf16 weights and gradients, fp32 master weights) — DeepSpeed only."""
 
 
 class Spec(BaseModel):

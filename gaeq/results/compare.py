@@ -12,11 +12,14 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from gaeq.results.snapshots import KINDS as TENSOR_KINDS
+from gaeq.results.snapshots import TensorComparison
 from gaeq.results.trace import StepRecord
 
 
-METRICS = ("loss", "grad_norm", "lr")
-"""What is compared at every step, in the order a tie is reported."""
+METRICS = ("grads", "params", "loss", "grad_norm", "lr")
+"""What can be compared at every step, in the order a tie is reported: tensors first, because they
+localise a divergence to one parameter."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,6 +29,9 @@ class Tolerance:
     loss_rtol: float
     grad_norm_rtol: float
     """|Δ grad norm| / baseline grad norm allowed at every step."""
+    tensor_atol: float
+    tensor_rtol: float
+    """A parameter or gradient tensor diverges when max|Δ| > tensor_atol + tensor_rtol · max|baseline|."""
     lr_rtol: float = 1e-12
     """The schedule is a pure function of the optimizer step: the lr must agree to rounding."""
 
@@ -38,12 +44,16 @@ class Tolerance:
 
 DEFAULT_TOLERANCES: dict[str, Tolerance] = {
     # Measured on the default matrix (fp32, 50 steps): max |Δloss| 4.5e-8, max rel Δ grad norm 2.0e-7.
-    "fp32": Tolerance(loss_atol=1e-6, loss_rtol=1e-6, grad_norm_rtol=1e-5),
+    "fp32": Tolerance(loss_atol=1e-6, loss_rtol=1e-6, grad_norm_rtol=1e-5, tensor_atol=1e-8, tensor_rtol=1e-5),
     # Autocast bf16 forward (both sides): the micro-batch size changes which matmuls round to bf16.
     # Measured (30 steps, micro 4-16, ZeRO 0-3): max |Δloss| 1.0e-4, max rel Δ grad norm 2.1e-3.
-    "bf16": Tolerance(loss_atol=1e-3, loss_rtol=1e-3, grad_norm_rtol=2e-2),
+    # Tensors (experiments/zero.yaml, 20 steps): fp32 max |Δ|/max|x| 7.3e-7 (grads), 1.9e-7 (params);
+    # bf16 1.5e-2 (grads), 6.8e-3 (params).
+    "bf16": Tolerance(loss_atol=1e-3, loss_rtol=1e-3, grad_norm_rtol=2e-2, tensor_atol=1e-5, tensor_rtol=1e-1),
     # DeepSpeed bf16 (bf16 weights, fp32 master weights and accumulation) against a GA-1 ds_bf16 baseline.
-    "ds_bf16": Tolerance(loss_atol=1e-3, loss_rtol=1e-3, grad_norm_rtol=2e-2),
+    "ds_bf16": Tolerance(loss_atol=1e-3, loss_rtol=1e-3, grad_norm_rtol=2e-2, tensor_atol=1e-5, tensor_rtol=1e-1),
+    # fp16 autocast: not measured here (no fp16 on this CPU); 10 mantissa bits against bf16's 7.
+    "fp16": Tolerance(loss_atol=3e-4, loss_rtol=3e-4, grad_norm_rtol=5e-3, tensor_atol=1e-6, tensor_rtol=1e-2),
 }
 
 
@@ -58,11 +68,14 @@ class Comparison:
     verdict: str  # "match" | "diverge"
     max_abs_loss_diff: float
     max_rel_grad_norm_diff: float
+    max_abs_grad_diff: float | None
+    """Over every saved gradient tensor and step (None: gradients not tracked)."""
+    max_abs_param_diff: float | None
     first_divergent_step: int | None
     caught_by: str | None
-    """The metric that diverged first: "loss", "grad_norm" or "lr" (in that order on a tie)."""
+    """The metric that diverged first (METRICS order on a tie)."""
     divergence_steps: dict[str, int | None]
-    """Each metric's first divergent step (None: it never diverged)."""
+    """Each compared metric's first divergent step (None: it never diverged)."""
     reason: str
 
 
@@ -85,17 +98,25 @@ def step_diffs(base: Sequence[StepRecord], other: Sequence[StepRecord]) -> list[
     ]
 
 
-def compare_traces(base: Sequence[StepRecord], other: Sequence[StepRecord], tol: Tolerance) -> Comparison:
-    """Compare step by step. Raises ValueError if the traces do not cover the same steps."""
+def compare_traces(
+    base: Sequence[StepRecord],
+    other: Sequence[StepRecord],
+    tol: Tolerance,
+    *,
+    tracked: Sequence[str] = ("loss", "grad_norm"),
+    tensors: TensorComparison | None = None,
+) -> Comparison:
+    """Compare step by step (and, given `tensors`, parameter by parameter); the verdict names the
+    first divergence. Raises ValueError if the traces do not cover the same steps."""
     diffs = step_diffs(base, other)
     max_loss = max_grad = 0.0
     first: dict[str, tuple[int, str]] = {}  # metric → (step, reason) of its first divergence
     for b, o, d in zip(base, other, diffs):
         max_loss, max_grad = _nanmax(max_loss, d.abs_loss), _nanmax(max_grad, d.rel_grad_norm)
         d_lr = _rel(o.lr, b.lr) if b.lr else abs(o.lr)
-        if "loss" not in first and not tol.loss_ok(b.loss, o.loss):
+        if "loss" in tracked and "loss" not in first and not tol.loss_ok(b.loss, o.loss):
             first["loss"] = (d.step, f"loss diverged at step {d.step}: |Δ| {d.abs_loss:.2e} > tol {tol.loss_tol(b.loss):.1e}")
-        if "grad_norm" not in first and not d.rel_grad_norm <= tol.grad_norm_rtol:
+        if "grad_norm" in tracked and "grad_norm" not in first and not d.rel_grad_norm <= tol.grad_norm_rtol:
             first["grad_norm"] = (
                 d.step,
                 f"grad norm diverged at step {d.step}: rel {d.rel_grad_norm:.2e} > tol {tol.grad_norm_rtol:.1e}"
@@ -103,16 +124,23 @@ def compare_traces(base: Sequence[StepRecord], other: Sequence[StepRecord], tol:
             )
         if "lr" not in first and not d_lr <= tol.lr_rtol:
             first["lr"] = (d.step, f"lr diverged at step {d.step}: {o.lr:.4g} vs {b.lr:.4g}")
-    steps = {metric: first[metric][0] if metric in first else None for metric in METRICS}
-    caught_by = min(first, key=lambda metric: (first[metric][0], METRICS.index(metric))) if first else None
+    for kind, divergence in (tensors.first if tensors else {}).items():
+        first[kind] = (divergence.step, divergence.describe())
+    compared = [m for m in METRICS if m in tracked or m == "lr"]
+    caught_by = min(first, key=lambda m: (first[m][0], METRICS.index(m))) if first else None
+    reason = "" if caught_by is None else first[caught_by][1]
+    if caught_by in TENSOR_KINDS and "loss" in tracked and "loss" not in first:
+        reason += " (the loss still matches)"
     return Comparison(
         verdict="match" if caught_by is None else "diverge",
         max_abs_loss_diff=max_loss,
         max_rel_grad_norm_diff=max_grad,
+        max_abs_grad_diff=tensors.max_abs["grads"] if tensors and "grads" in tracked else None,
+        max_abs_param_diff=tensors.max_abs["params"] if tensors and "params" in tracked else None,
         first_divergent_step=None if caught_by is None else first[caught_by][0],
         caught_by=caught_by,
-        divergence_steps=steps,
-        reason="" if caught_by is None else first[caught_by][1],
+        divergence_steps={m: first[m][0] if m in first else None for m in compared},
+        reason=reason,
     )
 
 

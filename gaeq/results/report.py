@@ -16,7 +16,8 @@ from rich.text import Text
 from gaeq.matrix import Cell, Matrix, group_key
 from gaeq.results.compare import Tolerance, compare_traces, tolerance_for
 from gaeq.results.outcome import CellOutcome
-from gaeq.results.trace import TraceStore
+from gaeq.results.snapshots import compare_snapshots, read_snapshots
+from gaeq.results.trace import TraceStore, cell_dir
 
 VERDICTS = ("match", "diverge", "error", "skipped")
 EXIT_OK, EXIT_VERDICT, EXIT_BAD_INPUT, EXIT_RUN_FAILED = 0, 1, 2, 3
@@ -30,6 +31,7 @@ class CellReport:
     micro_batch_size: int
     grad_accum_steps: int | None
     zero_stage: int | None
+    offload: str
     dtype: str
     variant: str
     bug: str | None
@@ -37,6 +39,9 @@ class CellReport:
     verdict: str
     max_abs_loss_diff: float | None
     max_rel_grad_norm_diff: float | None
+    max_abs_grad_diff: float | None
+    """Over every saved gradient (None: not tracked)."""
+    max_abs_param_diff: float | None
     first_divergent_step: int | None
     caught_by: str | None
     """The metric that diverged first: loss, grad_norm or lr."""
@@ -109,7 +114,12 @@ def judge(
     for cell in matrix.cells:
         base_id = matrix.baselines[cell.group]
         verdict, reason, comparison = _judge_cell(
-            cell, base_id=base_id, outcomes=outcomes, traces=traces, tolerance=tolerances[cell.dtype]
+            cell,
+            base_id=base_id,
+            outcomes=outcomes,
+            traces=traces,
+            tolerance=tolerances[cell.dtype],
+            tracked=tuple(matrix.spec.track),
         )
         outcome = outcomes.get(cell.id)
         cells.append(
@@ -120,6 +130,7 @@ def judge(
                 micro_batch_size=cell.micro_batch_size,
                 grad_accum_steps=cell.grad_accum_steps if cell.divisible else None,
                 zero_stage=cell.zero_stage,
+                offload=cell.offload,
                 dtype=cell.dtype,
                 variant=cell.variant,
                 bug=cell.bug,
@@ -127,6 +138,8 @@ def judge(
                 verdict=verdict,
                 max_abs_loss_diff=comparison.max_abs_loss_diff if comparison else None,
                 max_rel_grad_norm_diff=comparison.max_rel_grad_norm_diff if comparison else None,
+                max_abs_grad_diff=comparison.max_abs_grad_diff if comparison else None,
+                max_abs_param_diff=comparison.max_abs_param_diff if comparison else None,
                 first_divergent_step=comparison.first_divergent_step if comparison else None,
                 caught_by=comparison.caught_by if comparison else None,
                 divergence_steps=comparison.divergence_steps if comparison else None,
@@ -137,7 +150,7 @@ def judge(
     return Report(baselines=dict(matrix.baselines), tolerances=tolerances, cells=cells)
 
 
-def _judge_cell(cell: Cell, *, base_id: str, outcomes, traces: TraceStore, tolerance: Tolerance):
+def _judge_cell(cell: Cell, *, base_id: str, outcomes, traces: TraceStore, tolerance: Tolerance, tracked: tuple[str, ...]):
     if cell.skip_reason:
         return "skipped", cell.skip_reason, None
     outcome = outcomes.get(cell.id)
@@ -149,9 +162,17 @@ def _judge_cell(cell: Cell, *, base_id: str, outcomes, traces: TraceStore, toler
     if base_outcome is None or base_outcome.status != "done":
         return "error", f"baseline {base_id} did not finish: nothing to compare with", None
     try:
-        comparison = compare_traces(traces.get(base_id), traces.get(cell.id), tolerance)
+        tensors = None
+        if cell.snapshots:
+            tensors = compare_snapshots(
+                read_snapshots(cell_dir(traces.run_dir, base_id)),
+                read_snapshots(cell_dir(traces.run_dir, cell.id)),
+                atol=tolerance.tensor_atol,
+                rtol=tolerance.tensor_rtol,
+            )
+        comparison = compare_traces(traces.get(base_id), traces.get(cell.id), tolerance, tracked=tracked, tensors=tensors)
     except (OSError, ValueError, TypeError) as exc:
-        return "error", f"unreadable or incomplete trace: {exc}", None
+        return "error", f"unreadable or incomplete results: {exc}", None
     reason = "baseline" if cell.id == base_id else comparison.reason
     return comparison.verdict, reason, comparison
 
@@ -173,23 +194,34 @@ def _atomic_write(path: Path, text: str) -> None:
 
 
 _COLUMNS = ("cell", "W", "MB", "GA", "ZeRO", "dtype", "expect", "verdict", "max |Δloss|", "max rel Δ‖g‖", "caught", "s")
+_TENSOR_COLUMNS = ("max |Δgrad|", "max |Δparam|")
+"""Shown when the matrix tracks gradients or parameters."""
 
 
-def _row(c: CellReport) -> list[str]:
-    return [
+def _columns(report: Report) -> tuple[str, ...]:
+    return _COLUMNS[:10] + (_TENSOR_COLUMNS if _tracks_tensors(report) else ()) + _COLUMNS[10:]
+
+
+def _tracks_tensors(report: Report) -> bool:
+    return any(c.max_abs_grad_diff is not None or c.max_abs_param_diff is not None for c in report.cells)
+
+
+def _row(c: CellReport, *, tensors: bool) -> list[str]:
+    cells = [
         c.id,
         str(c.world_size),
         str(c.micro_batch_size),
         "-" if c.grad_accum_steps is None else str(c.grad_accum_steps),
-        "-" if c.zero_stage is None else str(c.zero_stage),
+        "-" if c.zero_stage is None else str(c.zero_stage) + ("+cpu" if c.offload != "none" else ""),
         c.dtype,
         c.expect,
         c.verdict,
         _sci(c.max_abs_loss_diff),
         _sci(c.max_rel_grad_norm_diff),
-        _caught(c),
-        "-" if c.seconds is None else f"{c.seconds:.1f}",
     ]
+    if tensors:
+        cells += [_sci(c.max_abs_grad_diff), _sci(c.max_abs_param_diff)]
+    return cells + [_caught(c), "-" if c.seconds is None else f"{c.seconds:.1f}"]
 
 
 def _caught(c: CellReport) -> str:
@@ -207,10 +239,11 @@ _STYLE = {"match": "green", "diverge": "yellow", "error": "bold red", "skipped":
 
 def verdict_table(report: Report) -> Table:
     table = Table(title="gaeq verdicts", title_justify="left", show_lines=False)
-    for name in _COLUMNS + ("ok",):
+    tensors = _tracks_tensors(report)
+    for name in _columns(report) + ("ok",):
         table.add_column(name, justify="right" if name in {"W", "MB", "GA", "ZeRO", "s"} else "left", no_wrap=name == "cell")
     for c in report.cells:
-        row = _row(c)
+        row = _row(c, tensors=tensors)
         row[7] = Text(c.verdict, style=_STYLE[c.verdict])
         ok = Text("✓", style="green") if c.as_expected else Text("✗", style="bold red")
         table.add_row(*row, ok)
@@ -234,11 +267,11 @@ def render_markdown(report: Report, *, figure: str | None = None) -> str:
             for d, t in report.tolerances.items()
         ),
         "",
-        "| " + " | ".join(name.replace("|", "\\|") for name in _COLUMNS + ("ok",)) + " |",
-        "|" + "---|" * (len(_COLUMNS) + 1),
+        "| " + " | ".join(name.replace("|", "\\|") for name in _columns(report) + ("ok",)) + " |",
+        "|" + "---|" * (len(_columns(report)) + 1),
     ]
     for c in report.cells:
-        lines.append("| " + " | ".join(_row(c) + ["✓" if c.as_expected else "✗"]) + " |")
+        lines.append("| " + " | ".join(_row(c, tensors=_tracks_tensors(report)) + ["✓" if c.as_expected else "✗"]) + " |")
     notes = [c for c in report.cells if c.reason and c.reason != "baseline"]
     if notes:
         lines += ["", "## Reasons", ""]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +22,7 @@ from gaeq.problem.build import BuiltProblem
 from gaeq.problem.build import build_problem as build
 from gaeq.problem.data import BatchPlan
 from gaeq.problem.models import sample_keys
+from gaeq.results.snapshots import SnapshotWriter, wanted
 from gaeq.results.trace import StepRecord, TraceWriter
 
 
@@ -119,12 +120,23 @@ def autocast(dtype: str, device: torch.device) -> contextlib.AbstractContextMana
 
 
 class StepRecorder:
-    """Every rank calls :meth:`record` (it sums the loss over ranks); rank 0 writes the trace."""
+    """Every rank calls :meth:`record` (it sums the loss over ranks) and gathers the snapshots it
+    :meth:`wants` (gathering is a collective under ZeRO); rank 0 writes the trace and snapshots."""
 
-    def __init__(self, *, cell: Cell, ctx: RunContext) -> None:
+    def __init__(self, *, cell: Cell, ctx: RunContext, steps: int) -> None:
         self.cell = cell
         self.ctx = ctx
+        self.steps = steps
         self.writer = TraceWriter(ctx.cell_dir) if ctx.rank == 0 else None
+        self.snapshots = SnapshotWriter(ctx.cell_dir) if ctx.rank == 0 and cell.snapshots else None
+
+    def wants(self, kind: str, step: int) -> bool:
+        """Whether `kind` ("grads" or "params") is saved at `step`: the same answer on every rank."""
+        return kind in self.cell.snapshots and wanted(step, every=self.cell.snapshot_every, steps=self.steps)
+
+    def snapshot(self, *, step: int, kind: str, named: Mapping[str, torch.Tensor]) -> None:
+        if self.snapshots is not None:
+            self.snapshots.add(step=step, kind=kind, named=named)
 
     def record(self, *, step: int, local_loss_sum: float, normaliser: int, grad_norm: float, lr: float, seconds: float) -> None:
         # float64 end to end: the comparison must not be limited by the logging precision.
@@ -146,8 +158,10 @@ class StepRecorder:
         self.ctx.on_step(step)
 
     def close(self) -> None:
+        if self.snapshots is not None:
+            self.snapshots.close()
         if self.writer is not None:
-            self.writer.close()
+            self.writer.close()  # last: a published trace means a complete cell
 
 
 def inject_fault(cell: Cell, *, rank: int, step: int) -> None:

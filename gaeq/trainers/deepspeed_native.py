@@ -14,6 +14,7 @@ from typing import Any
 
 import deepspeed
 import torch
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
 from gaeq.matrix import Cell
 from gaeq.problem.loss import mean_of_means_factor, share_of_global_mean
@@ -34,8 +35,10 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> None:
         config=deepspeed_config(cell, problem),
         lr_scheduler=lambda optimizer: build_scheduler(optimizer, problem),
     )
+    if (cell.offload != "none") != engine.zero_cpu_offload():
+        raise RuntimeError(f"asked for offload={cell.offload}, the engine has zero_cpu_offload()={engine.zero_cpu_offload()}")
     net = engine
-    recorder = StepRecorder(cell=cell, ctx=ctx)
+    recorder = StepRecorder(cell=cell, ctx=ctx, steps=problem.steps)
 
     for step in range(problem.steps):
         inject_fault(cell, rank=ctx.rank, step=step)
@@ -64,11 +67,15 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> None:
             engine.backward(loss)
             if boundary:
                 grad_norm = _norm_before_step(engine)
+                if recorder.wants("grads", step):  # gathered from every partition: all ranks call it
+                    recorder.snapshot(step=step, kind="grads", named=_full_grads(engine))
             # ACCUMULATION: step() every micro-step; the engine clips, updates, steps the schedule
             # and zeroes gradients only when it is at the boundary.
             engine.step()
             local_loss_sum += micro_loss_sum.item()
         grad_norm = _norm_after_step(engine, grad_norm)
+        if recorder.wants("params", step):
+            recorder.snapshot(step=step, kind="params", named=_full_params(engine))
         recorder.record(
             step=step,
             local_loss_sum=local_loss_sum,
@@ -93,9 +100,12 @@ def deepspeed_config(cell: Cell, problem: ProblemSpec) -> dict[str, Any]:
         # Average over ranks after the backward, like DDP: no pre-division, no extra factor.
         "prescale_gradients": False,
         "gradient_predivide_factor": 1.0,
-        "zero_optimization": {"stage": cell.zero_stage},
+        "zero_optimization": _zero_config(cell),
         # torch.optim.SGD is not on ZeRO's list of tested optimizers; it is exact elementwise math.
         "zero_allow_untested_optimizer": True,
+        # With offload DeepSpeed insists on its CPU Adam unless told otherwise: we keep torch's
+        # AdamW, the same update code as the torch trainer.
+        "zero_force_ds_cpu_optimizer": False,
         # fp32 and bf16 (forward autocast, base.autocast) keep fp32 weights. ds_bf16 is DeepSpeed's
         # own bf16: bf16 weights and gradients, fp32 master weights, gradients accumulated in fp32.
         "fp16": {"enabled": False},
@@ -107,6 +117,15 @@ def deepspeed_config(cell: Cell, problem: ProblemSpec) -> dict[str, Any]:
     if cell.bug == "deepspeed_default_clipping":
         del config["gradient_clipping"]  # planted bug: trusts DeepSpeed's default (1.0 in 0.19)
     return config
+
+
+def _zero_config(cell: Cell) -> dict[str, Any]:
+    zero: dict[str, Any] = {"stage": cell.zero_stage}
+    if cell.offload != "none":
+        zero["offload_optimizer"] = {"device": cell.offload, "pin_memory": False}
+        if cell.zero_stage == 3:
+            zero["offload_param"] = {"device": cell.offload, "pin_memory": False}
+    return zero
 
 
 def _norm_before_step(engine) -> float | None:
@@ -128,3 +147,17 @@ def _norm_after_step(engine, before: float | None) -> float:
     if norm is None:
         return math.nan
     return float(norm)
+
+
+def _full_grads(engine) -> dict[str, torch.Tensor]:
+    """The reduced, accumulated gradient of every parameter, whole (before the engine's step)."""
+    return {name: safe_get_full_grad(p) for name, p in engine.module.named_parameters()}
+
+
+def _full_params(engine) -> dict[str, torch.Tensor]:
+    """Every parameter, whole, in full precision (the fp32 master copy where there is one)."""
+    full = {}
+    for name, p in engine.module.named_parameters():
+        master = safe_get_full_fp32_param(p)
+        full[name] = p if master is None else master
+    return full

@@ -30,10 +30,13 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> None:
     ddp = DDP(model) if ctx.world_size > 1 else None
     net = ddp or model
     optimizer = build_optimizer(model.parameters(), problem.optimizer)
+    if cell.bug == "lr_zero":
+        optimizer.param_groups[0]["lr"] = 0.0  # planted control: the compared side never moves
     scheduler = build_scheduler(optimizer, problem)
     # clip_grad_norm_ returns the pre-clipping norm; max_norm=inf measures without clipping.
     max_norm = problem.gradient_clipping or math.inf
-    recorder = StepRecorder(cell=cell, ctx=ctx)
+    last_param = list(model.parameters())[-1]
+    recorder = StepRecorder(cell=cell, ctx=ctx, steps=problem.steps)
 
     for step in range(problem.steps):
         inject_fault(cell, rank=ctx.rank, step=step)
@@ -65,11 +68,17 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> None:
             if cell.bug == "scheduler_every_micro_step" and not boundary:
                 scheduler.step()  # planted bug: the schedule runs GA× too fast
             local_loss_sum += micro_loss_sum.item()
+        if cell.bug == "one_grad_scaled":
+            last_param.grad.mul_(4.0)  # planted bug: one tensor's gradient 4× (AdamW hardly notices)
+        if recorder.wants("grads", step):
+            recorder.snapshot(step=step, kind="grads", named={n: p.grad for n, p in model.named_parameters()})
         # ACCUMULATION: at the boundary we clip, step the optimizer, step the schedule, zero.
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=max_norm).item()
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        if recorder.wants("params", step):
+            recorder.snapshot(step=step, kind="params", named=dict(model.named_parameters()))
         recorder.record(
             step=step,
             local_loss_sum=local_loss_sum,
