@@ -96,7 +96,7 @@ def run(
     out: Annotated[Path | None, typer.Option("--out", help="Run directory. Default: runs/<name>-<time>.")] = None,
 ) -> None:
     """Train every cell of a matrix, compare each with its baseline, print the verdicts."""
-    from gaeq.runtime.launch import Event, run_cells
+    from gaeq.runtime.launch import Event, run_all
 
     m = _load(matrix)
     run_dir = out or Path("runs") / f"{m.spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -124,6 +124,8 @@ def run(
         def on_event(event: Event) -> None:
             if event.kind == "group":
                 progress.update(current, description=f"  starting world size {event.world_size}", completed=0, visible=True)
+            elif event.kind == "convert":
+                progress.update(current, description=f"  ds_to_universal {event.cell_id} @ step {event.step}", visible=True)
             elif event.kind == "start":
                 progress.update(current, description=f"  {event.cell_id}", completed=0, visible=True)
             elif event.kind == "step":
@@ -134,7 +136,7 @@ def run(
                     progress.console.print(f"[bold red]error[/] {event.cell_id}: {escape(event.outcome.reason.splitlines()[0])}", highlight=False)
 
         try:
-            outcomes = run_cells(
+            outcomes = run_all(
                 cells=cells,
                 problems=m.problems,
                 search=m.plugin_dirs,

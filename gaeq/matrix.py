@@ -84,6 +84,30 @@ class BaselineSpec(_Spec):
     zero_stage: ZeroStage | None = None
 
 
+class ResumeTargetSpec(_Spec):
+    """Where a checkpoint is resumed: the source's trainer, dtype and variant, another split."""
+
+    world_size: PositiveInt = 1
+    micro_batch_size: PositiveInt
+    zero_stage: ZeroStage | None = None
+    offload: Offload = "none"
+    drop: list[Literal["optimizer", "schedule"]] = Field(
+        [], description="Negative controls: resume without the optimizer state, or with the LR schedule restarted."
+    )
+    expect: Expect | None = Field(None, description="Default: 'diverge' when something is dropped, else 'match'.")
+
+
+class ResumeSpec(_Spec):
+    """Train `from` to step `at_step`, checkpoint, (convert,) and resume in every `to` cell."""
+
+    from_: CellSpec = Field(alias="from", description="The source cell (added to the matrix if it is not there).")
+    at_step: PositiveInt = Field(description="Optimizer steps completed before the checkpoint.")
+    universal: bool = Field(
+        True, description="Convert with DeepSpeed's ds_to_universal and load with load_universal (DeepSpeed, ZeRO ≥ 1)."
+    )
+    to: list[ResumeTargetSpec] = Field(min_length=1)
+
+
 class VariantSpec(_Spec):
     """Another problem in the same matrix: the matrix's `problem` with these keys replaced."""
 
@@ -108,6 +132,7 @@ class MatrixSpec(_Spec):
     variants: dict[VariantName, VariantSpec] = {}
     axes: AxesSpec | None = Field(None, description="The cartesian product of splits; optional with explicit cells.")
     cells: list[CellSpec] = []
+    resume: list[ResumeSpec] = Field([], description="Checkpoint → resume experiments; resumed cells are compared from their resume step on.")
     baseline: BaselineSpec = BaselineSpec()
     on_indivisible: Literal["error", "skip"] = Field(
         "error", description="A split where B is not divisible by micro × world: fail validation, or skip the cell."
@@ -135,6 +160,16 @@ class Fault:
     kind: str
 
 
+@dataclass(frozen=True, kw_only=True)
+class Resume:
+    source: str
+    """Id of the cell whose checkpoint is resumed."""
+    step: int
+    """Optimizer steps the checkpoint holds; the resumed cell trains steps `step`..end."""
+    universal: bool
+    drop: tuple[str, ...] = ()
+
+
 def group_key(*, dtype: str, variant: str) -> str:
     """Cells are judged against the baseline of their group: same problem variant, same dtype."""
     return dtype if variant == BASE else f"{dtype}@{variant}"
@@ -159,6 +194,9 @@ class Cell:
     snapshots: tuple[str, ...] = ()
     """Tensors saved at boundaries ("grads", "params"): what the matrix tracks beyond the trace."""
     snapshot_every: int = 1
+    save_at: tuple[int, ...] = ()
+    """Checkpoint after these many optimizer steps (for resume experiments)."""
+    resume: Resume | None = None
     skip_reason: str | None = field(default=None, compare=False)
 
     @property
@@ -186,12 +224,20 @@ class Cell:
             parts.append(f"bug_{self.bug}")
         if self.fault:
             parts.append(f"fault_{self.fault.kind}_r{self.fault.rank}_s{self.fault.step}")
+        if self.resume:
+            parts.append(f"from_s{self.resume.step}_{'universal' if self.resume.universal else 'plain'}")
+            parts += [f"drop_{d}" for d in self.resume.drop]
         suffix = "" if self.variant == BASE else f"@{self.variant}"
         return "-".join(parts) + suffix
 
     @property
     def group(self) -> str:
         return group_key(dtype=self.dtype, variant=self.variant)
+
+    @property
+    def first_step(self) -> int:
+        """The first optimizer step this cell trains (and is compared on)."""
+        return self.resume.step if self.resume else 0
 
     def _indivisible(self) -> str:
         return indivisible_message(
@@ -401,12 +447,81 @@ def expand(spec: MatrixSpec, *, plugin_dirs: tuple[str, ...] = ()) -> Matrix:
             )
         )
 
+    for r in spec.resume:
+        _add_resume(r, cells=cells, make=make, ensure_baseline=ensure_baseline, dtypes_of=dtypes_of, problems=problems)
+
     unique: dict[str, Cell] = {}
     for cell in cells:
         if cell.id in unique and unique[cell.id] != cell:
             raise MatrixError(f"two different cells share the id {cell.id}")
         unique.setdefault(cell.id, cell)
     return Matrix(spec=spec, problems=problems, cells=tuple(unique.values()), baselines=baselines, plugin_dirs=plugin_dirs)
+
+
+def _add_resume(r: ResumeSpec, *, cells: list[Cell], make, ensure_baseline, dtypes_of, problems) -> None:
+    """The source cell (found or added, marked to checkpoint at `at_step`) and its resumed targets."""
+    src = r.from_
+    if src.bug or src.fault:
+        raise MatrixError("a resume source is a plain cell: no bug, no fault")
+    dtype = src.dtype or dtypes_of(src.variant)[0]
+    steps = problems[src.variant].steps
+    if not 0 < r.at_step < steps:
+        raise MatrixError(f"resume at_step {r.at_step} must lie between 1 and steps - 1 = {steps - 1}")
+    ensure_baseline(dtype=dtype, variant=src.variant)
+    source = make(
+        trainer=src.trainer,
+        world_size=src.world_size,
+        micro_batch_size=src.micro_batch_size,
+        zero_stage=src.zero_stage,
+        offload=src.offload,
+        dtype=dtype,
+        variant=src.variant,
+    )
+    if source.skip_reason:
+        raise MatrixError(f"the resume source {source.id} cannot run: {source.skip_reason}")
+    if r.universal and (source.trainer != "deepspeed" or source.zero_stage == 0):
+        raise MatrixError(
+            f"universal checkpoints are DeepSpeed ZeRO ≥ 1 checkpoints; source {source.id} cannot write one "
+            "(use universal: false: a torch cell resumes its own state dicts at any world size)"
+        )
+    same = [i for i, c in enumerate(cells) if c.id == source.id]
+    if same:
+        source = cells[same[0]]
+    else:
+        cells.append(source)
+    marked = dataclasses.replace(source, save_at=tuple(sorted({*source.save_at, r.at_step})))
+    cells[same[0] if same else -1] = marked
+    for t in r.to:
+        target = make(
+            trainer=source.trainer,
+            world_size=t.world_size,
+            micro_batch_size=t.micro_batch_size,
+            zero_stage=t.zero_stage,
+            offload=t.offload,
+            dtype=dtype,
+            variant=src.variant,
+            expect=t.expect or ("diverge" if t.drop else "match"),
+        )
+        if r.universal and target.zero_stage == 0:
+            raise MatrixError(f"a universal checkpoint loads into ZeRO ≥ 1; target {target.id} is ZeRO-0")
+        if r.universal and target.zero_stage == 3 and source.zero_stage != 3:
+            raise MatrixError(
+                f"DeepSpeed 0.19 loads a universal checkpoint into ZeRO-3 only when it was saved at ZeRO-3 "
+                f"(source {source.id} is ZeRO-{source.zero_stage}: the ZeRO-3 loader finds no model-state files)"
+            )
+        if r.universal and "optimizer" in t.drop:
+            raise MatrixError("DeepSpeed always loads the optimizer state of a universal checkpoint: drop it only with universal: false")
+        if not r.universal and source.trainer == "deepspeed" and (
+            target.world_size, target.zero_stage) != (source.world_size, source.zero_stage):
+            raise MatrixError(
+                f"a plain DeepSpeed checkpoint resumes at the same world size and ZeRO stage "
+                f"(source w{source.world_size} z{source.zero_stage}); use universal: true to change them"
+            )
+        cells.append(
+            dataclasses.replace(
+                target, resume=Resume(source=source.id, step=r.at_step, universal=r.universal, drop=tuple(t.drop))
+            )
+        )
 
 
 def _fp16_unsupported() -> str | None:

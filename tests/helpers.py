@@ -38,7 +38,7 @@ def run_in_process(matrix, run_dir):
     for cell in matrix.runnable():
         cell_dir = run_dir / "cells" / cell.id
         cell_dir.mkdir(parents=True)
-        ctx = RunContext(rank=0, world_size=1, device=torch.device("cpu"), cell_dir=cell_dir)
+        ctx = RunContext(rank=0, world_size=1, device=torch.device("cpu"), cell_dir=cell_dir, run_dir=run_dir)
         trainer_for(cell.trainer)(cell=cell, problem=matrix.problem, ctx=ctx)
         outcomes[cell.id] = CellOutcome(status="done", seconds=0.0)
         write_outcome(cell_dir, outcomes[cell.id])

@@ -89,12 +89,14 @@ class StepDiff:
 
 
 def step_diffs(base: Sequence[StepRecord], other: Sequence[StepRecord]) -> list[StepDiff]:
-    """Per-step differences. Raises ValueError if the traces do not cover the same steps."""
-    if [r.step for r in base] != [r.step for r in other]:
-        raise ValueError(f"trace has {len(other)} steps, baseline has {len(base)}")
+    """Differences at each of `other`'s steps. Raises ValueError for a step the baseline lacks."""
+    by_step = {r.step: r for r in base}
+    missing = [r.step for r in other if r.step not in by_step]
+    if missing:
+        raise ValueError(f"steps {missing[:3]} are not in the baseline's trace")
     return [
-        StepDiff(step=b.step, abs_loss=abs(o.loss - b.loss), rel_grad_norm=_rel(o.grad_norm, b.grad_norm))
-        for b, o in zip(base, other)
+        StepDiff(step=o.step, abs_loss=abs(o.loss - b.loss), rel_grad_norm=_rel(o.grad_norm, b.grad_norm))
+        for o, b in ((o, by_step[o.step]) for o in other)
     ]
 
 
@@ -105,9 +107,14 @@ def compare_traces(
     *,
     tracked: Sequence[str] = ("loss", "grad_norm"),
     tensors: TensorComparison | None = None,
+    first_step: int = 0,
 ) -> Comparison:
-    """Compare step by step (and, given `tensors`, parameter by parameter); the verdict names the
-    first divergence. Raises ValueError if the traces do not cover the same steps."""
+    """Compare step by step from `first_step` (a resumed cell's first step) on — and, given
+    `tensors`, parameter by parameter; the verdict names the first divergence. Raises ValueError
+    if `other` does not cover exactly the baseline's steps from `first_step`."""
+    base = [r for r in base if r.step >= first_step]
+    if [r.step for r in other] != [r.step for r in base]:
+        raise ValueError(f"trace has {len(other)} steps, the baseline has {len(base)} from step {first_step}")
     diffs = step_diffs(base, other)
     max_loss = max_grad = 0.0
     first: dict[str, tuple[int, str]] = {}  # metric → (step, reason) of its first divergence

@@ -33,12 +33,12 @@ def plot_overlay(path: Path, report: Report, traces: TraceStore):
         ls = "--" if cell.expect == "diverge" else "-"
         ax_loss.plot(steps, [r.loss for r in trace], ls=ls, label=cell.id, gid=cell.id, **style)
         base = traces.usable(report.baseline_of(cell))
-        if not baseline and base is not None and len(base) == len(trace):
+        if not baseline and base is not None and {r.step for r in trace} <= {r.step for r in base}:
             diffs = [d.abs_loss if d.abs_loss > 0 else math.nan for d in step_diffs(base, trace)]
             ax_diff.plot(steps, diffs, ls=ls, gid=cell.id, **style)
         if cell.first_divergent_step is not None:
             s = cell.first_divergent_step
-            ax_loss.plot([s], [trace[s].loss], marker="X", ms=9, color=color, mec="black", ls="", gid=cell.id + DIVERGENCE)
+            ax_loss.plot([s], [trace[s - trace[0].step].loss], marker="X", ms=9, color=color, mec="black", ls="", gid=cell.id + DIVERGENCE)
             ax_diff.axvline(s, color=color, lw=0.8, ls=":", gid=cell.id + DIVERGENCE)
     for dtype, tol in report.tolerances.items():
         ax_diff.axhline(tol.loss_atol, color="grey", lw=1, ls="-.", label=f"{dtype} loss_atol {tol.loss_atol:g}")

@@ -169,8 +169,11 @@ def _judge_cell(cell: Cell, *, base_id: str, outcomes, traces: TraceStore, toler
                 read_snapshots(cell_dir(traces.run_dir, cell.id)),
                 atol=tolerance.tensor_atol,
                 rtol=tolerance.tensor_rtol,
+                first_step=cell.first_step,
             )
-        comparison = compare_traces(traces.get(base_id), traces.get(cell.id), tolerance, tracked=tracked, tensors=tensors)
+        comparison = compare_traces(
+            traces.get(base_id), traces.get(cell.id), tolerance, tracked=tracked, tensors=tensors, first_step=cell.first_step
+        )
     except (OSError, ValueError, TypeError) as exc:
         return "error", f"unreadable or incomplete results: {exc}", None
     reason = "baseline" if cell.id == base_id else comparison.reason

@@ -104,16 +104,17 @@ class TensorComparison:
     """kind → its first divergence (absent: none)"""
 
 
-def compare_snapshots(base: Snapshots, other: Snapshots, *, atol: float, rtol: float) -> TensorComparison:
+def compare_snapshots(base: Snapshots, other: Snapshots, *, atol: float, rtol: float, first_step: int = 0) -> TensorComparison:
     """Tensor by tensor, in (step, kind, model order). A tensor diverges when
     max|Δ| > atol + rtol · max|baseline|. Raises ValueError when the snapshots do not line up."""
     max_abs = {kind: 0.0 for kind in KINDS}
     max_rel = {kind: 0.0 for kind in KINDS}
     first: dict[str, TensorDivergence] = {}
+    steps = [step for step in base.steps if step >= first_step]
     for key in base.tensors:
-        if key not in other.tensors:
+        if key[1] >= first_step and key not in other.tensors:
             raise ValueError(f"no {key[0]} of {key[2]} at step {key[1]} in the cell's snapshots")
-    for step in base.steps:
+    for step in steps:
         for kind in KINDS:
             for name in base.order:
                 key = (kind, step, name)

@@ -60,7 +60,7 @@ def write_tensorboard(run_dir: Path, report: Report, traces: TraceStore) -> Path
                 writer.add_scalar(LOSS, r.loss, r.step)
                 writer.add_scalar(GRAD_NORM, r.grad_norm, r.step)
                 writer.add_scalar(LR, r.lr, r.step)
-            if base is not None and [r.step for r in base] == [r.step for r in trace]:
+            if base is not None and {r.step for r in trace} <= {r.step for r in base}:
                 for d in step_diffs(base, trace):
                     writer.add_scalar(ABS_LOSS_DIFF, d.abs_loss, d.step)
                     writer.add_scalar(REL_GRAD_NORM_DIFF, d.rel_grad_norm, d.step)

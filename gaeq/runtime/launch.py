@@ -24,6 +24,7 @@ from gaeq.problem.spec import ProblemSpec
 from gaeq.results.outcome import CellOutcome, write_outcome
 from gaeq.results.trace import cell_dir
 from gaeq.runtime import worker
+from gaeq.runtime.convert import convert_to_universal
 from gaeq.runtime.dist import free_port
 
 
@@ -31,7 +32,7 @@ from gaeq.runtime.dist import free_port
 class Event:
     """Progress for whoever owns the terminal."""
 
-    kind: str  # "group" | "start" | "step" | "end"
+    kind: str  # "group" | "start" | "step" | "end" | "convert"
     world_size: int
     cell_id: str | None = None
     step: int | None = None
@@ -76,6 +77,44 @@ def run_cells(
             )
             outcomes.update(finished)
             pending = [c for c in pending if c.id not in finished]
+    return outcomes
+
+
+def run_all(
+    *,
+    cells: Sequence[Cell],
+    problems: Mapping[str, ProblemSpec],
+    run_dir: Path,
+    timeout_s: float,
+    search: Sequence[str] = (),
+    on_event: OnEvent = lambda event: None,
+) -> dict[str, CellOutcome]:
+    """Every cell, in two phases: first the cells that start from scratch (resume sources among
+    them), then — after converting the sources' checkpoints where asked — the resumed cells."""
+    common = dict(problems=problems, run_dir=run_dir, timeout_s=timeout_s, search=search, on_event=on_event)
+    outcomes = run_cells(cells=[c for c in cells if c.resume is None], **common)
+    conversions: dict[tuple[str, int], str | None] = {}
+    ready = []
+    for cell in (c for c in cells if c.resume is not None):
+        source, step = cell.resume.source, cell.resume.step
+        reason = None
+        if outcomes.get(source) is None or outcomes[source].status != "done":
+            reason = f"source cell {source} did not finish: no checkpoint to resume"
+        elif cell.resume.universal:
+            if (source, step) not in conversions:
+                on_event(Event(kind="convert", world_size=0, cell_id=source, step=step))
+                conversions[(source, step)] = convert_to_universal(
+                    run_dir=run_dir, source_id=source, step=step, timeout_s=timeout_s
+                )
+            if conversions[(source, step)]:
+                reason = f"universal conversion of {source} at step {step} failed: {conversions[(source, step)]}"
+        if reason is None:
+            ready.append(cell)
+        else:
+            outcomes[cell.id] = CellOutcome(status="error", seconds=0.0, reason=reason)
+            write_outcome(cell_dir(run_dir, cell.id), outcomes[cell.id])
+            on_event(Event(kind="end", world_size=cell.world_size, cell_id=cell.id, outcome=outcomes[cell.id]))
+    outcomes.update(run_cells(cells=ready, **common))
     return outcomes
 
 

@@ -91,6 +91,7 @@ def worker_main(rank: int, job: GroupJob, events: Any) -> None:
                 cell_dir=out,
                 on_step=lambda step, cell_id=cell.id: events.put((STEP, rank, cell_id, step)),
                 search=job.search,
+                run_dir=Path(job.run_dir),
             )
             try:
                 trainer_for(cell.trainer)(cell=cell, problem=job.problems[cell.variant], ctx=ctx)

@@ -38,6 +38,8 @@ class RunContext:
     """Called by rank 0 after each optimizer step (progress reporting)."""
     search: tuple[str, ...] = ()
     """Folders where plugin modules are imported from."""
+    run_dir: Path | None = None
+    """The run directory (checkpoints of resume experiments live there)."""
 
 
 @dataclass(frozen=True, kw_only=True)

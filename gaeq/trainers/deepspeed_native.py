@@ -21,6 +21,7 @@ from gaeq.problem.loss import mean_of_means_factor, share_of_global_mean
 from gaeq.problem.optim import build_scheduler, deepspeed_optimizer
 from gaeq.problem.spec import ProblemSpec
 from gaeq.trainers.base import RunContext, StepRecorder, build_problem, inject_fault
+from gaeq.trainers.checkpoint import load_deepspeed, save_deepspeed
 
 
 def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> None:
@@ -39,8 +40,9 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> None:
         raise RuntimeError(f"asked for offload={cell.offload}, the engine has zero_cpu_offload()={engine.zero_cpu_offload()}")
     net = engine
     recorder = StepRecorder(cell=cell, ctx=ctx, steps=problem.steps)
+    start = load_deepspeed(engine, run_dir=ctx.run_dir, resume=cell.resume) if cell.resume else 0
 
-    for step in range(problem.steps):
+    for step in range(start, problem.steps):
         inject_fault(cell, rank=ctx.rank, step=step)
         started = time.perf_counter()
         lr = engine.get_lr()[0]
@@ -84,6 +86,8 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> None:
             lr=lr,
             seconds=time.perf_counter() - started,
         )
+        if step + 1 in cell.save_at:  # a collective: every rank saves its partitions
+            save_deepspeed(engine, run_dir=ctx.run_dir, cell_id=cell.id, step=step + 1)
     recorder.close()
     engine.destroy()
 
@@ -113,6 +117,7 @@ def deepspeed_config(cell: Cell, problem: ProblemSpec) -> dict[str, Any]:
         "data_types": {"grad_accum_dtype": "bf16" if cell.bug == "grad_accum_bf16" else "fp32"},
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
+        "checkpoint": {"load_universal": bool(cell.resume and cell.resume.universal)},
     }
     if cell.bug == "deepspeed_default_clipping":
         del config["gradient_clipping"]  # planted bug: trusts DeepSpeed's default (1.0 in 0.19)

@@ -20,6 +20,7 @@ from gaeq.problem.loss import mean_of_means_factor, share_of_global_mean
 from gaeq.problem.optim import build_optimizer, build_scheduler
 from gaeq.problem.spec import ProblemSpec
 from gaeq.trainers.base import RunContext, StepRecorder, build_problem, inject_fault
+from gaeq.trainers.checkpoint import load_torch, save_torch
 
 
 def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> None:
@@ -37,8 +38,9 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> None:
     max_norm = problem.gradient_clipping or math.inf
     last_param = list(model.parameters())[-1]
     recorder = StepRecorder(cell=cell, ctx=ctx, steps=problem.steps)
+    start = load_torch(model, optimizer, scheduler, run_dir=ctx.run_dir, resume=cell.resume) if cell.resume else 0
 
-    for step in range(problem.steps):
+    for step in range(start, problem.steps):
         inject_fault(cell, rank=ctx.rank, step=step)
         started = time.perf_counter()
         lr = scheduler.get_last_lr()[0]
@@ -87,4 +89,6 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> None:
             lr=lr,
             seconds=time.perf_counter() - started,
         )
+        if step + 1 in cell.save_at:
+            save_torch(model, optimizer, scheduler, run_dir=ctx.run_dir, cell_id=cell.id, step=step + 1, rank=ctx.rank)
     recorder.close()

@@ -65,7 +65,7 @@ def test_compare_reports_first_divergent_step_and_metric():
     nan = compare_traces(base, trace([1.0, math.nan, 0.8, 0.7], [2.0, 1.5, 1.0, 0.5]), tol)
     assert (nan.verdict, nan.first_divergent_step) == ("diverge", 1)
 
-    with pytest.raises(ValueError, match="trace has 2 steps, baseline has 4"):
+    with pytest.raises(ValueError, match="trace has 2 steps, the baseline has 4 from step 0"):
         compare_traces(base, base[:2], tol)
 
 

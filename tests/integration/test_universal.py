@@ -1,0 +1,81 @@
+"""Universal-checkpoint resume across world size and GA, asserted; broken checkpoints are errors."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from gaeq.matrix import load_matrix
+from gaeq.results.trace import read_trace
+from gaeq.runtime.launch import run_all
+from gaeq.trainers.checkpoint import checkpoint_root, deepspeed_tag
+from tests.conftest import REPO
+from tests.helpers import small_spec
+from tests.integration.test_run import cells_by_id, gaeq_run, leftover_processes
+
+pytestmark = pytest.mark.integration
+
+
+def test_universal_experiment(tmp_path):
+    out = tmp_path / "run"
+    proc, report, tag = gaeq_run(REPO / "experiments" / "universal.yaml", out)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    cells = cells_by_id(report)
+    # Saved at world 2 / GA 2 / ZeRO-2, resumed at world 1 / GA 4 and at world 2 / ZeRO-1 / micro halved.
+    for cell_id in (
+        "deepspeed-z2-w1-mb4-ga4-from_s10_universal",
+        "deepspeed-z1-w2-mb2-ga4-from_s10_universal",
+        "deepspeed-z2-w2-mb4-ga2-from_s10_universal",
+        "deepspeed-z2-w2-mb4-ga2-from_s10_plain",
+        "deepspeed-z3-w1-mb16-ga1-from_s10_universal",
+        "torch-w1-mb2-ga8-from_s10_plain",
+    ):
+        assert cells[cell_id]["verdict"] == "match", cells[cell_id]
+        assert 0 < cells[cell_id]["max_abs_loss_diff"] < 1e-6
+        assert [r.step for r in read_trace(out / "cells" / cell_id)] == list(range(10, 30))
+    restarted = cells["deepspeed-z2-w1-mb4-ga4-from_s10_universal-drop_schedule"]
+    assert restarted["verdict"] == "diverge" and restarted["caught_by"] == "lr"
+    no_optimizer = cells["deepspeed-z2-w2-mb4-ga2-from_s10_plain-drop_optimizer"]
+    assert no_optimizer["verdict"] == "diverge" and no_optimizer["max_abs_loss_diff"] > 1e-3
+    universal = checkpoint_root(out, "deepspeed-z2-w2-mb4-ga2") / deepspeed_tag(10, universal=True)
+    assert (universal / "zero").is_dir()
+    assert leftover_processes(tag) == []
+
+
+@pytest.mark.parametrize("damage", ["missing", "corrupted"])
+def test_a_broken_checkpoint_is_an_error_with_a_readable_reason(write_matrix, tmp_path, damage):
+    source = {"trainer": "deepspeed", "world_size": 2, "micro_batch_size": 4, "zero_stage": 1}
+    spec = small_spec(
+        axes={"trainer": ["torch"], "world_size": [1], "micro_batch_size": [16]},
+        resume=[
+            {"from": source, "at_step": 4, "universal": True, "to": [{"world_size": 1, "micro_batch_size": 8, "zero_stage": 1}]},
+            {"from": source, "at_step": 4, "universal": False, "to": [{"world_size": 2, "micro_batch_size": 4, "zero_stage": 1}]},
+        ],
+    )
+    matrix = load_matrix(write_matrix(spec))
+    run_dir = tmp_path / "run"
+    checkpoint = checkpoint_root(run_dir, "deepspeed-z1-w2-mb4-ga2") / deepspeed_tag(4)
+
+    def break_checkpoint(event) -> None:  # between the phases: after saving, before converting/loading
+        if event.kind == "convert":
+            if damage == "missing":
+                shutil.rmtree(checkpoint)
+            else:
+                for state in checkpoint.glob("*.pt"):
+                    state.write_bytes(b"not a checkpoint")
+
+    outcomes = run_all(
+        cells=matrix.runnable(), problems=matrix.problems, run_dir=run_dir, timeout_s=120, on_event=break_checkpoint
+    )
+    assert outcomes["deepspeed-z1-w2-mb4-ga2"].status == "done"
+    converted = outcomes["deepspeed-z1-w1-mb8-ga2-from_s4_universal"]
+    plain = outcomes["deepspeed-z1-w2-mb4-ga2-from_s4_plain"]
+    assert converted.status == plain.status == "error"
+    assert converted.reason.startswith("universal conversion of deepspeed-z1-w2-mb4-ga2 at step 4 failed: ")
+    if damage == "missing":
+        assert "no DeepSpeed checkpoint" in converted.reason and str(checkpoint) in converted.reason
+        assert "FileNotFoundError: no DeepSpeed checkpoint" in plain.reason
+    else:
+        assert "ds_to_universal failed (exit 1)" in converted.reason
+        assert plain.reason.startswith("rank ") and "--- rank" in plain.reason
