@@ -49,6 +49,14 @@ class CellReport:
     """Each metric's first divergent step."""
     reason: str
     seconds: float | None
+    samples_per_s: float | None = None
+    """Training loop only: samples / summed step time."""
+    step_seconds: float | None = None
+    """Mean optimizer-step time."""
+    peak_mem_bytes: int | None = None
+    """Rank 0's peak RSS (CUDA: max allocated) during the cell."""
+    comm_bytes_per_step: float | None = None
+    """Mean bytes through collectives per optimizer step (rank 0; nccl-tests sizes)."""
 
     @property
     def as_expected(self) -> bool:
@@ -145,6 +153,7 @@ def judge(
                 divergence_steps=comparison.divergence_steps if comparison else None,
                 reason=reason,
                 seconds=outcome.seconds if outcome else None,
+                **_cost(traces.usable(cell.id) if verdict in ("match", "diverge") else None),
             )
         )
     return Report(baselines=dict(matrix.baselines), tolerances=tolerances, cells=cells)
@@ -180,6 +189,20 @@ def _judge_cell(cell: Cell, *, base_id: str, outcomes, traces: TraceStore, toler
     return comparison.verdict, reason, comparison
 
 
+def _cost(trace) -> dict:
+    """What the cell cost, from its trace (derived, never stored twice)."""
+    if not trace:
+        return {}
+    seconds = sum(r.seconds for r in trace)
+    samples = len(trace) * (trace[0].samples // (trace[0].step + 1))
+    return {
+        "samples_per_s": samples / seconds if seconds > 0 else None,
+        "step_seconds": seconds / len(trace),
+        "peak_mem_bytes": max(r.peak_mem_bytes for r in trace),
+        "comm_bytes_per_step": sum(r.comm_bytes for r in trace) / len(trace),
+    }
+
+
 def _finite(value):
     return None if isinstance(value, float) and not math.isfinite(value) else value
 
@@ -196,8 +219,12 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-_COLUMNS = ("cell", "W", "MB", "GA", "ZeRO", "dtype", "expect", "verdict", "max |Δloss|", "max rel Δ‖g‖", "caught", "s")
+_COLUMNS = (
+    "cell", "W", "MB", "GA", "ZeRO", "dtype", "expect", "verdict", "max |Δloss|", "max rel Δ‖g‖", "caught",
+    "samples/s", "step ms", "peak MB", "comm KB/step", "s",
+)  # fmt: skip
 _TENSOR_COLUMNS = ("max |Δgrad|", "max |Δparam|")
+_RIGHT = {"W", "MB", "GA", "ZeRO", "samples/s", "step ms", "peak MB", "comm KB/step", "s"}
 """Shown when the matrix tracks gradients or parameters."""
 
 
@@ -224,7 +251,22 @@ def _row(c: CellReport, *, tensors: bool) -> list[str]:
     ]
     if tensors:
         cells += [_sci(c.max_abs_grad_diff), _sci(c.max_abs_param_diff)]
-    return cells + [_caught(c), "-" if c.seconds is None else f"{c.seconds:.1f}"]
+    return cells + [
+        _caught(c),
+        _fmt(c.samples_per_s, "{:.0f}"),
+        _fmt(c.step_seconds and c.step_seconds * 1e3, "{:.2f}"),
+        _fmt(c.peak_mem_bytes and c.peak_mem_bytes / 2**20, "{:.0f}"),
+        _fmt(c.comm_bytes_per_step and c.comm_bytes_per_step / 1024, "{:.1f}", zero="0"),
+        _fmt(c.seconds, "{:.1f}"),
+    ]
+
+
+def _fmt(value: float | None, spec: str, *, zero: str | None = None) -> str:
+    if value is None:
+        return "-"
+    if value == 0 and zero is not None:
+        return zero
+    return spec.format(value)
 
 
 def _caught(c: CellReport) -> str:
@@ -244,7 +286,7 @@ def verdict_table(report: Report) -> Table:
     table = Table(title="gaeq verdicts", title_justify="left", show_lines=False)
     tensors = _tracks_tensors(report)
     for name in _columns(report) + ("ok",):
-        table.add_column(name, justify="right" if name in {"W", "MB", "GA", "ZeRO", "s"} else "left", no_wrap=name == "cell")
+        table.add_column(name, justify="right" if name in _RIGHT else "left", no_wrap=name == "cell")
     for c in report.cells:
         row = _row(c, tensors=tensors)
         row[7] = Text(c.verdict, style=_STYLE[c.verdict])

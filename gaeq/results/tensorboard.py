@@ -27,6 +27,10 @@ GRAD_NORM = "train/grad_norm"
 LR = "train/lr"
 ABS_LOSS_DIFF = "vs_baseline/abs_loss_diff"
 REL_GRAD_NORM_DIFF = "vs_baseline/rel_grad_norm_diff"
+STEP_SECONDS = "cost/step_seconds"
+COMM_BYTES = "cost/comm_bytes"
+PEAK_MEM = "cost/peak_mem_bytes"
+SAMPLES_PER_S = "summary/samples_per_s"
 MAX_ABS_LOSS_DIFF = "summary/max_abs_loss_diff"
 MAX_REL_GRAD_NORM_DIFF = "summary/max_rel_grad_norm_diff"
 
@@ -36,6 +40,11 @@ LAYOUT = {
         "|Δloss| vs baseline": ["Multiline", [f"^{ABS_LOSS_DIFF}$"]],
         "rel Δ grad norm vs baseline": ["Multiline", [f"^{REL_GRAD_NORM_DIFF}$"]],
         "grad norm (before clipping) — every cell": ["Multiline", [f"^{GRAD_NORM}$"]],
+    },
+    "cost": {
+        "step time (s)": ["Multiline", [f"^{STEP_SECONDS}$"]],
+        "bytes through collectives per step": ["Multiline", [f"^{COMM_BYTES}$"]],
+        "peak memory (bytes)": ["Multiline", [f"^{PEAK_MEM}$"]],
     }
 }
 
@@ -60,6 +69,9 @@ def write_tensorboard(run_dir: Path, report: Report, traces: TraceStore) -> Path
                 writer.add_scalar(LOSS, r.loss, r.step)
                 writer.add_scalar(GRAD_NORM, r.grad_norm, r.step)
                 writer.add_scalar(LR, r.lr, r.step)
+                writer.add_scalar(STEP_SECONDS, r.seconds, r.step)
+                writer.add_scalar(COMM_BYTES, r.comm_bytes, r.step)
+                writer.add_scalar(PEAK_MEM, r.peak_mem_bytes, r.step)
             if base is not None and {r.step for r in trace} <= {r.step for r in base}:
                 for d in step_diffs(base, trace):
                     writer.add_scalar(ABS_LOSS_DIFF, d.abs_loss, d.step)
@@ -91,6 +103,7 @@ def _add_hparams(writer, params: dict, domains: dict, cell) -> None:
     metrics = {
         MAX_ABS_LOSS_DIFF: cell.max_abs_loss_diff if cell.max_abs_loss_diff is not None else float("nan"),
         MAX_REL_GRAD_NORM_DIFF: cell.max_rel_grad_norm_diff if cell.max_rel_grad_norm_diff is not None else float("nan"),
+        SAMPLES_PER_S: cell.samples_per_s if cell.samples_per_s is not None else float("nan"),
     }
     for summary in hparams(params, metrics, hparam_domain_discrete=domains):
         writer.file_writer.add_summary(summary)

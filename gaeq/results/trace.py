@@ -33,6 +33,10 @@ class StepRecord:
     """Samples consumed after this step, over all ranks."""
     seconds: float
     """Wall time of this optimizer step (all its micro-steps)."""
+    comm_bytes: int = 0
+    """Bytes rank 0 put through collectives during this step (nccl-tests sizes, gaeq.trainers.cost)."""
+    peak_mem_bytes: int = 0
+    """Rank 0's peak memory so far in this cell (RSS on CPU, max allocated on CUDA)."""
 
 
 class TraceWriter:

@@ -24,6 +24,7 @@ from gaeq.problem.data import BatchPlan
 from gaeq.problem.models import sample_keys
 from gaeq.results.snapshots import SnapshotWriter, wanted
 from gaeq.results.trace import StepRecord, TraceWriter
+from gaeq.trainers.cost import CommCounter, PeakMemory
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,20 +132,30 @@ class StepRecorder:
         self.steps = steps
         self.writer = TraceWriter(ctx.cell_dir) if ctx.rank == 0 else None
         self.snapshots = SnapshotWriter(ctx.cell_dir) if ctx.rank == 0 and cell.snapshots else None
+        self.comm = CommCounter()
+        self.memory = PeakMemory(ctx.device)
+
+    def count_collectives(self, wrapper) -> None:
+        """Count the bytes `wrapper` (DDP or a DeepSpeed engine; None: nothing) communicates."""
+        self.comm.attach(wrapper)
 
     def wants(self, kind: str, step: int) -> bool:
         """Whether `kind` ("grads" or "params") is saved at `step`: the same answer on every rank."""
         return kind in self.cell.snapshots and wanted(step, every=self.cell.snapshot_every, steps=self.steps)
 
-    def snapshot(self, *, step: int, kind: str, named: Mapping[str, torch.Tensor]) -> None:
+    def snapshot(self, *, step: int, kind: str, gather: Callable[[], Mapping[str, torch.Tensor]]) -> None:
+        """`gather()` runs on every rank (it may be a collective) and is not counted as training traffic."""
+        with self.comm.paused():
+            named = gather()
         if self.snapshots is not None:
             self.snapshots.add(step=step, kind=kind, named=named)
 
     def record(self, *, step: int, local_loss_sum: float, normaliser: int, grad_norm: float, lr: float, seconds: float) -> None:
         # float64 end to end: the comparison must not be limited by the logging precision.
+        comm_bytes = self.comm.take()
         total = torch.tensor([local_loss_sum], dtype=torch.float64, device=self.ctx.device)
         if self.ctx.world_size > 1:
-            dist.all_reduce(total, op=dist.ReduceOp.SUM)
+            dist.all_reduce(total, op=dist.ReduceOp.SUM)  # torch.distributed: not counted, not training
         if self.writer is None:
             return
         self.writer.write(
@@ -155,11 +166,14 @@ class StepRecorder:
                 lr=float(lr),
                 samples=(step + 1) * self.cell.train_batch_size,
                 seconds=seconds,
+                comm_bytes=comm_bytes,
+                peak_mem_bytes=self.memory.peak_bytes(),
             )
         )
         self.ctx.on_step(step)
 
     def close(self) -> None:
+        self.comm.detach()
         if self.snapshots is not None:
             self.snapshots.close()
         if self.writer is not None:

@@ -40,6 +40,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> None:
         raise RuntimeError(f"asked for offload={cell.offload}, the engine has zero_cpu_offload()={engine.zero_cpu_offload()}")
     net = engine
     recorder = StepRecorder(cell=cell, ctx=ctx, steps=problem.steps)
+    recorder.count_collectives(engine)
     start = load_deepspeed(engine, run_dir=ctx.run_dir, resume=cell.resume) if cell.resume else 0
 
     for step in range(start, problem.steps):
@@ -70,14 +71,14 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> None:
             if boundary:
                 grad_norm = _norm_before_step(engine)
                 if recorder.wants("grads", step):  # gathered from every partition: all ranks call it
-                    recorder.snapshot(step=step, kind="grads", named=_full_grads(engine))
+                    recorder.snapshot(step=step, kind="grads", gather=lambda: _full_grads(engine))
             # ACCUMULATION: step() every micro-step; the engine clips, updates, steps the schedule
             # and zeroes gradients only when it is at the boundary.
             engine.step()
             local_loss_sum += micro_loss_sum.item()
         grad_norm = _norm_after_step(engine, grad_norm)
         if recorder.wants("params", step):
-            recorder.snapshot(step=step, kind="params", named=_full_params(engine))
+            recorder.snapshot(step=step, kind="params", gather=lambda: _full_params(engine))
         recorder.record(
             step=step,
             local_loss_sum=local_loss_sum,
@@ -126,6 +127,10 @@ def deepspeed_config(cell: Cell, problem: ProblemSpec) -> dict[str, Any]:
 
 def _zero_config(cell: Cell) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": cell.zero_stage}
+    if cell.zero_stage == 3:
+        # Partition every parameter, however small: by default ZeRO-3 keeps tensors under 1e5
+        # elements whole on every rank — all of a tiny model, which would make it ZeRO-2 in disguise.
+        zero["stage3_param_persistence_threshold"] = 0
     if cell.offload != "none":
         zero["offload_optimizer"] = {"device": cell.offload, "pin_memory": False}
         if cell.zero_stage == 3:

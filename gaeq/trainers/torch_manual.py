@@ -38,6 +38,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> None:
     max_norm = problem.gradient_clipping or math.inf
     last_param = list(model.parameters())[-1]
     recorder = StepRecorder(cell=cell, ctx=ctx, steps=problem.steps)
+    recorder.count_collectives(ddp)
     start = load_torch(model, optimizer, scheduler, run_dir=ctx.run_dir, resume=cell.resume) if cell.resume else 0
 
     for step in range(start, problem.steps):
@@ -73,14 +74,14 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> None:
         if cell.bug == "one_grad_scaled":
             last_param.grad.mul_(4.0)  # planted bug: one tensor's gradient 4× (AdamW hardly notices)
         if recorder.wants("grads", step):
-            recorder.snapshot(step=step, kind="grads", named={n: p.grad for n, p in model.named_parameters()})
+            recorder.snapshot(step=step, kind="grads", gather=lambda: {n: p.grad for n, p in model.named_parameters()})
         # ACCUMULATION: at the boundary we clip, step the optimizer, step the schedule, zero.
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=max_norm).item()
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         if recorder.wants("params", step):
-            recorder.snapshot(step=step, kind="params", named=dict(model.named_parameters()))
+            recorder.snapshot(step=step, kind="params", gather=lambda: dict(model.named_parameters()))
         recorder.record(
             step=step,
             local_loss_sum=local_loss_sum,

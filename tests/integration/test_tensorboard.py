@@ -68,7 +68,7 @@ def test_tensorboard_server_lists_every_cell_with_the_loss_tag(tmp_path):
         assert [p[1] for p in points] == list(range(12))
 
         layout = fetch(f"{base}/data/plugin/custom_scalars/layout")
-        assert [c["title"] for c in layout["category"]] == ["equivalence"]
+        assert [c["title"] for c in layout["category"]] == ["equivalence", "cost"]
 
         experiment = fetch(f"{base}/data/plugin/hparams/experiment", {"experimentName": ""})
         domains = {h["name"]: h.get("domainDiscrete") for h in experiment["hparamInfos"]}

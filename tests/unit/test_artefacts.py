@@ -63,7 +63,8 @@ def test_every_cell_is_one_run_with_identical_tags_and_the_trace_values(judged):
     assert all(len(list((tb / c).iterdir())) == 1 for c in CELLS)
 
     expected_tags = {tbmod.LOSS, tbmod.GRAD_NORM, tbmod.LR, tbmod.ABS_LOSS_DIFF, tbmod.REL_GRAD_NORM_DIFF,
-                     tbmod.MAX_ABS_LOSS_DIFF, tbmod.MAX_REL_GRAD_NORM_DIFF}
+                     tbmod.STEP_SECONDS, tbmod.COMM_BYTES, tbmod.PEAK_MEM,
+                     tbmod.MAX_ABS_LOSS_DIFF, tbmod.MAX_REL_GRAD_NORM_DIFF, tbmod.SAMPLES_PER_S}
     baseline = read_trace(run_dir / "cells" / CELLS[0])
     for cell_id in CELLS:
         acc = accumulate(tb / cell_id)
@@ -84,7 +85,7 @@ def test_every_cell_is_one_run_with_identical_tags_and_the_trace_values(judged):
         # custom-scalars layout and hparams live in the cell's own run
         layout = layout_pb2.Layout()
         layout.ParseFromString(acc.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
-        assert [c.title for c in layout.category] == ["equivalence"]
+        assert [c.title for c in layout.category] == ["equivalence", "cost"]
         charts = {ch.title: list(ch.multiline.tag) for ch in layout.category[0].chart}
         assert charts["loss — every cell"] == [f"^{tbmod.LOSS}$"]
         assert charts["|Δloss| vs baseline"] == [f"^{tbmod.ABS_LOSS_DIFF}$"]
