@@ -94,6 +94,9 @@ def validate(matrix: Annotated[Path, typer.Argument(help="Matrix YAML file.")]) 
 def run(
     matrix: Annotated[Path, typer.Option("--matrix", "-m", help="Matrix YAML file.")],
     out: Annotated[Path | None, typer.Option("--out", help="Run directory. Default: runs/<name>-<time>.")] = None,
+    isolate: Annotated[
+        bool, typer.Option("--isolate", help="A fresh process group per cell (one launch per config), not one per world size.")
+    ] = False,
 ) -> None:
     """Train every cell of a matrix, compare each with its baseline, print the verdicts."""
     from gaeq.runtime.launch import Event, run_all
@@ -142,6 +145,7 @@ def run(
                 search=m.plugin_dirs,
                 run_dir=run_dir,
                 timeout_s=m.spec.timeout_s,
+                isolate=isolate,
                 on_event=on_event,
             )
         except KeyboardInterrupt:

@@ -54,15 +54,20 @@ def run_cells(
     timeout_s: float,
     search: Sequence[str] = (),
     init_timeout_s: float = DEFAULT_INIT_TIMEOUT_S,
+    isolate: bool = False,
     on_event: OnEvent = lambda event: None,
 ) -> dict[str, CellOutcome]:
-    """Run every cell; return how each ended. Writes ``cells/<id>/outcome.json`` for each."""
-    by_world: dict[int, list[Cell]] = {}
+    """Run every cell; return how each ended. Writes ``cells/<id>/outcome.json`` for each.
+
+    One process group per world size runs all of its cells — or, with `isolate`, one fresh group
+    per cell (the way one launch per configuration works)."""
+    by_world: dict[object, list[Cell]] = {}
     for cell in cells:
-        by_world.setdefault(cell.world_size, []).append(cell)
+        by_world.setdefault(cell.id if isolate else cell.world_size, []).append(cell)
     outcomes: dict[str, CellOutcome] = {}
-    for world_size, group in by_world.items():
+    for group in by_world.values():
         pending = list(group)
+        world_size = group[0].world_size
         while pending:
             on_event(Event(kind="group", world_size=world_size))
             finished = _run_group(
@@ -87,11 +92,12 @@ def run_all(
     run_dir: Path,
     timeout_s: float,
     search: Sequence[str] = (),
+    isolate: bool = False,
     on_event: OnEvent = lambda event: None,
 ) -> dict[str, CellOutcome]:
     """Every cell, in two phases: first the cells that start from scratch (resume sources among
     them), then — after converting the sources' checkpoints where asked — the resumed cells."""
-    common = dict(problems=problems, run_dir=run_dir, timeout_s=timeout_s, search=search, on_event=on_event)
+    common = dict(problems=problems, run_dir=run_dir, timeout_s=timeout_s, search=search, isolate=isolate, on_event=on_event)
     outcomes = run_cells(cells=[c for c in cells if c.resume is None], **common)
     conversions: dict[tuple[str, int], str | None] = {}
     ready = []

@@ -76,6 +76,7 @@ def worker_main(rank: int, job: GroupJob, events: Any) -> None:
         with_deepspeed=any(c.trainer == "deepspeed" for c in job.cells),
         timeout_s=job.init_timeout_s,
     )
+    print(f"gaeq: process group ready (world {job.world_size}, rank {rank}, {len(job.cells)} cells)", flush=True)
     events.put((READY, rank))
 
     for cell in job.cells:

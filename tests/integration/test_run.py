@@ -19,12 +19,12 @@ from tests.helpers import small_spec
 pytestmark = pytest.mark.integration
 
 
-def gaeq_run(matrix: Path, out: Path, *, timeout: float = 600) -> tuple[subprocess.CompletedProcess, dict, str]:
+def gaeq_run(matrix: Path, out: Path, *, timeout: float = 600, extra: list[str] = ()) -> tuple[subprocess.CompletedProcess, dict, str]:
     """Run the CLI in a child process tagged with a unique environment marker (to find leftovers)."""
     tag = uuid.uuid4().hex
     env = {**os.environ, "GAEQ_TEST_TAG": tag, "COLUMNS": "200"}
     proc = subprocess.run(
-        [sys.executable, "-m", "gaeq", "run", "--matrix", str(matrix), "--out", str(out)],
+        [sys.executable, "-m", "gaeq", "run", "--matrix", str(matrix), "--out", str(out), *extra],
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -1,0 +1,62 @@
+"""Cost columns: bytes through the collectives checked against arithmetic; --isolate."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gaeq.problem.models import MLP
+from gaeq.problem.spec import MLPSpec
+from gaeq.results.trace import read_trace
+from tests.helpers import small_spec
+from tests.integration.test_run import cells_by_id, gaeq_run
+
+pytestmark = pytest.mark.integration
+
+# small_spec's MLP: 8 → 16 → 16 → 2, fp32
+PARAM_BYTES = 4 * sum(p.numel() for p in MLP(MLPSpec(hidden=16, depth=2), in_features=8, out_features=2, seed=0).parameters())
+SCALARS = 64  # a few scalar reductions (DeepSpeed's grad-norm all-reduce, overflow checks)
+
+
+def test_bytes_communicated_per_optimizer_step(write_matrix, tmp_path):
+    spec = small_spec(axes={"trainer": ["torch", "deepspeed"], "world_size": [1, 2], "micro_batch_size": [2, 8], "zero_stage": [1, 2, 3]})
+    out = tmp_path / "run"
+    proc, report, _ = gaeq_run(write_matrix(spec), out)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    P = PARAM_BYTES
+    for cell_id, cell in cells_by_id(report).items():
+        steps = [r.comm_bytes for r in read_trace(out / "cells" / cell_id)]
+        ga = cell["grad_accum_steps"]
+        if cell["world_size"] == 1:
+            assert set(steps) == {0}, cell_id  # a single process sends nothing
+        elif cell["trainer"] == "torch":
+            assert set(steps) == {P}, cell_id  # one all-reduce per optimizer step (no_sync), whatever GA
+        elif cell["zero_stage"] == 1:
+            assert all(2 * P <= b <= 2 * P + SCALARS for b in steps), (cell_id, steps)  # reduce-scatter + all-gather at the boundary
+        elif cell["zero_stage"] == 2:
+            assert all((ga + 1) * P <= b <= (ga + 1) * P + SCALARS for b in steps), (cell_id, steps)  # reduces every micro-step
+        else:  # ZeRO-3: per micro-step one all-gather of the parameters and one reduce-scatter, once
+            # it has traced its parameter fetches (the first two steps gather more)
+            assert all(2 * ga * P <= b <= 2 * ga * P + SCALARS for b in steps[2:]), (cell_id, steps)
+            assert steps[0] >= steps[2]
+        assert cell["comm_bytes_per_step"] == pytest.approx(sum(steps) / len(steps))
+        assert cell["samples_per_s"] > 0 and cell["step_seconds"] > 0 and cell["peak_mem_bytes"] > 50 * 2**20
+    assert "comm KB/step" in proc.stdout and "samples/s" in proc.stdout
+
+
+def test_isolate_runs_one_group_per_cell_and_changes_no_number(write_matrix, tmp_path):
+    spec = small_spec(axes={"trainer": ["torch", "deepspeed"], "world_size": [2], "micro_batch_size": [4], "zero_stage": [1]})
+    path = write_matrix(spec)
+    shared, isolated = tmp_path / "shared", tmp_path / "isolated"
+    _, report_shared, _ = gaeq_run(path, shared)
+    proc, report_isolated, _ = gaeq_run(path, isolated, extra=["--isolate"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for cell in report_isolated["cells"]:
+        a = [(r.step, r.loss, r.grad_norm) for r in read_trace(shared / "cells" / cell["id"])]
+        b = [(r.step, r.loss, r.grad_norm) for r in read_trace(isolated / "cells" / cell["id"])]
+        assert a == b, cell["id"]  # bitwise: a fresh process group changes nothing
+    # Each cell started its own group: the world-2 group log holds one start-up per world-2 cell.
+    starts = (isolated / "logs" / "group-w2-rank0.log").read_text().count("gaeq: process group ready")
+    assert starts == 2
+    assert json.loads((shared / "report.json").read_text())["summary"] == report_isolated["summary"]
