@@ -40,6 +40,15 @@ class BuiltProblem:
         counter = getattr(self.dataset, "loss_elements", None)
         return 1 if counter is None else int(counter(index))
 
+    def total_loss_elements(self, indices) -> int:
+        """Loss elements of many samples (a dataset may answer in one call)."""
+        total = getattr(self.dataset, "total_loss_elements", None)
+        if total is not None:
+            return int(total(indices))
+        if getattr(self.dataset, "loss_elements", None) is None:
+            return len(indices)
+        return sum(self.loss_elements(i) for i in indices)
+
 
 def resolve(plugin: PluginSpec, *, role: str, search: Sequence[str] = ()) -> Callable:
     module_name, _, attr = plugin.import_.partition(":")

@@ -88,6 +88,30 @@ class Dataset(Protocol):
     def loss_elements(self, index: int) -> int: ...
 
 
+def hashed_uniform(seed: int, stream: int, index: np.ndarray, count: int) -> np.ndarray:
+    """`count` uniforms in (0, 1) for every index, each a pure function of (seed, stream, index, j).
+
+    A splitmix64 hash of the coordinates, vectorised over the whole batch: a micro-batch costs one
+    numpy call, not one generator per sample.
+    """
+    j = np.arange(count, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        z = (np.asarray(index, dtype=np.uint64)[:, None] * np.uint64(0x9E3779B97F4A7C15)) ^ (
+            j[None, :] * np.uint64(0xBF58476D1CE4E5B9)
+        )
+        z ^= np.uint64((seed * 0x94D049BB133111EB + stream * 0x2545F4914F6CDD1D) % 2**64)
+        for shift, mult in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
+            z = (z ^ (z >> np.uint64(shift))) * np.uint64(mult)
+        z ^= z >> np.uint64(31)
+    return ((z >> np.uint64(11)).astype(np.float64) + 0.5) / 2.0**53
+
+
+def hashed_normal(seed: int, stream: int, index: np.ndarray, count: int) -> np.ndarray:
+    """Standard normals by Box–Muller over :func:`hashed_uniform` pairs."""
+    u = hashed_uniform(seed, stream, index, 2 * count)
+    return np.sqrt(-2.0 * np.log(u[:, :count])) * np.cos(2.0 * np.pi * u[:, count:])
+
+
 class RegressionData:
     """Noisy targets of a fixed random two-layer teacher: y = scale * tanh(x W1) W2 + noise.
 
@@ -104,21 +128,18 @@ class RegressionData:
         self._w1 = teacher.standard_normal((spec.in_features, hidden)) / np.sqrt(spec.in_features)
         self._w2 = teacher.standard_normal((hidden, spec.out_features)) / np.sqrt(hidden)
 
-    def sample(self, index: int) -> tuple[np.ndarray, np.ndarray]:
-        rng = np.random.default_rng([self.seed, 0xDA7A, index])
-        x = rng.standard_normal(self.in_features)
-        y = self.spec.target_scale * np.tanh(x @ self._w1) @ self._w2
-        return x, y + self.spec.noise * rng.standard_normal(self.out_features)
-
     def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        xs, ys = zip(*(self.sample(i) for i in indices))
-        return (
-            torch.from_numpy(np.stack(xs)).to(torch.float32),
-            torch.from_numpy(np.stack(ys)).to(torch.float32),
-        )
+        index = np.asarray(indices, dtype=np.uint64)
+        x = hashed_normal(self.seed, 1, index, self.in_features)
+        noise = hashed_normal(self.seed, 2, index, self.out_features)
+        y = self.spec.target_scale * np.tanh(x @ self._w1) @ self._w2 + self.spec.noise * noise
+        return torch.from_numpy(x).to(torch.float32), torch.from_numpy(y).to(torch.float32)
 
     def loss_elements(self, index: int) -> int:
         return 1
+
+    def total_loss_elements(self, indices: Sequence[int]) -> int:
+        return len(indices)
 
 
 IGNORE_INDEX = -100
@@ -142,25 +163,35 @@ class TokenData:
         probs = np.exp(logits - logits.max(axis=1, keepdims=True))
         self._cumulative = np.cumsum(probs / probs.sum(axis=1, keepdims=True), axis=1)
 
+    def lengths(self, indices: Sequence[int]) -> np.ndarray:
+        u = hashed_uniform(self.seed, 3, np.asarray(indices, dtype=np.uint64), 1)[:, 0]
+        return self.min_len + np.floor(u * (self.seq_len + 2 - self.min_len)).astype(np.int64)
+
     def length(self, index: int) -> int:
-        return int(np.random.default_rng([self.seed, 0x1E9, index]).integers(self.min_len, self.seq_len + 2))
+        return int(self.lengths([index])[0])
 
     def loss_elements(self, index: int) -> int:
         return self.length(index) - 1
 
-    def tokens(self, index: int) -> np.ndarray:
-        rng = np.random.default_rng([self.seed, 0xDA7A, index])
-        out = np.empty(self.length(index), dtype=np.int64)
-        out[0] = rng.integers(self.vocab_size)
-        for t, u in enumerate(rng.random(len(out) - 1), start=1):
-            out[t] = min(int(np.searchsorted(self._cumulative[out[t - 1]], u)), self.vocab_size - 1)
+    def total_loss_elements(self, indices: Sequence[int]) -> int:
+        return int((self.lengths(indices) - 1).sum())
+
+    def tokens(self, indices: Sequence[int]) -> np.ndarray:
+        """Full-length Markov walks, one row per index (row i is then cut at its length)."""
+        u = hashed_uniform(self.seed, 4, np.asarray(indices, dtype=np.uint64), self.seq_len + 1)
+        out = np.empty(u.shape, dtype=np.int64)
+        out[:, 0] = np.minimum((u[:, 0] * self.vocab_size).astype(np.int64), self.vocab_size - 1)
+        for t in range(1, u.shape[1]):
+            cumulative = self._cumulative[out[:, t - 1]]  # (rows, vocab)
+            out[:, t] = np.minimum((cumulative < u[:, t : t + 1]).sum(axis=1), self.vocab_size - 1)
         return out
 
     def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        lengths = self.lengths(indices)
+        walks = self.tokens(indices)
         inputs = np.zeros((len(indices), self.seq_len), dtype=np.int64)
         labels = np.full((len(indices), self.seq_len), IGNORE_INDEX, dtype=np.int64)
-        for row, index in enumerate(indices):
-            seq = self.tokens(index)
-            inputs[row, : len(seq) - 1] = seq[:-1]
-            labels[row, : len(seq) - 1] = seq[1:]
+        for row, n in enumerate(lengths):
+            inputs[row, : n - 1] = walks[row, : n - 1]
+            labels[row, : n - 1] = walks[row, 1:n]
         return torch.from_numpy(inputs), torch.from_numpy(labels)

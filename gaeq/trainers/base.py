@@ -73,7 +73,7 @@ class CellProblem:
         """Loss elements in the whole global batch of `step` (samples, or valid tokens): the
         denominator of the step's loss, known before any forward pass."""
         positions = range(step * self.plan.train_batch_size, (step + 1) * self.plan.train_batch_size)
-        return sum(self.built.loss_elements(self.plan.sample_at(p)) for p in positions)
+        return self.built.total_loss_elements([self.plan.sample_at(p) for p in positions])
 
     def micro_batch(self, *, step: int, micro_step: int, rank: int) -> MicroBatch:
         positions = self.plan.positions(step=step, micro_step=micro_step, rank=rank)
@@ -85,7 +85,7 @@ class CellProblem:
             inputs=inputs.to(self.device),
             targets=targets.to(self.device),
             positions=positions,
-            loss_elements=sum(self.built.loss_elements(i) for i in indices),
+            loss_elements=self.built.total_loss_elements(indices),
         )
 
     @contextlib.contextmanager
@@ -174,6 +174,7 @@ class StepRecorder:
 
     def close(self) -> None:
         self.comm.detach()
+        self.memory.close()
         if self.snapshots is not None:
             self.snapshots.close()
         if self.writer is not None:

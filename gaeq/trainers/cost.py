@@ -10,6 +10,7 @@ DeepSpeed at its collective layer (the `deepspeed.comm` backend every ZeRO stage
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -120,21 +121,27 @@ class PeakMemory:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._status: int | None = None
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        else:
-            with contextlib.suppress(OSError):
-                Path("/proc/self/clear_refs").write_text("5")
+            return
+        with contextlib.suppress(OSError):
+            Path("/proc/self/clear_refs").write_text("5")
+            self._status = os.open("/proc/self/status", os.O_RDONLY)  # re-read with pread: ~µs a step
 
     def peak_bytes(self) -> int:
         if self.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(self.device))
-        try:
-            for line in Path("/proc/self/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-        except OSError:
-            pass
+        if self._status is not None:
+            status = os.pread(self._status, 8192, 0)
+            start = status.find(b"VmHWM:")
+            if start >= 0:
+                return int(status[start + 6 : status.index(b"kB", start)]) * 1024
         import resource
 
         return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+    def close(self) -> None:
+        if self._status is not None:
+            os.close(self._status)
+            self._status = None

@@ -1,0 +1,153 @@
+"""How fast the lab itself is. One run, one machine; prints the numbers and the ratios.
+
+    python benchmarks/lab_speed.py            # ~3-5 minutes on 2 cores
+
+1. The default matrix (experiments/ga.yaml) with one process group per world size (what `gaeq run`
+   does) against `--isolate` (one fresh group per cell: one launch per config). Target: ≥ 8×.
+2. Whole-matrix wall time against the summed in-loop training time of its cells. Target: ≤ 1.5×.
+3. The torch trainer's optimizer step against a bare PyTorch loop on the same model and batches,
+   and what recording costs on top of it (trace, comm counting, memory). Target: ≤ 5 % of a bare step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_matrix(matrix: Path, out: Path, *extra: str) -> float:
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "gaeq", "run", "--matrix", str(matrix), "--out", str(out), *extra],
+                   check=True, stdout=subprocess.DEVNULL, cwd=REPO)  # fmt: skip
+    return time.perf_counter() - started
+
+
+def in_loop_seconds(run_dir: Path) -> float:
+    total = 0.0
+    for trace in run_dir.glob("cells/*/trace.jsonl"):
+        total += sum(json.loads(line)["seconds"] for line in trace.read_text().splitlines())
+    return total
+
+
+def bare_vs_trainer(*, steps: int, repeats: int) -> dict[str, float]:
+    """Seconds per optimizer step: bare loop, data generation alone, the gaeq trainer (with and without recording)."""
+    import torch
+    import yaml
+
+    from gaeq.matrix import load_matrix
+    from gaeq.problem.build import build_problem
+    from gaeq.problem.data import BatchPlan
+    from gaeq.problem.loss import mse_sum
+    from gaeq.problem.optim import build_optimizer, build_scheduler
+    from gaeq.trainers import RunContext, trainer_for
+    from gaeq.trainers import base as trainer_base
+
+    torch.set_num_threads(1)
+    tmp = Path(tempfile.mkdtemp())
+    spec = yaml.safe_load((REPO / "experiments" / "ga.yaml").read_text())
+    spec["problem"]["steps"] = steps
+    spec["axes"] = {"trainer": ["torch"], "world_size": [1], "micro_batch_size": [8]}
+    spec.pop("cells", None), spec.pop("variants", None)
+    (tmp / "m.yaml").write_text(yaml.safe_dump(spec))
+    matrix = load_matrix(tmp / "m.yaml")
+    cell = next(c for c in matrix.cells if c.micro_batch_size == 8)
+    problem = matrix.problem
+    plan = BatchPlan(train_batch_size=cell.train_batch_size, micro_batch_size=8, world_size=1,
+                     num_samples=problem.num_samples, seed=problem.seed)  # fmt: skip
+    ga = plan.grad_accum_steps
+
+    def generate():
+        built = build_problem(problem)
+        return built, [[built.dataset.batch(plan.sample_indices(step=s, micro_step=k, rank=0)) for k in range(ga)] for s in range(steps)]
+
+    def bare() -> float:
+        built, batches = generate()
+        model = built.model
+        optimizer = build_optimizer(model.parameters(), problem.optimizer)
+        scheduler = build_scheduler(optimizer, problem)
+        started = time.perf_counter()
+        for step in range(steps):
+            for x, y in batches[step]:
+                (mse_sum(model(x), y) / cell.train_batch_size).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), problem.gradient_clipping)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+        return (time.perf_counter() - started) / steps
+
+    def data_only() -> float:
+        started = time.perf_counter()
+        generate()
+        return (time.perf_counter() - started) / steps
+
+    def trainer() -> float:
+        cell_dir = tmp / f"cell-{time.perf_counter_ns()}"
+        cell_dir.mkdir()
+        ctx = RunContext(rank=0, world_size=1, device=torch.device("cpu"), cell_dir=cell_dir, run_dir=tmp)
+        started = time.perf_counter()
+        trainer_for("torch")(cell=cell, problem=problem, ctx=ctx)
+        return (time.perf_counter() - started) / steps
+
+    def recording(calls: int = 2000) -> float:
+        """One step's recording (trace line, loss reduction, comm and memory counters), timed alone:
+        inside a whole step it is below the run-to-run noise of the step itself."""
+        cell_dir = tmp / f"rec-{time.perf_counter_ns()}"
+        cell_dir.mkdir()
+        ctx = RunContext(rank=0, world_size=1, device=torch.device("cpu"), cell_dir=cell_dir, run_dir=tmp)
+        recorder = trainer_base.StepRecorder(cell=cell, ctx=ctx, steps=calls)
+        started = time.perf_counter()
+        for step in range(calls):
+            recorder.record(step=step, local_loss_sum=1.0, normaliser=32, grad_norm=1.0, lr=1e-3, seconds=1e-3)
+        elapsed = (time.perf_counter() - started) / calls
+        recorder.close()
+        return elapsed
+
+    measures = {"bare": bare, "data": data_only, "trainer": trainer, "recording": recording}
+    for fn in measures.values():
+        fn()  # warm-up
+    results: dict[str, list[float]] = {name: [] for name in measures}
+    for _ in range(repeats):  # interleaved, so that drift hits every measure alike
+        for name, fn in measures.items():
+            results[name].append(fn())
+    return {name: statistics.median(values) for name, values in results.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--matrix", type=Path, default=REPO / "experiments" / "ga.yaml")
+    parser.add_argument("--skip-isolate", action="store_true", help="Only the in-process measurements and one reuse run.")
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        reuse = run_matrix(args.matrix, Path(tmp) / "reuse")
+        loop = in_loop_seconds(Path(tmp) / "reuse")
+        print(f"default matrix, process groups reused: {reuse:.1f} s wall; summed in-loop training {loop:.1f} s "
+              f"→ wall / in-loop = {reuse / loop:.2f} (target ≤ 1.5)")  # fmt: skip
+        if not args.skip_isolate:
+            isolate = run_matrix(args.matrix, Path(tmp) / "isolate", "--isolate")
+            print(f"default matrix, --isolate: {isolate:.1f} s wall → isolate / reuse = {isolate / reuse:.1f}× (target ≥ 8×)")
+
+    t = bare_vs_trainer(steps=args.steps, repeats=args.repeats)
+    ms = {k: v * 1e3 for k, v in t.items()}
+    overhead = t["recording"] / t["bare"]
+    print(f"per optimizer step (MLP, B=32, GA 4, 1 thread): bare loop {ms['bare']:.2f} ms; data generation {ms['data']:.2f} ms; "
+          f"gaeq trainer {ms['trainer']:.2f} ms ({t['trainer'] / t['bare']:.2f}× bare)")  # fmt: skip
+    print(f"recording/instrumentation: {t['recording'] * 1e6:.0f} µs a step = {overhead:.1%} of a bare step (target ≤ 5 %)")
+    print(f"trainer minus bare minus data minus recording: {(t['trainer'] - t['bare'] - t['data'] - t['recording']) * 1e3:+.2f} ms")
+    if math.isnan(overhead):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
