@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Annotated
@@ -99,8 +100,9 @@ def run(
     ] = False,
 ) -> None:
     """Train every cell of a matrix, compare each with its baseline, print the verdicts."""
-    from gaeq.runtime.launch import Event, run_all
+    from gaeq.runtime.launch import Event, run_all, warm_up
 
+    warm_up(isolate=isolate)  # the rank fork server imports torch/DeepSpeed while we validate
     m = _load(matrix)
     run_dir = out or Path("runs") / f"{m.spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     if (run_dir / "cells").exists():
@@ -113,6 +115,8 @@ def run(
 
     cells = m.runnable()
     steps = m.problem.steps
+    # The report's heavy imports (TensorBoard, matplotlib) load while the ranks train.
+    threading.Thread(target=_import_report_modules, daemon=True).start()
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -180,6 +184,11 @@ def report(
         "tensor_rtol": tensor_rtol,
     }
     raise typer.Exit(_judge_and_report(m, run_dir, outcomes, overrides=overrides))
+
+
+def _import_report_modules() -> None:
+    import matplotlib.figure  # noqa: F401
+    import torch.utils.tensorboard  # noqa: F401
 
 
 def _judge_and_report(m: Matrix, run_dir: Path, outcomes, *, overrides: dict | None = None) -> int:

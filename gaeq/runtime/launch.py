@@ -14,6 +14,7 @@ import multiprocessing as mp
 import os
 import queue
 import signal
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from gaeq.results.outcome import CellOutcome, write_outcome
 from gaeq.results.trace import cell_dir
 from gaeq.runtime import worker
 from gaeq.runtime.convert import convert_to_universal
-from gaeq.runtime.dist import free_port
+from gaeq.runtime.dist import free_port, set_accelerator_env
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,6 +73,7 @@ def run_cells(
             on_event(Event(kind="group", world_size=world_size))
             finished = _run_group(
                 world_size=world_size,
+                isolate=isolate,
                 cells=pending,
                 problems=dict(problems),
                 search=tuple(search),
@@ -189,6 +191,7 @@ class _GroupRun:
 def _run_group(
     *,
     world_size: int,
+    isolate: bool,
     cells: Sequence[Cell],
     problems: dict[str, ProblemSpec],
     search: tuple[str, ...],
@@ -197,7 +200,7 @@ def _run_group(
     init_timeout_s: float,
     on_event: OnEvent,
 ) -> dict[str, CellOutcome]:
-    ctx = mp.get_context("spawn")
+    ctx = _context(isolate=isolate)
     events = ctx.Queue()
     job = worker.GroupJob(
         world_size=world_size,
@@ -245,6 +248,27 @@ def _run_group(
         events.close()
         events.cancel_join_thread()
     return state.outcomes
+
+
+def warm_up(*, isolate: bool = False) -> None:
+    """Start the fork server now (its imports take seconds), so that it is ready by the time the
+    first process group is launched; call it before other start-up work."""
+    if not isolate and sys.platform == "linux":
+        _context(isolate=False)
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+
+
+def _context(*, isolate: bool):
+    """Ranks fork from a server that has imported torch and DeepSpeed once (Linux); with
+    `isolate`, every group is a fresh interpreter — exactly what one launch per config costs."""
+    if isolate or sys.platform != "linux":
+        return mp.get_context("spawn")
+    set_accelerator_env()  # inherited by the fork server, which imports DeepSpeed
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["gaeq.runtime.preload"])
+    return ctx
 
 
 def _drain(events, state: _GroupRun, *, seconds: float = 1.0) -> None:
