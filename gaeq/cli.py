@@ -21,7 +21,7 @@ from rich.table import Table
 from gaeq.matrix import Matrix, MatrixError, load_matrix
 from gaeq.results.outcome import read_outcome
 from gaeq.results.overlay import OVERLAY_FILE, plot_overlay
-from gaeq.results.report import EXIT_BAD_INPUT, judge, resolve_tolerances, verdict_table, write_report
+from gaeq.results.report import EXIT_BAD_INPUT, cost_table, judge, resolve_tolerances, verdict_table, write_report
 from gaeq.results.tensorboard import TB_DIR, write_tensorboard
 from gaeq.results.trace import TraceStore, cell_dir
 
@@ -198,6 +198,7 @@ def _judge_and_report(m: Matrix, run_dir: Path, outcomes, *, overrides: dict | N
     write_tensorboard(run_dir, result, traces)
     plot_overlay(run_dir / OVERLAY_FILE, result, traces)
     write_report(run_dir, result, figure=OVERLAY_FILE)
+    console.print(cost_table(result))
     console.print(verdict_table(result))
     for c in result.cells:
         if c.reason and c.reason != "baseline" and c.verdict != "skipped":

@@ -282,16 +282,38 @@ def _sci(x: float | None) -> str:
 _STYLE = {"match": "green", "diverge": "yellow", "error": "bold red", "skipped": "dim"}
 
 
+_COST = ("samples/s", "step ms", "peak MB", "comm KB/step")
+
+
 def verdict_table(report: Report) -> Table:
+    """Equivalence: one row per cell (its cost is in :func:`cost_table`)."""
     table = Table(title="gaeq verdicts", title_justify="left", show_lines=False)
     tensors = _tracks_tensors(report)
-    for name in _columns(report) + ("ok",):
-        table.add_column(name, justify="right" if name in _RIGHT else "left", no_wrap=name == "cell")
+    columns = _columns(report)
+    keep = [i for i, name in enumerate(columns) if name not in _COST]
+    for i in keep:
+        table.add_column(columns[i], justify="right" if columns[i] in _RIGHT else "left", no_wrap=columns[i] == "cell")
+    table.add_column("ok")
     for c in report.cells:
         row = _row(c, tensors=tensors)
         row[7] = Text(c.verdict, style=_STYLE[c.verdict])
         ok = Text("✓", style="green") if c.as_expected else Text("✗", style="bold red")
-        table.add_row(*row, ok)
+        table.add_row(*(row[i] for i in keep), ok)
+    return table
+
+
+def cost_table(report: Report) -> Table:
+    """What each cell cost: throughput, step time, peak memory, bytes through collectives."""
+    table = Table(title="cost per cell", title_justify="left")
+    columns = _columns(report)
+    keep = [0, 1, 2, 3, 4] + [columns.index(name) for name in _COST]
+    for i in keep:
+        table.add_column(columns[i], justify="right" if columns[i] in _RIGHT else "left", no_wrap=columns[i] == "cell")
+    for c in report.cells:
+        if c.samples_per_s is None:
+            continue
+        row = _row(c, tensors=_tracks_tensors(report))
+        table.add_row(*(row[i] for i in keep))
     return table
 
 
