@@ -88,7 +88,7 @@ def test_both_trainers_all_zero_stages_match_and_controls_diverge(write_matrix, 
 
     # Traces: one line per step, complete; DeepSpeed chatter went to the cell logs.
     trace = (tmp_path / "run" / "cells" / "deepspeed-z3-w2-mb2-ga4" / "trace.jsonl").read_text().splitlines()
-    assert len(trace) == 12 and set(json.loads(trace[0])) == {"step", "loss", "grad_norm", "lr", "samples", "seconds"}
+    assert len(trace) == 12 and set(json.loads(trace[0])) == {"step", "loss", "grad_norm", "lr", "samples", "seconds", "comm_bytes", "peak_mem_bytes"}
     assert (tmp_path / "run" / "cells" / "deepspeed-z3-w2-mb2-ga4" / "rank1.log").exists()
     assert "DeepSpeed" not in proc.stdout
     assert "gaeq verdicts" in proc.stdout and "OK: 21 match, 2 diverge" in proc.stdout
