@@ -7,9 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from gaeq.runtime.worker import log_tail
 from gaeq.trainers.checkpoint import checkpoint_root, deepspeed_tag
-
-LOG_TAIL_LINES = 12
 
 
 def convert_to_universal(*, run_dir: Path, source_id: str, step: int, timeout_s: float) -> str | None:
@@ -36,6 +35,5 @@ def convert_to_universal(*, run_dir: Path, source_id: str, step: int, timeout_s:
     if result.returncode != 0:
         lines = log.read_text(errors="replace").rstrip().splitlines()
         last = next((line for line in reversed(lines) if line.strip() and not line.startswith(" ")), "no output")
-        tail = "\n".join(lines[-LOG_TAIL_LINES:])
-        return f"ds_to_universal failed (exit {result.returncode}): {last}\n--- {log.name} ---\n{tail}"
+        return f"ds_to_universal failed (exit {result.returncode}): {last}\n{log_tail(log)}"
     return None

@@ -44,7 +44,6 @@ OnEvent = Callable[[Event], None]
 
 # First start-up on a fresh machine JIT-builds DeepSpeed's comm op (~25 s on 2 cores).
 DEFAULT_INIT_TIMEOUT_S = 600.0
-LOG_TAIL_LINES = 12
 
 
 def run_cells(
@@ -183,7 +182,7 @@ class _GroupRun:
                 cell_dir(self.run_dir, cell.id) / f"rank{r}.log" if started else worker.group_log(self.run_dir, self.world_size, r)
                 for r in ranks
             ]
-            tails = "\n".join(t for t in map(_tail, logs) if t)
+            tails = "\n".join(t for t in map(worker.log_tail, logs) if t)
             seconds = time.monotonic() - self.cell_started if started else 0.0
             self.finish(cell, CellOutcome(status="error", seconds=seconds, reason=f"{why}\n{tails}".rstrip()))
 
@@ -305,8 +304,3 @@ def _stop(procs: list, *, graceful: bool) -> None:
                 pass
             p.kill()
         p.join(timeout=10)
-
-
-def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
-    text = path.read_text(errors="replace").rstrip().splitlines()[-lines:] if path.is_file() else []
-    return f"--- {path.name} (last {len(text)} lines) ---\n" + "\n".join(text) if text else ""

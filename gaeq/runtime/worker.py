@@ -52,6 +52,15 @@ def group_log(run_dir: str | Path, world_size: int, rank: int) -> Path:
     return Path(run_dir) / "logs" / f"group-w{world_size}-rank{rank}.log"
 
 
+LOG_TAIL_LINES = 12
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    """The last lines of a log, headed by its name ('' for a missing or empty log)."""
+    text = path.read_text(errors="replace").rstrip().splitlines()[-lines:] if path.is_file() else []
+    return f"--- {path.name} (last {len(text)} lines) ---\n" + "\n".join(text) if text else ""
+
+
 def worker_main(rank: int, job: GroupJob, events: Any) -> None:
     _detach_from_terminal()
     log = group_log(job.run_dir, job.world_size, rank)
