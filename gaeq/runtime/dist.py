@@ -48,6 +48,9 @@ def init_process_group(*, rank: int, world_size: int, port: int, with_deepspeed:
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size),
+        # DeepSpeed's launcher sets it; without it the CPU accelerator's device_count() runs
+        # `numactl --hardware` in a subprocess on every ZeRO-3 gradient reduction.
+        LOCAL_SIZE=str(world_size),
     )
     timeout = timedelta(seconds=timeout_s)
     if has_cuda():
