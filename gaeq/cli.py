@@ -8,7 +8,6 @@ from __future__ import annotations
 import signal
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Annotated
 
@@ -18,12 +17,10 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from gaeq.matrix import Matrix, MatrixError, load_matrix
-from gaeq.results.outcome import read_outcome
-from gaeq.results.overlay import OVERLAY_FILE, plot_overlay
-from gaeq.results.report import EXIT_BAD_INPUT, cost_table, judge, resolve_tolerances, verdict_table, write_report
-from gaeq.results.tensorboard import TB_DIR, write_tensorboard
-from gaeq.results.trace import TraceStore, cell_dir
+from gaeq import api
+from gaeq.matrix import Matrix, MatrixError
+from gaeq.results.report import EXIT_BAD_INPUT, cost_table, verdict_table
+from gaeq.results.tensorboard import TB_DIR
 
 app = typer.Typer(
     name="gaeq",
@@ -41,18 +38,10 @@ err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
 def _load(path: Path, *, check: bool = True) -> Matrix:
     """A validated matrix whose problems (plugins included) build and run a forward pass — or exit 2."""
     try:
-        matrix = load_matrix(path)
-        if check:
-            from gaeq.problem.build import check_problem
-
-            for name, problem in matrix.problems.items():
-                try:
-                    check_problem(problem, search=matrix.plugin_dirs)
-                except ValueError as exc:  # PluginError, or a built-in's own size checks
-                    raise MatrixError(f"{path}: problem {name!r}: {exc}") from None
-        return matrix
+        return api.load(path, check=check)
     except MatrixError as exc:
-        err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        message = str(exc) if str(exc).startswith(str(path)) else f"{path}: {exc}"
+        err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
         raise typer.Exit(EXIT_BAD_INPUT) from None
 
 
@@ -100,20 +89,12 @@ def run(
     ] = False,
 ) -> None:
     """Train every cell of a matrix, compare each with its baseline, print the verdicts."""
-    from gaeq.runtime.launch import Event, run_all, warm_up
+    from gaeq.runtime.launch import Event, warm_up
 
     warm_up(isolate=isolate)  # the rank fork server imports torch/DeepSpeed while we validate
     m = _load(matrix)
-    run_dir = out or Path("runs") / f"{m.spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    if (run_dir / "cells").exists():
-        err_console.print(f"[bold red]error:[/] {run_dir} already holds a run; pass another --out", highlight=False)
-        raise typer.Exit(EXIT_BAD_INPUT)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "matrix.yaml").write_text(matrix.read_text())
     # SIGTERM stops the run like Ctrl-C: the launcher's clean-up kills every rank.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-
-    cells = m.runnable()
     steps = m.problem.steps
     # The report's heavy imports (TensorBoard, matplotlib) load while the ranks train.
     threading.Thread(target=_import_report_modules, daemon=True).start()
@@ -125,7 +106,7 @@ def run(
         console=console,
         transient=not console.is_terminal,
     ) as progress:
-        overall = progress.add_task("cells", total=len(cells))
+        overall = progress.add_task("cells", total=len(m.runnable()))
         current = progress.add_task("", total=steps, visible=False)
 
         def on_event(event: Event) -> None:
@@ -143,21 +124,16 @@ def run(
                     progress.console.print(f"[bold red]error[/] {event.cell_id}: {escape(event.outcome.reason.splitlines()[0])}", highlight=False)
 
         try:
-            outcomes = run_all(
-                cells=cells,
-                problems=m.problems,
-                search=m.plugin_dirs,
-                run_dir=run_dir,
-                timeout_s=m.spec.timeout_s,
-                isolate=isolate,
-                on_event=on_event,
-            )
+            result = api.run(m, out=out, isolate=isolate, on_event=on_event)
+        except FileExistsError as exc:
+            err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
+            raise typer.Exit(EXIT_BAD_INPUT) from None
         except KeyboardInterrupt:
             err_console.print("[bold red]interrupted[/]: every rank was stopped; no report written")
             raise typer.Exit(130) from None
 
-    code = _judge_and_report(m, run_dir, outcomes)
-    console.print(f"Overlay in TensorBoard:  [bold]tensorboard --logdir {run_dir / TB_DIR}[/]", highlight=False)
+    code = _print_result(result)
+    console.print(f"Overlay in TensorBoard:  [bold]tensorboard --logdir {result.run_dir / TB_DIR}[/]", highlight=False)
     raise typer.Exit(code)
 
 
@@ -171,19 +147,14 @@ def report(
     tensor_rtol: Annotated[float | None, typer.Option("--tensor-rtol", min=0, help="Params/grads tolerance, relative.")] = None,
 ) -> None:
     """Re-judge a finished run from its saved traces (e.g. with other tolerances), without training."""
-    if not (run_dir / "matrix.yaml").is_file():
-        err_console.print(f"[bold red]error:[/] {escape(str(run_dir))} is not a gaeq run directory (no matrix.yaml)", highlight=False)
-        raise typer.Exit(EXIT_BAD_INPUT)
-    m = _load(run_dir / "matrix.yaml", check=False)
-    outcomes = {c.id: o for c in m.cells if (o := read_outcome(cell_dir(run_dir, c.id))) is not None}
-    overrides = {
-        "loss_atol": atol,
-        "loss_rtol": rtol,
-        "grad_norm_rtol": grad_rtol,
-        "tensor_atol": tensor_atol,
-        "tensor_rtol": tensor_rtol,
-    }
-    raise typer.Exit(_judge_and_report(m, run_dir, outcomes, overrides=overrides))
+    try:
+        result = api.open_run(
+            run_dir, loss_atol=atol, loss_rtol=rtol, grad_norm_rtol=grad_rtol, tensor_atol=tensor_atol, tensor_rtol=tensor_rtol
+        )
+    except MatrixError as exc:
+        err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+    raise typer.Exit(_print_result(result))
 
 
 def _import_report_modules() -> None:
@@ -191,23 +162,19 @@ def _import_report_modules() -> None:
     import torch.utils.tensorboard  # noqa: F401
 
 
-def _judge_and_report(m: Matrix, run_dir: Path, outcomes, *, overrides: dict | None = None) -> int:
-    """Judge, write every artefact (report.json/.md, TensorBoard, overlay.png), print; the exit code."""
-    traces = TraceStore(run_dir)
-    result = judge(m, outcomes, traces, resolve_tolerances(m, overrides))
-    write_tensorboard(run_dir, result, traces)
-    plot_overlay(run_dir / OVERLAY_FILE, result, traces)
-    write_report(run_dir, result, figure=OVERLAY_FILE)
-    console.print(cost_table(result))
-    console.print(verdict_table(result))
-    for c in result.cells:
+def _print_result(result: api.RunResult) -> int:
+    """The cost and verdict tables, each unexpected reason, the summary line; the exit code."""
+    report = result.report
+    console.print(cost_table(report))
+    console.print(verdict_table(report))
+    for c in report.cells:
         if c.reason and c.reason != "baseline" and c.verdict != "skipped":
             console.print(f"[bold]{c.id}[/] ({c.verdict}): {escape(c.reason)}", highlight=False, soft_wrap=True)
-    s = result.summary
-    status = "[bold green]OK[/]" if result.ok else "[bold red]NOT OK[/]"
+    s = report.summary
+    status = "[bold green]OK[/]" if report.ok else "[bold red]NOT OK[/]"
     console.print(
         f"{status}: {s['match']} match, {s['diverge']} diverge, {s['error']} error, {s['skipped']} skipped "
-        f"— report: {run_dir / 'report.md'}",
+        f"— report: {result.run_dir / 'report.md'}",
         highlight=False,
     )
-    return result.exit_code
+    return report.exit_code

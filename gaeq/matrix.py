@@ -9,6 +9,7 @@ dataclass that everyone may import. Gradient accumulation is never chosen, alway
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 from dataclasses import dataclass, field
@@ -264,6 +265,8 @@ class Matrix:
     """group (dtype[@variant]) → id of its baseline cell."""
     plugin_dirs: tuple[str, ...] = ()
     """Folders searched for plugin modules: the matrix file's folder and the working directory."""
+    source: dict = field(default_factory=dict, compare=False, repr=False)
+    """The mapping it was validated from (kept with a run, to judge it again later)."""
 
     @property
     def problem(self) -> ProblemSpec:
@@ -284,16 +287,25 @@ def load_matrix(path: str | Path) -> Matrix:
         raw = yaml.safe_load(path.read_text())
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise MatrixError(f"{path}: not valid YAML ({_first_line(exc)})") from None
-    if not isinstance(raw, dict):
-        raise MatrixError(f"{path}: the top level must be a mapping of keys (name, problem, axes, ...)")
+    except OSError as exc:
+        raise MatrixError(f"{path}: cannot be read ({exc.strerror or exc})") from None
     try:
-        spec = MatrixSpec.model_validate(raw)
-        matrix = expand(spec, plugin_dirs=(str(path.resolve().parent), str(Path.cwd())))
-    except ValidationError as exc:
-        raise MatrixError(f"{path}: {_describe(exc)}") from None
+        return matrix_from_dict(raw, plugin_dirs=(str(path.resolve().parent), str(Path.cwd())))
     except MatrixError as exc:
         raise MatrixError(f"{path}: {exc}") from None
-    return matrix
+
+
+def matrix_from_dict(raw: object, *, plugin_dirs: tuple[str, ...] | None = None) -> Matrix:
+    """Validate and expand a matrix given as data (what a YAML file parses to). Plugins are
+    imported from `plugin_dirs` (default: the working directory)."""
+    if not isinstance(raw, dict):
+        raise MatrixError("the top level must be a mapping of keys (name, problem, axes, ...)")
+    try:
+        spec = MatrixSpec.model_validate(raw)
+        matrix = expand(spec, plugin_dirs=plugin_dirs if plugin_dirs is not None else (str(Path.cwd()),))
+        return dataclasses.replace(matrix, source=copy.deepcopy(raw))
+    except ValidationError as exc:
+        raise MatrixError(_describe(exc)) from None
 
 
 def _variant_problems(spec: MatrixSpec) -> dict[str, ProblemSpec]:
@@ -322,8 +334,8 @@ def _deep_merge(base: dict, override: dict) -> dict:
 def expand(spec: MatrixSpec, *, plugin_dirs: tuple[str, ...] = ()) -> Matrix:
     """Baselines + axes × variants + explicit cells → cells, in a stable order."""
     problems = _variant_problems(spec)
-    if spec.axes is None and not spec.cells:
-        raise MatrixError("no cells: give axes, cells, or both")
+    if spec.axes is None and not spec.cells and not spec.resume:
+        raise MatrixError("no cells: give axes, cells or resume (or several)")
     if spec.axes and spec.axes.dtype and "dtype" in spec.problem.model_fields_set:
         raise MatrixError("set dtype either in problem.dtype or in axes.dtype, not both")
 

@@ -6,6 +6,7 @@ Headless: a bare matplotlib Figure (no pyplot, no display backend, no global sta
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 from gaeq.results.compare import step_diffs
@@ -18,10 +19,20 @@ DIVERGENCE = ":first-divergence"
 
 
 def plot_overlay(path: Path, report: Report, traces: TraceStore):
-    """Draw and save the figure; returns the matplotlib Figure (for tests and notebooks)."""
+    """Draw and save the figure; returns the matplotlib Figure."""
+    fig = overlay_figure(report, traces)
+    fig.savefig(path, dpi=100)
+    return fig
+
+
+def overlay_figure(report: Report, traces: TraceStore, *, cells: Sequence[str] | None = None):
+    """The figure, not saved: every cell with a trace (or only `cells` and their baselines)."""
     from matplotlib.figure import Figure
 
-    drawn = [(c, t) for c in report.cells if (t := traces.usable(c.id)) is not None]
+    wanted = None if cells is None else set(cells) | {report.baseline_of(c) for c in report.cells if c.id in set(cells)}
+    if wanted is not None and (unknown := set(cells) - {c.id for c in report.cells}):
+        raise KeyError(f"no cell {', '.join(sorted(unknown))} in this report")
+    drawn = [(c, t) for c in report.cells if (wanted is None or c.id in wanted) and (t := traces.usable(c.id)) is not None]
     fig = Figure(figsize=(13, 8.5), layout="constrained")
     ax_loss, ax_diff = fig.subplots(2, 1, sharex=True, height_ratios=[3, 2])
     palette = _colors(len(drawn))
@@ -54,7 +65,6 @@ def plot_overlay(path: Path, report: Report, traces: TraceStore):
     ax_loss.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, ncol=1 + len(drawn) // 28, frameon=False)
     for ax in (ax_loss, ax_diff):
         ax.grid(True, alpha=0.3)
-    fig.savefig(path, dpi=100)
     return fig
 
 

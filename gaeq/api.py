@@ -1,0 +1,174 @@
+"""The Python API: load a matrix, run it, judge it, look at it. The CLI and the notebooks call this.
+
+    import gaeq
+    result = gaeq.run("experiments/ga.yaml", out="runs/ga")    # or a dict built in a notebook
+    result.ok, result.verdicts()                                # {cell id: "match" | "diverge" | ...}
+    result.curve("torch-w1-mb4-ga8", "grad_norm")                # (steps, values) from the trace
+    result.plot()                                               # the overlay figure (matplotlib)
+    gaeq.open_run("runs/ga", atol=1e-7)                         # re-judge a finished run
+
+Nothing here prints: progress goes to `on_event`, problems are raised (`MatrixError` for bad input,
+`FileExistsError` for an occupied run directory).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gaeq.matrix import Matrix, MatrixError, load_matrix, matrix_from_dict  # noqa: F401  (matrix_from_dict: API)
+from gaeq.results.outcome import CellOutcome, read_outcome
+from gaeq.results.overlay import OVERLAY_FILE, overlay_figure, plot_overlay
+from gaeq.results.report import CellReport, Report, judge, resolve_tolerances, write_report
+from gaeq.results.tensorboard import TB_DIR, write_tensorboard
+from gaeq.results.trace import StepRecord, TraceStore, cell_dir
+
+MATRIX_FILE = "matrix.yaml"
+"""The matrix as run, kept in the run directory (what `open_run` / `gaeq report` judge against)."""
+
+TOLERANCE_OVERRIDES = ("loss_atol", "loss_rtol", "grad_norm_rtol", "tensor_atol", "tensor_rtol")
+
+
+def load(matrix: str | Path | Mapping[str, Any] | Matrix, *, check: bool = True) -> Matrix:
+    """A validated, expanded matrix from a YAML file or a mapping of the same shape.
+
+    With `check`, every problem (plugins included) is also built and two samples are pushed through
+    it, so a broken model or loss fails here, in one line, before any process starts.
+    Raises :class:`MatrixError`.
+    """
+    if isinstance(matrix, Matrix):
+        return matrix
+    m = matrix_from_dict(dict(matrix)) if isinstance(matrix, Mapping) else load_matrix(matrix)
+    if check:
+        from gaeq.problem.build import check_problem
+
+        for name, problem in m.problems.items():
+            try:
+                check_problem(problem, search=m.plugin_dirs)
+            except ValueError as exc:  # PluginError, or a built-in's own size checks
+                raise MatrixError(f"problem {name!r}: {exc}") from None
+    return m
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunResult:
+    """A judged run: the matrix, where it lives, the verdicts and the traces behind them."""
+
+    matrix: Matrix
+    run_dir: Path
+    report: Report
+    traces: TraceStore
+
+    @property
+    def ok(self) -> bool:
+        """Every verdict is what its cell expected (skipped cells count as expected)."""
+        return self.report.ok
+
+    @property
+    def exit_code(self) -> int:
+        """0 as expected, 1 a verdict differs, 3 a cell failed to run."""
+        return self.report.exit_code
+
+    def cell(self, cell_id: str) -> CellReport:
+        for c in self.report.cells:
+            if c.id == cell_id:
+                return c
+        raise KeyError(f"no cell {cell_id!r} in this run (cells: {', '.join(c.id for c in self.report.cells)})")
+
+    def verdicts(self) -> dict[str, str]:
+        return {c.id: c.verdict for c in self.report.cells}
+
+    def baseline(self, cell_id: str | None = None) -> str:
+        """The baseline of `cell_id`'s group (of the first group without it)."""
+        if cell_id is None:
+            return next(iter(self.report.baselines.values()))
+        return self.report.baseline_of(self.cell(cell_id))
+
+    def trace(self, cell_id: str) -> list[StepRecord]:
+        """Every optimizer step the cell recorded. Raises OSError if it has no trace (error/skipped)."""
+        return self.traces.get(cell_id)
+
+    def curve(self, cell_id: str, metric: str = "loss") -> tuple[list[int], list[float]]:
+        """(steps, values) of one metric of the trace: loss, grad_norm, lr, seconds, comm_bytes, ..."""
+        trace = self.trace(cell_id)
+        return [r.step for r in trace], [getattr(r, metric) for r in trace]
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One plain dict per cell (the fields of report.json), e.g. for a pandas DataFrame."""
+        return self.report.to_json()["cells"]
+
+    def plot(self, cells: Sequence[str] | None = None):
+        """The overlay figure (loss of every cell; |Δloss| vs baseline, log scale), as a matplotlib
+        Figure; `cells` restricts it to some cells (their baselines stay as reference)."""
+        return overlay_figure(self.report, self.traces, cells=cells)
+
+
+def run(
+    matrix: str | Path | Mapping[str, Any] | Matrix,
+    *,
+    out: str | Path | None = None,
+    isolate: bool = False,
+    on_event=None,
+) -> RunResult:
+    """Train every runnable cell, judge, write the artefacts (report.json/.md, TensorBoard, overlay.png).
+
+    `matrix`: a YAML file, a mapping of the same shape, or an already loaded :class:`Matrix`.
+
+    `out` defaults to ``runs/<name>-<time>``; an existing run there raises FileExistsError.
+    `on_event` receives :class:`gaeq.runtime.launch.Event` progress (from this process's threads).
+    Ctrl-C stops every rank and raises KeyboardInterrupt.
+    """
+    from gaeq.runtime.launch import run_all, warm_up
+
+    if out is not None and (Path(out) / "cells").exists():
+        raise FileExistsError(f"{out} already holds a run; pass another out")
+    warm_up(isolate=isolate)  # the ranks' fork server imports torch/DeepSpeed while we validate
+    m = load(matrix)
+    run_dir = Path(out) if out is not None else Path("runs") / f"{m.spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / MATRIX_FILE).write_text(yaml.safe_dump(m.source, sort_keys=False, allow_unicode=True))
+    outcomes = run_all(
+        cells=m.runnable(),
+        problems=m.problems,
+        search=m.plugin_dirs,
+        run_dir=run_dir,
+        timeout_s=m.spec.timeout_s,
+        isolate=isolate,
+        on_event=on_event or (lambda event: None),
+    )
+    return judge_run(m, run_dir, outcomes)
+
+
+def open_run(run_dir: str | Path, **tolerances: float | None) -> RunResult:
+    """Judge a finished run directory again from its saved traces (optionally with other
+    tolerances: loss_atol, loss_rtol, grad_norm_rtol, tensor_atol, tensor_rtol) and rewrite its
+    artefacts. Raises MatrixError if `run_dir` is not a gaeq run."""
+    run_dir = Path(run_dir)
+    unknown = set(tolerances) - set(TOLERANCE_OVERRIDES)
+    if unknown:
+        raise TypeError(f"unknown tolerance {', '.join(sorted(unknown))}; known: {', '.join(TOLERANCE_OVERRIDES)}")
+    if not (run_dir / MATRIX_FILE).is_file():
+        raise MatrixError(f"{run_dir} is not a gaeq run directory (no {MATRIX_FILE})")
+    m = load(run_dir / MATRIX_FILE, check=False)
+    outcomes = {c.id: o for c in m.cells if (o := read_outcome(cell_dir(run_dir, c.id))) is not None}
+    return judge_run(m, run_dir, outcomes, overrides=tolerances)
+
+
+def judge_run(
+    m: Matrix, run_dir: Path, outcomes: Mapping[str, CellOutcome], *, overrides: Mapping[str, float | None] | None = None
+) -> RunResult:
+    """Judge every cell against its baseline and (re)write report.json/.md, TensorBoard and the figure."""
+    traces = TraceStore(run_dir)
+    report = judge(m, outcomes, traces, resolve_tolerances(m, overrides))
+    write_tensorboard(run_dir, report, traces)
+    plot_overlay(run_dir / OVERLAY_FILE, report, traces)
+    write_report(run_dir, report, figure=OVERLAY_FILE)
+    return RunResult(matrix=m, run_dir=run_dir, report=report, traces=traces)
+
+
+__all__ = ["MatrixError", "RunResult", "TB_DIR", "judge_run", "load", "open_run", "run"]
