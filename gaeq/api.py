@@ -21,15 +21,12 @@ from typing import Any
 
 import yaml
 
-from gaeq.matrix import Matrix, MatrixError, load_matrix, matrix_from_dict  # noqa: F401  (matrix_from_dict: API)
+from gaeq.matrix import MATRIX_FILE, Matrix, MatrixError, load_matrix, matrix_from_dict  # noqa: F401  (matrix_from_dict: API)
 from gaeq.results.outcome import CellOutcome, read_outcome
 from gaeq.results.overlay import OVERLAY_FILE, overlay_figure, plot_overlay
 from gaeq.results.report import CellReport, Report, judge, resolve_tolerances, write_report
 from gaeq.results.tensorboard import TB_DIR, write_tensorboard
 from gaeq.results.trace import StepRecord, TraceStore, cell_dir
-
-MATRIX_FILE = "matrix.yaml"
-"""The matrix as run, kept in the run directory (what `open_run` / `gaeq report` judge against)."""
 
 TOLERANCE_OVERRIDES = ("loss_atol", "loss_rtol", "grad_norm_rtol", "tensor_atol", "tensor_rtol")
 
@@ -113,6 +110,7 @@ def run(
     *,
     out: str | Path | None = None,
     isolate: bool = False,
+    launcher: str = "local",
     on_event=None,
 ) -> RunResult:
     """Train every runnable cell, judge, write the artefacts (report.json/.md, TensorBoard, overlay.png).
@@ -120,14 +118,22 @@ def run(
     `matrix`: a YAML file, a mapping of the same shape, or an already loaded :class:`Matrix`.
 
     `out` defaults to ``runs/<name>-<time>``; an existing run there raises FileExistsError.
+    `launcher`: ``local`` (gaeq starts the ranks), ``torchrun`` or ``deepspeed`` (that launcher starts
+    them on ``gaeq worker``, one launch per world size — the code path a cluster uses).
     `on_event` receives :class:`gaeq.runtime.launch.Event` progress (from this process's threads).
     Ctrl-C stops every rank and raises KeyboardInterrupt.
     """
+    from gaeq.runtime.external import LAUNCHERS
     from gaeq.runtime.launch import run_all, warm_up
 
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"unknown launcher {launcher!r}; one of {', '.join(LAUNCHERS)}")
+    if isolate and launcher != "local":
+        raise ValueError("isolate is a mode of the local launcher (an external launcher starts one group per world size)")
     if out is not None and (Path(out) / "cells").exists():
         raise FileExistsError(f"{out} already holds a run; pass another out")
-    warm_up(isolate=isolate)  # the ranks' fork server imports torch/DeepSpeed while we validate
+    if launcher == "local":
+        warm_up(isolate=isolate)  # the ranks' fork server imports torch/DeepSpeed while we validate
     m = load(matrix)
     run_dir = Path(out) if out is not None else Path("runs") / f"{m.spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -139,6 +145,7 @@ def run(
         run_dir=run_dir,
         timeout_s=m.spec.timeout_s,
         isolate=isolate,
+        launcher=launcher,
         on_event=on_event or (lambda event: None),
     )
     return judge_run(m, run_dir, outcomes)

@@ -9,7 +9,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 from rich.console import Console
@@ -87,11 +87,25 @@ def run(
     isolate: Annotated[
         bool, typer.Option("--isolate", help="A fresh process group per cell (one launch per config), not one per world size.")
     ] = False,
+    launcher: Annotated[
+        str,
+        typer.Option(
+            "--launcher",
+            help="Who starts the ranks: local (gaeq itself), torchrun or deepspeed (that launcher, once per world size, "
+            "on `gaeq worker` — the code path of a cluster).",
+        ),
+    ] = "local",
 ) -> None:
     """Train every cell of a matrix, compare each with its baseline, print the verdicts."""
+    from gaeq.runtime.external import LAUNCHERS
     from gaeq.runtime.launch import Event, warm_up
 
-    warm_up(isolate=isolate)  # the rank fork server imports torch/DeepSpeed while we validate
+    if launcher not in LAUNCHERS:
+        _bad_input(f"--launcher {launcher}: one of {', '.join(LAUNCHERS)}")
+    if isolate and launcher != "local":
+        _bad_input("--isolate works with --launcher local only")
+    if launcher == "local":
+        warm_up(isolate=isolate)  # the rank fork server imports torch/DeepSpeed while we validate
     m = _load(matrix)
     # SIGTERM stops the run like Ctrl-C: the launcher's clean-up kills every rank.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -124,7 +138,7 @@ def run(
                     progress.console.print(f"[bold red]error[/] {event.cell_id}: {escape(event.outcome.reason.splitlines()[0])}", highlight=False)
 
         try:
-            result = api.run(m, out=out, isolate=isolate, on_event=on_event)
+            result = api.run(m, out=out, isolate=isolate, launcher=launcher, on_event=on_event)
         except FileExistsError as exc:
             err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
             raise typer.Exit(EXIT_BAD_INPUT) from None
@@ -155,6 +169,46 @@ def report(
         err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         raise typer.Exit(EXIT_BAD_INPUT) from None
     raise typer.Exit(_print_result(result))
+
+
+@app.command()
+def worker(
+    matrix: Annotated[Path, typer.Option("--matrix", "-m", help="Matrix YAML file (the same on every rank).")],
+    out: Annotated[Path, typer.Option("--out", help="Run directory, on a filesystem every node shares.")],
+    cell: Annotated[list[str], typer.Option("--cell", help="Run only these cells (repeatable).")] = [],  # noqa: B006
+    search: Annotated[list[str], typer.Option("--search", help="Another folder to import plugins from (repeatable).")] = [],  # noqa: B006
+) -> None:
+    """One rank under an external launcher (torchrun, deepspeed): run the matrix's cells of the launched world size.
+
+    Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT from the launcher; rank 0 writes traces
+    into OUT. Cells from scratch run first, then resumed cells whose source finished in OUT (this launch or
+    an earlier one). Judge with `gaeq report OUT`.
+    """
+    import dataclasses
+
+    from gaeq.matrix import MATRIX_FILE
+    from gaeq.runtime import dist
+    from gaeq.runtime.external import cells_for_launch, launched_main
+
+    try:
+        me = dist.rank_from_env()
+    except ValueError as exc:
+        _bad_input(str(exc))
+    m = _load(matrix)
+    m = dataclasses.replace(m, plugin_dirs=m.plugin_dirs + tuple(search))
+    try:
+        cells_for_launch(m, world_size=me.world_size, only=cell)
+    except ValueError as exc:
+        _bad_input(f"{matrix}: {exc}")
+    out.mkdir(parents=True, exist_ok=True)
+    if me.rank == 0 and not (out / MATRIX_FILE).exists():
+        (out / MATRIX_FILE).write_text(matrix.read_text())
+    raise typer.Exit(launched_main(matrix=m, run_dir=out, only=cell))
+
+
+def _bad_input(message: str) -> NoReturn:
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    raise typer.Exit(EXIT_BAD_INPUT)
 
 
 def _import_report_modules() -> None:

@@ -34,6 +34,10 @@ BASE = "base"
 """The variant name of the matrix's own `problem`."""
 
 
+MATRIX_FILE = "matrix.yaml"
+"""The matrix as run, kept in its run directory (what `gaeq report` and `gaeq worker` read)."""
+
+
 class MatrixError(ValueError):
     """A matrix file a user can fix. The message says what to change."""
 

@@ -1,4 +1,5 @@
-"""Universal-checkpoint conversion with DeepSpeed's own converter, run by the parent between phases."""
+"""Universal-checkpoint conversion with DeepSpeed's own converter: by the parent between phases, or by
+rank 0 of `gaeq worker` under an external launcher. Converted once per (source, step)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ def convert_to_universal(*, run_dir: Path, source_id: str, step: int, timeout_s:
     if not source.is_dir():
         return f"no DeepSpeed checkpoint {source} to convert"
     log = root / f"convert_step{step}.log"
+    done = target / ".converted"
+    if done.is_file():  # converted before (by the parent, or by an earlier launch of `gaeq worker`)
+        return None
     command = [
         sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
         "--input_folder", str(source), "--output_folder", str(target),
@@ -36,4 +40,5 @@ def convert_to_universal(*, run_dir: Path, source_id: str, step: int, timeout_s:
         lines = log.read_text(errors="replace").rstrip().splitlines()
         last = next((line for line in reversed(lines) if line.strip() and not line.startswith(" ")), "no output")
         return f"ds_to_universal failed (exit {result.returncode}): {last}\n{log_tail(log)}"
+    done.touch()
     return None

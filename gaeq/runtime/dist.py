@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -35,12 +36,7 @@ def free_port() -> int:
 
 
 def init_process_group(*, rank: int, world_size: int, port: int, with_deepspeed: bool, timeout_s: float) -> None:
-    """Join the group of `world_size` local ranks on 127.0.0.1:`port`.
-
-    With DeepSpeed cells ahead, DeepSpeed initialises the group itself, so its one-off set-up
-    (including the JIT build of its shared-memory comm op on a fresh machine) happens here, at
-    group start-up, and not inside the first cell's time budget.
-    """
+    """Join the group of `world_size` local ranks on 127.0.0.1:`port` (gaeq's own launcher)."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -48,20 +44,59 @@ def init_process_group(*, rank: int, world_size: int, port: int, with_deepspeed:
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size),
-        # DeepSpeed's launcher sets it; without it the CPU accelerator's device_count() runs
-        # `numactl --hardware` in a subprocess on every ZeRO-3 gradient reduction.
-        LOCAL_SIZE=str(world_size),
     )
+    join_from_env(with_deepspeed=with_deepspeed, timeout_s=timeout_s)
+
+
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+"""What a launcher (torchrun, deepspeed, mpirun wrappers) gives every rank."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchedRank:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+
+def rank_from_env() -> LaunchedRank:
+    """This rank as a launcher described it; ValueError naming what is missing or malformed."""
+    missing = [k for k in LAUNCHER_ENV if not os.environ.get(k)]
+    if missing:
+        raise ValueError(f"not started by a launcher: {', '.join(missing)} not set (use torchrun, deepspeed or `gaeq run`)")
+    try:
+        rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+        # torchrun sets LOCAL_WORLD_SIZE, DeepSpeed's launcher LOCAL_SIZE; a single node has all ranks.
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or world)
+    except ValueError as exc:
+        raise ValueError(f"launcher environment is malformed: {exc}") from None
+    if not (0 <= rank < world and 0 <= local < local_world):
+        raise ValueError(f"launcher environment is inconsistent: RANK={rank} WORLD_SIZE={world} LOCAL_RANK={local}")
+    return LaunchedRank(rank=rank, world_size=world, local_rank=local, local_world_size=local_world)
+
+
+def join_from_env(*, with_deepspeed: bool, timeout_s: float) -> None:
+    """Join the process group the environment describes (MASTER_ADDR/PORT, RANK, WORLD_SIZE).
+
+    With DeepSpeed cells ahead, DeepSpeed initialises the group itself, so its one-off set-up
+    (including the JIT build of its shared-memory comm op on a fresh machine) happens here, at
+    group start-up, and not inside the first cell's time budget.
+    """
+    me = rank_from_env()
+    # DeepSpeed's launcher sets it; without it the CPU accelerator's device_count() runs
+    # `numactl --hardware` in a subprocess on every ZeRO-3 gradient reduction.
+    os.environ.setdefault("LOCAL_SIZE", str(me.local_world_size))
     timeout = timedelta(seconds=timeout_s)
     if has_cuda():
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(me.local_rank)
     if with_deepspeed:
         set_accelerator_env()
         import deepspeed
 
         deepspeed.init_distributed(dist_backend=backend(), auto_mpi_discovery=False, timeout=timeout)
     else:
-        dist.init_process_group(backend(), rank=rank, world_size=world_size, timeout=timeout)
+        dist.init_process_group(backend(), rank=me.rank, world_size=me.world_size, timeout=timeout)
 
 
 def destroy_process_group() -> None:

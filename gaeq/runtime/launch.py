@@ -20,12 +20,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from gaeq.matrix import Cell
+from gaeq.matrix import MATRIX_FILE, Cell
 from gaeq.problem.spec import ProblemSpec
 from gaeq.results.outcome import CellOutcome, write_outcome
 from gaeq.results.trace import cell_dir
 from gaeq.runtime import worker
 from gaeq.runtime.convert import convert_to_universal
+from gaeq.runtime.external import run_launched_group
 from gaeq.runtime.dist import free_port, set_accelerator_env
 
 
@@ -55,12 +56,15 @@ def run_cells(
     search: Sequence[str] = (),
     init_timeout_s: float = DEFAULT_INIT_TIMEOUT_S,
     isolate: bool = False,
+    launcher: str = "local",
     on_event: OnEvent = lambda event: None,
 ) -> dict[str, CellOutcome]:
     """Run every cell; return how each ended. Writes ``cells/<id>/outcome.json`` for each.
 
     One process group per world size runs all of its cells — or, with `isolate`, one fresh group
-    per cell (the way one launch per configuration works)."""
+    per cell (the way one launch per configuration works). With `launcher` torchrun or deepspeed,
+    that launcher starts each group's ranks on ``gaeq worker`` (the run directory must hold the
+    matrix as ``matrix.yaml``)."""
     by_world: dict[object, list[Cell]] = {}
     for cell in cells:
         by_world.setdefault(cell.id if isolate else cell.world_size, []).append(cell)
@@ -70,17 +74,30 @@ def run_cells(
         world_size = group[0].world_size
         while pending:
             on_event(Event(kind="group", world_size=world_size))
-            finished = _run_group(
-                world_size=world_size,
-                isolate=isolate,
-                cells=pending,
-                problems=dict(problems),
-                search=tuple(search),
-                run_dir=run_dir,
-                timeout_s=timeout_s,
-                init_timeout_s=init_timeout_s,
-                on_event=on_event,
-            )
+            if launcher == "local":
+                finished = _run_group(
+                    world_size=world_size,
+                    isolate=isolate,
+                    cells=pending,
+                    problems=dict(problems),
+                    search=tuple(search),
+                    run_dir=run_dir,
+                    timeout_s=timeout_s,
+                    init_timeout_s=init_timeout_s,
+                    on_event=on_event,
+                )
+            else:
+                finished = run_launched_group(
+                    launcher=launcher,
+                    world_size=world_size,
+                    cells=pending,
+                    matrix_file=run_dir / MATRIX_FILE,
+                    search=tuple(search),
+                    run_dir=run_dir,
+                    timeout_s=timeout_s,
+                    init_timeout_s=init_timeout_s,
+                    on_event=on_event,
+                )
             outcomes.update(finished)
             pending = [c for c in pending if c.id not in finished]
     return outcomes
@@ -94,11 +111,14 @@ def run_all(
     timeout_s: float,
     search: Sequence[str] = (),
     isolate: bool = False,
+    launcher: str = "local",
     on_event: OnEvent = lambda event: None,
 ) -> dict[str, CellOutcome]:
     """Every cell, in two phases: first the cells that start from scratch (resume sources among
     them), then — after converting the sources' checkpoints where asked — the resumed cells."""
-    common = dict(problems=problems, run_dir=run_dir, timeout_s=timeout_s, search=search, isolate=isolate, on_event=on_event)
+    common = dict(
+        problems=problems, run_dir=run_dir, timeout_s=timeout_s, search=search, isolate=isolate, launcher=launcher, on_event=on_event
+    )
     outcomes = run_cells(cells=[c for c in cells if c.resume is None], **common)
     conversions: dict[tuple[str, int], str | None] = {}
     ready = []

@@ -63,23 +63,16 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
 
 
 def worker_main(rank: int, job: GroupJob, events: Any) -> None:
+    """A rank started by gaeq's own launcher (:mod:`gaeq.runtime.launch`): reports on `events`."""
     _detach_from_terminal()
     log = group_log(job.run_dir, job.world_size, rank)
     log.parent.mkdir(parents=True, exist_ok=True)
     _redirect_fds(log)
-    # DeepSpeed 0.19 calls collectives torch 2.13 deprecates; the warning repeats on every ZeRO
-    # collective (hundreds of lines per cell log, and time).
-    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
 
     from gaeq.runtime import dist
 
     dist.set_accelerator_env()  # before anything imports DeepSpeed
-    import torch
-
-    from gaeq.trainers import RunContext, trainer_for
-
-    # Ranks share the machine's cores instead of each oversubscribing all of them.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.world_size))
+    set_up_rank(local_world_size=job.world_size)
     dist.init_process_group(
         rank=rank,
         world_size=job.world_size,
@@ -87,39 +80,85 @@ def worker_main(rank: int, job: GroupJob, events: Any) -> None:
         with_deepspeed=any(c.trainer == "deepspeed" for c in job.cells),
         timeout_s=job.init_timeout_s,
     )
-    # Everything imported so far lives as long as the rank: keep it out of the collections
-    # DeepSpeed forces (gc.collect() in every ZeRO-3 set-up, ~0.25 s over this heap).
-    gc.freeze()
+    group_ready()
     print(f"gaeq: process group ready (world {job.world_size}, rank {rank}, {len(job.cells)} cells)", flush=True)
     events.put((READY, rank))
 
     for cell in job.cells:
-        out = cell_dir(job.run_dir, cell.id)
-        out.mkdir(parents=True, exist_ok=True)
-        with redirected_output(out / f"rank{rank}.log"):
-            events.put((START, rank, cell.id))
-            started = time.perf_counter()
-            ctx = RunContext(
+        events.put((START, rank, cell.id))
+        try:
+            seconds = run_cell(
+                cell,
                 rank=rank,
                 world_size=job.world_size,
                 device=dist.device_for(rank),
-                cell_dir=out,
-                on_step=lambda step, cell_id=cell.id: events.put((STEP, rank, cell_id, step)),
+                problem=job.problems[cell.variant],
                 search=job.search,
                 run_dir=Path(job.run_dir),
+                on_step=lambda step, cell_id=cell.id: events.put((STEP, rank, cell_id, step)),
             )
-            try:
-                trainer_for(cell.trainer)(cell=cell, problem=job.problems[cell.variant], ctx=ctx)
-            except BaseException as exc:  # noqa: BLE001 - any failure ends this rank
-                traceback.print_exc()
-                events.put((FAILED, rank, cell.id, f"{type(exc).__name__}: {exc}"))
-                # Peers may be blocked in a collective with us: the group is finished. The parent
-                # tears it down and runs the remaining cells in a fresh one.
-                _exit(events, 1)
-        events.put((DONE, rank, cell.id, time.perf_counter() - started))
+        except BaseException as exc:  # noqa: BLE001 - any failure ends this rank
+            events.put((FAILED, rank, cell.id, f"{type(exc).__name__}: {exc}"))
+            # Peers may be blocked in a collective with us: the group is finished. The parent
+            # tears it down and runs the remaining cells in a fresh one.
+            _exit(events, 1)
+        events.put((DONE, rank, cell.id, seconds))
 
     dist.destroy_process_group()
     _exit(events, 0)
+
+
+def set_up_rank(*, local_world_size: int) -> None:
+    """Process-wide settings of a rank, before it joins its group (any launcher)."""
+    # DeepSpeed 0.19 calls collectives torch 2.13 deprecates; the warning repeats on every ZeRO
+    # collective (hundreds of lines per cell log, and time).
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+    import torch
+
+    # Ranks share the machine's cores instead of each oversubscribing all of them.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
+
+
+def group_ready() -> None:
+    """After joining: everything imported so far lives as long as the rank. Keep it out of the
+    collections DeepSpeed forces (gc.collect() in every ZeRO-3 set-up, ~0.25 s over this heap)."""
+    gc.freeze()
+
+
+def run_cell(
+    cell: Cell,
+    *,
+    rank: int,
+    world_size: int,
+    device: Any,
+    problem: ProblemSpec,
+    search: tuple[str, ...],
+    run_dir: Path,
+    on_step: Any = None,
+) -> float:
+    """Train one cell on this rank, everything it prints going to ``cells/<id>/rank<r>.log``.
+    Returns the seconds it took; a failure is printed into that log and re-raised."""
+    from gaeq.trainers import RunContext, trainer_for
+
+    out = cell_dir(run_dir, cell.id)
+    out.mkdir(parents=True, exist_ok=True)
+    with redirected_output(out / f"rank{rank}.log"):
+        started = time.perf_counter()
+        ctx = RunContext(
+            rank=rank,
+            world_size=world_size,
+            device=device,
+            cell_dir=out,
+            on_step=on_step or (lambda step: None),
+            search=search,
+            run_dir=run_dir,
+        )
+        try:
+            trainer_for(cell.trainer)(cell=cell, problem=problem, ctx=ctx)
+        except BaseException:
+            traceback.print_exc()
+            raise
+        return time.perf_counter() - started
 
 
 def _exit(events: Any, code: int) -> None:

@@ -1,0 +1,216 @@
+"""Running under someone else's launcher: torchrun, DeepSpeed's `deepspeed`, a cluster's wrapper.
+
+Two halves:
+
+- :func:`launched_main` is ``gaeq worker``: what the launcher starts on every rank. It reads its
+  place from the launcher's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT),
+  runs the matrix's cells whose world size is the launched one — cells from scratch first, then
+  resumed cells whose source checkpoint is in the run directory — and rank 0 writes each cell's
+  trace and outcome into the shared run directory. ``gaeq report RUN_DIR`` judges them.
+- :func:`run_launched_group` is what ``gaeq run --launcher torchrun|deepspeed`` does per world size
+  on one node: it starts that launcher on ``gaeq worker`` and watches the run directory, with the
+  same deadlines and failure reasons as the local launcher.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from gaeq.matrix import Cell, Matrix
+from gaeq.results.outcome import CellOutcome, read_outcome, write_outcome
+from gaeq.results.trace import cell_dir
+from gaeq.runtime import dist, worker
+
+LAUNCHERS = ("local", "torchrun", "deepspeed")
+
+
+# --- the rank side: `gaeq worker` ---------------------------------------------------------------
+
+
+def cells_for_launch(matrix: Matrix, *, world_size: int, only: Sequence[str] = ()) -> list[Cell]:
+    """The runnable cells of this world size (restricted to `only` if given), scratch cells first."""
+    cells = [c for c in matrix.runnable() if c.world_size == world_size and (not only or c.id in only)]
+    if only and (unknown := set(only) - {c.id for c in matrix.cells}):
+        raise ValueError(f"no cell {', '.join(sorted(unknown))} in the matrix")
+    if not cells:
+        sizes = sorted({c.world_size for c in matrix.runnable()})
+        raise ValueError(f"no cell of world size {world_size} to run (the matrix has world sizes {sizes})")
+    return [c for c in cells if c.resume is None] + [c for c in cells if c.resume is not None]
+
+
+def launched_main(*, matrix: Matrix, run_dir: Path, only: Sequence[str] = (), init_timeout_s: float = 600.0) -> int:
+    """Run this rank's share of the matrix; 0 when every cell finished, 1 when one failed.
+
+    A failing cell gets an ``error`` outcome written by the rank that failed (with its reason);
+    the rank then exits non-zero, which makes the launcher stop the others.
+    """
+    me = dist.rank_from_env()
+    cells = cells_for_launch(matrix, world_size=me.world_size, only=only)
+    dist.set_accelerator_env()
+    worker.set_up_rank(local_world_size=me.local_world_size)
+    dist.join_from_env(with_deepspeed=any(c.trainer == "deepspeed" for c in cells), timeout_s=init_timeout_s)
+    worker.group_ready()
+    for cell in cells:
+        if cell.resume is not None and not _resume_ready(cell, rank=me.rank, run_dir=run_dir, matrix=matrix):
+            continue
+        try:
+            seconds = worker.run_cell(
+                cell,
+                rank=me.rank,
+                world_size=me.world_size,
+                device=dist.device_for(me.local_rank),
+                problem=matrix.problems[cell.variant],
+                search=matrix.plugin_dirs,
+                run_dir=run_dir,
+            )
+        except BaseException as exc:  # noqa: BLE001 - reported, then the launcher tears the group down
+            reason = f"rank {me.rank} failed: {type(exc).__name__}: {exc}"
+            tail = worker.log_tail(cell_dir(run_dir, cell.id) / f"rank{me.rank}.log")
+            write_outcome(cell_dir(run_dir, cell.id), CellOutcome(status="error", seconds=0.0, reason=f"{reason}\n{tail}".rstrip()))
+            return 1
+        if me.rank == 0:
+            write_outcome(cell_dir(run_dir, cell.id), CellOutcome(status="done", seconds=seconds))
+    dist.destroy_process_group()
+    return 0
+
+
+def _resume_ready(cell: Cell, *, rank: int, run_dir: Path, matrix: Matrix) -> bool:
+    """A resumed cell may start when its source finished here (this or an earlier launch) and, for
+    a universal resume, its checkpoint is converted — by rank 0, while the others wait."""
+    import torch.distributed as tdist
+
+    from gaeq.runtime.convert import convert_to_universal
+
+    source, step = cell.resume.source, cell.resume.step
+    reason = None
+    if rank == 0:
+        outcome = read_outcome(cell_dir(run_dir, source))
+        if outcome is None or outcome.status != "done":
+            reason = f"source cell {source} did not finish in {run_dir}: no checkpoint to resume"
+        elif cell.resume.universal:
+            failed = convert_to_universal(run_dir=run_dir, source_id=source, step=step, timeout_s=matrix.spec.timeout_s)
+            reason = f"universal conversion of {source} at step {step} failed: {failed}" if failed else None
+        if reason:
+            write_outcome(cell_dir(run_dir, cell.id), CellOutcome(status="error", seconds=0.0, reason=reason))
+    verdict = [reason]
+    tdist.broadcast_object_list(verdict, src=0)  # every rank skips, or every rank trains
+    return verdict[0] is None
+
+
+# --- the parent side: `gaeq run --launcher torchrun|deepspeed` -----------------------------------
+
+
+def launcher_command(launcher: str, *, world_size: int, port: int) -> list[str]:
+    """The single-node command line that starts `world_size` ranks of ``python -m gaeq``."""
+    if launcher == "torchrun":
+        return [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(world_size),
+            "--master_addr", "127.0.0.1", "--master_port", str(port), "--module", "gaeq",
+        ]  # fmt: skip
+    if launcher == "deepspeed":
+        # --no_local_rank: ranks read LOCAL_RANK from the environment, like torchrun's.
+        return [
+            sys.executable, "-m", "deepspeed.launcher.runner", "--num_nodes", "1", "--num_gpus", str(world_size),
+            "--master_addr", "127.0.0.1", "--master_port", str(port), "--no_local_rank", "--module", "gaeq",
+        ]  # fmt: skip
+    raise ValueError(f"unknown launcher {launcher!r}; one of {', '.join(LAUNCHERS)}")
+
+
+def run_launched_group(
+    *,
+    launcher: str,
+    world_size: int,
+    cells: Sequence[Cell],
+    matrix_file: Path,
+    search: Sequence[str],
+    run_dir: Path,
+    timeout_s: float,
+    init_timeout_s: float,
+    on_event: Callable,
+) -> dict[str, CellOutcome]:
+    """Start `launcher` on ``gaeq worker`` for `cells` (all of one world size) and wait for their
+    outcomes in the run directory. Returns the outcomes of the cells that ended — finished, or
+    failed (the first cell without an outcome when the launcher died or stalled); the caller
+    launches again for the rest."""
+    from gaeq.runtime.launch import Event
+
+    log = run_dir / "logs" / f"{launcher}-w{world_size}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    cmd = launcher_command(launcher, world_size=world_size, port=dist.free_port())
+    cmd += ["worker", "--matrix", str(matrix_file), "--out", str(run_dir)]
+    for folder in dict.fromkeys(search):  # ordered, without repeats
+        cmd += ["--search", folder]
+    for cell in cells:
+        cmd += ["--cell", cell.id]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.setdefault("DS_ACCELERATOR", "cuda" if dist.has_cuda() else "cpu")
+    outcomes: dict[str, CellOutcome] = {}
+    with log.open("ab") as out:
+        # Its own session: a stalled or interrupted launch is killed with every rank it started.
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + init_timeout_s
+        pending = list(cells)
+        on_event(Event(kind="start", world_size=world_size, cell_id=pending[0].id))
+        while pending:
+            outcome = read_outcome(cell_dir(run_dir, pending[0].id))
+            if outcome is not None:
+                cell = pending.pop(0)
+                outcomes[cell.id] = outcome
+                on_event(Event(kind="end", world_size=world_size, cell_id=cell.id, outcome=outcome))
+                if outcome.status != "done":  # the failing rank exits; the launcher stops the rest
+                    _wait(proc, seconds=30)
+                    break
+                if pending:
+                    on_event(Event(kind="start", world_size=world_size, cell_id=pending[0].id))
+                deadline = time.monotonic() + timeout_s
+                continue
+            code = proc.poll()
+            if code is not None:
+                time.sleep(0.2)  # an outcome written just before the exit
+                if read_outcome(cell_dir(run_dir, pending[0].id)) is None:
+                    why = f"{launcher} exited with code {code} before the cell finished"
+                    _fail(pending[0], why, run_dir=run_dir, log=log, outcomes=outcomes, world_size=world_size, on_event=on_event)
+                    break
+                continue
+            if time.monotonic() > deadline:
+                why = f"timed out: no cell finished for {timeout_s:.0f} s under {launcher} (a rank hangs?)"
+                _fail(pending[0], why, run_dir=run_dir, log=log, outcomes=outcomes, world_size=world_size, on_event=on_event)
+                break
+            time.sleep(0.2)
+    finally:
+        _stop(proc)
+    return outcomes
+
+
+def _fail(cell: Cell, why: str, *, run_dir: Path, log: Path, outcomes: dict, world_size: int, on_event: Callable) -> None:
+    from gaeq.runtime.launch import Event
+
+    logs = [cell_dir(run_dir, cell.id) / f"rank{r}.log" for r in range(world_size)] + [log]
+    tails = "\n".join(t for t in map(worker.log_tail, logs) if t)
+    outcomes[cell.id] = CellOutcome(status="error", seconds=0.0, reason=f"{why}\n{tails}".rstrip())
+    write_outcome(cell_dir(run_dir, cell.id), outcomes[cell.id])
+    on_event(Event(kind="end", world_size=world_size, cell_id=cell.id, outcome=outcomes[cell.id]))
+
+
+def _wait(proc: subprocess.Popen, *, seconds: float) -> None:
+    try:
+        proc.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """A launcher that finished has exited; anything else is killed with its whole session."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    proc.wait(timeout=30)
