@@ -13,6 +13,8 @@ Nothing here prints: progress goes to `on_event`, problems are raised (`MatrixEr
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -42,14 +44,26 @@ def load(matrix: str | Path | Mapping[str, Any] | Matrix, *, check: bool = True)
         return matrix
     m = matrix_from_dict(dict(matrix)) if isinstance(matrix, Mapping) else load_matrix(matrix)
     if check:
-        from gaeq.problem.build import check_problem
-
-        for name, problem in m.problems.items():
-            try:
-                check_problem(problem, search=m.plugin_dirs)
-            except ValueError as exc:  # PluginError, or a built-in's own size checks
-                raise MatrixError(f"problem {name!r}: {exc}") from None
+        check_problems(m)
     return m
+
+
+def check_problems(m: Matrix) -> None:
+    """Build every problem of `m` and push two samples through it; MatrixError naming what failed."""
+    from gaeq.problem.build import check_problem
+
+    for name, problem in m.problems.items():
+        try:
+            check_problem(problem, search=m.plugin_dirs)
+        except ValueError as exc:  # PluginError, or a built-in's own size checks
+            raise MatrixError(f"problem {name!r}: {exc}") from None
+
+
+def local_rank_limit() -> int:
+    """How many ranks one machine may run: its GPUs, or 4 per CPU core (gloo ranks each want a core)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 4 * (os.cpu_count() or 1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,6 +125,7 @@ def run(
     out: str | Path | None = None,
     isolate: bool = False,
     launcher: str = "local",
+    resume: bool = False,
     on_event=None,
 ) -> RunResult:
     """Train every runnable cell, judge, write the artefacts (report.json/.md, TensorBoard, overlay.png).
@@ -120,6 +135,8 @@ def run(
     `out` defaults to ``runs/<name>-<time>``; an existing run there raises FileExistsError.
     `launcher`: ``local`` (gaeq starts the ranks), ``torchrun`` or ``deepspeed`` (that launcher starts
     them on ``gaeq worker``, one launch per world size — the code path a cluster uses).
+    `resume`: `out` holds an interrupted run of the same matrix; cells that finished there (a complete
+    trace and a `done` outcome) are kept, the others are trained again.
     `on_event` receives :class:`gaeq.runtime.launch.Event` progress (from this process's threads).
     Ctrl-C stops every rank and raises KeyboardInterrupt.
     """
@@ -130,16 +147,32 @@ def run(
         raise ValueError(f"unknown launcher {launcher!r}; one of {', '.join(LAUNCHERS)}")
     if isolate and launcher != "local":
         raise ValueError("isolate is a mode of the local launcher (an external launcher starts one group per world size)")
-    if out is not None and (Path(out) / "cells").exists():
-        raise FileExistsError(f"{out} already holds a run; pass another out")
+    # Everything that can be checked without a process comes first: bad input never starts one.
+    m = load(matrix, check=False)
+    if resume:
+        kept = _finished_cells(m, out)
+    elif out is not None and (Path(out) / "cells").exists():
+        raise FileExistsError(f"{out} already holds a run; pass another out (or resume it)")
+    else:
+        kept = {}
+    limit = local_rank_limit()
+    if (biggest := max((c.world_size for c in m.runnable()), default=1)) > limit:
+        raise MatrixError(
+            f"world size {biggest} needs {biggest} ranks on this machine, which runs at most {limit} "
+            "(its GPUs, or 4 per CPU core): launch bigger world sizes with `gaeq worker` on a cluster"
+        )
     if launcher == "local":
-        warm_up(isolate=isolate)  # the ranks' fork server imports torch/DeepSpeed while we validate
-    m = load(matrix)
-    run_dir = Path(out) if out is not None else Path("runs") / f"{m.spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        warm_up(isolate=isolate)  # the ranks' fork server imports torch/DeepSpeed while the problems are checked
+    check_problems(m)
+    run_dir = Path(out) if out is not None else new_run_dir(m.spec.name)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / MATRIX_FILE).write_text(yaml.safe_dump(m.source, sort_keys=False, allow_unicode=True))
-    outcomes = run_all(
-        cells=m.runnable(),
+    _atomic_write(run_dir / MATRIX_FILE, yaml.safe_dump(m.source, sort_keys=False, allow_unicode=True))
+    for cell in m.runnable():
+        if cell.id not in kept:  # what an interrupted attempt left of it (partial trace, logs) goes
+            shutil.rmtree(cell_dir(run_dir, cell.id), ignore_errors=True)
+    outcomes = kept | run_all(
+        cells=[c for c in m.runnable() if c.id not in kept],
+        done=kept,
         problems=m.problems,
         search=m.plugin_dirs,
         run_dir=run_dir,
@@ -149,6 +182,45 @@ def run(
         on_event=on_event or (lambda event: None),
     )
     return judge_run(m, run_dir, outcomes)
+
+
+def new_run_dir(name: str, *, root: Path = Path("runs")) -> Path:
+    """``runs/<name>-<time>``, created here and unique: two runs started in the same second (or on
+    machines sharing the filesystem) never share a directory."""
+    root.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for n in range(1000):
+        path = root / (f"{name}-{stamp}" if n == 0 else f"{name}-{stamp}-{n}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free run directory for {name} under {root}")
+
+
+def _finished_cells(m: Matrix, out: str | Path | None) -> dict[str, CellOutcome]:
+    """The cells an interrupted run of the same matrix completed in `out`."""
+    if out is None:
+        raise ValueError("resume needs the run directory to resume (out)")
+    run_dir = Path(out)
+    if not (run_dir / MATRIX_FILE).is_file():
+        raise MatrixError(f"{run_dir} holds no run to resume (no {MATRIX_FILE})")
+    if yaml.safe_load((run_dir / MATRIX_FILE).read_text()) != m.source:
+        raise MatrixError(f"{run_dir} holds a run of another matrix: resume it with its own {run_dir / MATRIX_FILE}")
+    traces = TraceStore(run_dir)
+    kept = {}
+    for cell in m.runnable():
+        outcome = read_outcome(cell_dir(run_dir, cell.id))
+        if outcome is not None and outcome.status == "done" and traces.usable(cell.id) is not None:
+            kept[cell.id] = outcome
+    return kept
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    os.replace(partial, path)
 
 
 def open_run(run_dir: str | Path, **tolerances: float | None) -> RunResult:

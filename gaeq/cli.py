@@ -95,18 +95,21 @@ def run(
             "on `gaeq worker` — the code path of a cluster).",
         ),
     ] = "local",
+    resume: Annotated[
+        bool, typer.Option("--resume", help="--out holds an interrupted run of this matrix: train only the cells it did not finish.")
+    ] = False,
 ) -> None:
     """Train every cell of a matrix, compare each with its baseline, print the verdicts."""
     from gaeq.runtime.external import LAUNCHERS
-    from gaeq.runtime.launch import Event, warm_up
+    from gaeq.runtime.launch import Event
 
     if launcher not in LAUNCHERS:
         _bad_input(f"--launcher {launcher}: one of {', '.join(LAUNCHERS)}")
     if isolate and launcher != "local":
         _bad_input("--isolate works with --launcher local only")
-    if launcher == "local":
-        warm_up(isolate=isolate)  # the rank fork server imports torch/DeepSpeed while we validate
-    m = _load(matrix)
+    if resume and out is None:
+        _bad_input("--resume needs --out: the run directory to resume")
+    m = _load(matrix, check=False)  # the problems are checked by api.run, once the ranks' fork server is starting
     # SIGTERM stops the run like Ctrl-C: the launcher's clean-up kills every rank.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     steps = m.problem.steps
@@ -138,12 +141,19 @@ def run(
                     progress.console.print(f"[bold red]error[/] {event.cell_id}: {escape(event.outcome.reason.splitlines()[0])}", highlight=False)
 
         try:
-            result = api.run(m, out=out, isolate=isolate, launcher=launcher, on_event=on_event)
+            out = out or api.new_run_dir(m.spec.name)  # named here, so that an interruption can say where
+            result = api.run(m, out=out, isolate=isolate, launcher=launcher, resume=resume, on_event=on_event)
         except FileExistsError as exc:
-            err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
-            raise typer.Exit(EXIT_BAD_INPUT) from None
+            _bad_input(str(exc))
+        except MatrixError as exc:
+            _bad_input(f"{matrix}: {exc}")
         except KeyboardInterrupt:
-            err_console.print("[bold red]interrupted[/]: every rank was stopped; no report written")
+            err_console.print(
+                "[bold red]interrupted[/]: every rank was stopped; finished cells are kept, no report written "
+                f"— continue with: gaeq run --matrix {matrix} --out {out} --resume",
+                highlight=False,
+                soft_wrap=True,
+            )
             raise typer.Exit(130) from None
 
     code = _print_result(result)

@@ -20,7 +20,9 @@ import yaml
 from pydantic import Field, ValidationError
 
 from gaeq.bugs import BUGS
-from gaeq.problem.spec import Dtype, PositiveInt, ProblemSpec
+from gaeq.problem.spec import Dtype, PositiveInt, ProblemSpec, Samples
+
+WorldSize = Annotated[int, Field(gt=0, le=4096)]
 from gaeq.problem.spec import Spec as _Spec
 
 Trainer = Literal["torch", "deepspeed"]
@@ -49,8 +51,8 @@ class MatrixError(ValueError):
 
 class AxesSpec(_Spec):
     trainer: list[Trainer] = Field(["torch", "deepspeed"], min_length=1)
-    world_size: list[PositiveInt] = Field([1], min_length=1)
-    micro_batch_size: list[PositiveInt] = Field(min_length=1)
+    world_size: list[WorldSize] = Field([1], min_length=1)
+    micro_batch_size: list[Samples] = Field(min_length=1)
     zero_stage: list[ZeroStage] = Field([0], min_length=1, description="DeepSpeed cells only.")
     offload: list[Offload] = Field(
         ["none"], min_length=1, description="DeepSpeed cells only: ZeRO-Offload of the optimizer (and of parameters at ZeRO-3)."
@@ -71,8 +73,8 @@ class CellSpec(_Spec):
     """One explicit cell, e.g. a control with a planted bug."""
 
     trainer: Trainer
-    world_size: PositiveInt = 1
-    micro_batch_size: PositiveInt
+    world_size: WorldSize = 1
+    micro_batch_size: Samples
     zero_stage: ZeroStage | None = None
     offload: Offload = "none"
     dtype: Dtype | None = None
@@ -84,16 +86,16 @@ class CellSpec(_Spec):
 
 class BaselineSpec(_Spec):
     trainer: Trainer = "torch"
-    world_size: PositiveInt = 1
-    micro_batch_size: PositiveInt | None = Field(None, description="Default: train_batch_size (GA = 1).")
+    world_size: WorldSize = 1
+    micro_batch_size: Samples | None = Field(None, description="Default: train_batch_size (GA = 1).")
     zero_stage: ZeroStage | None = None
 
 
 class ResumeTargetSpec(_Spec):
     """Where a checkpoint is resumed: the source's trainer, dtype and variant, another split."""
 
-    world_size: PositiveInt = 1
-    micro_batch_size: PositiveInt
+    world_size: WorldSize = 1
+    micro_batch_size: Samples
     zero_stage: ZeroStage | None = None
     offload: Offload = "none"
     drop: list[Literal["optimizer", "schedule"]] = Field(
@@ -150,7 +152,7 @@ class MatrixSpec(_Spec):
         "at every boundary: gradients before the update, parameters after it.",
     )
     track_every: PositiveInt = Field(1, description="Save params/grads every N optimizer steps (and at the last).")
-    timeout_s: float = Field(300.0, gt=0, description="Per cell; a rank silent for longer makes the cell `error`.")
+    timeout_s: float = Field(300.0, gt=0, le=86400, description="Per cell; a rank silent for longer makes the cell `error`.")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -559,4 +561,6 @@ def _describe(exc: ValidationError) -> str:
     if err["type"] == "missing":
         return f"missing key {where!r}"
     more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-    return f"{where}: {err['msg']}, got {err.get('input')!r}{more}"
+    got = repr(err.get("input"))
+    got = got if len(got) <= 80 else got[:77] + "..."
+    return f"{where}: {err['msg']}, got {got}{more}"

@@ -12,13 +12,20 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 PositiveInt = Annotated[int, Field(gt=0)]
+# Upper bounds keep a typo (hidden: 1e9) from becoming an out-of-memory kill while the problem is
+# checked: this lab trains small problems on CPUs. Bigger models come in as plugins.
+Width = Annotated[int, Field(gt=0, le=4096)]
+Depth = Annotated[int, Field(gt=0, le=32)]
+Samples = Annotated[int, Field(gt=0, le=2**20)]
+"""Batch sizes."""
 Dtype = Literal["fp32", "bf16", "fp16", "ds_bf16"]
 """fp32; bf16 / fp16 = forward autocast on both trainers (fp32 weights and gradients); ds_bf16 =
 DeepSpeed's bf16 mixed precision (bf16 weights and gradients, fp32 master weights) — DeepSpeed only."""
 
 
 class Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # No inf/nan anywhere (YAML's .inf would pass `gt=0`); unknown keys are errors.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class PluginSpec(Spec):
@@ -46,8 +53,8 @@ class RegressionSpec(Spec):
     """Noisy targets of a fixed random two-layer tanh teacher. One loss element per sample."""
 
     kind: Literal["regression"] = "regression"
-    in_features: PositiveInt = 16
-    out_features: PositiveInt = 4
+    in_features: Width = 16
+    out_features: Width = 4
     noise: float = Field(0.1, ge=0, description="Std of the label noise; > 0 keeps the loss away from 0.")
     target_scale: float = Field(1.0, gt=0, description="Multiplies targets (and so gradient norms).")
     num_samples: PositiveInt | None = _NUM_SAMPLES
@@ -60,8 +67,8 @@ class TokensSpec(Spec):
     """
 
     kind: Literal["tokens"] = "tokens"
-    vocab_size: PositiveInt = 16
-    seq_len: int = Field(24, ge=2, description="Padded length (the model's block size).")
+    vocab_size: int = Field(16, gt=0, le=65536)
+    seq_len: int = Field(24, ge=2, le=4096, description="Padded length (the model's block size).")
     min_len: int = Field(3, ge=2, description="Shortest sequence (tokens, before the shift by one).")
     num_samples: PositiveInt | None = _NUM_SAMPLES
 
@@ -83,8 +90,8 @@ _DROPOUT_RNG = Field(
 
 class MLPSpec(Spec):
     kind: Literal["mlp"] = "mlp"
-    hidden: PositiveInt = 64
-    depth: PositiveInt = Field(2, description="Hidden layers.")
+    hidden: Width = 64
+    depth: Depth = Field(2, description="Hidden layers.")
     norm: Literal["none", "layer", "batch"] = Field(
         "none", description="After each hidden layer. batch: statistics over the micro-batch (a pitfall)."
     )
@@ -96,9 +103,9 @@ class GPTSpec(Spec):
     """nanoGPT-like: token + position embeddings, pre-LN blocks (causal attention, MLP), tied head."""
 
     kind: Literal["gpt"] = "gpt"
-    n_layer: PositiveInt = 2
-    n_head: PositiveInt = 2
-    n_embd: PositiveInt = 32
+    n_layer: Depth = 2
+    n_head: Depth = 2
+    n_embd: Width = 32
     dropout: float = Field(0.0, ge=0, lt=1)
     dropout_rng: Literal["indexed", "global"] = _DROPOUT_RNG
 
@@ -164,10 +171,10 @@ class ProblemSpec(Spec):
     gradient_clipping: float = Field(
         0.0, ge=0, description="Max global grad norm at the boundary; 0 disables. Set explicitly on both trainers."
     )
-    steps: PositiveInt = Field(50, description="Optimizer steps (not micro-steps).")
+    steps: int = Field(50, gt=0, le=1_000_000, description="Optimizer steps (not micro-steps).")
     seed: int = Field(0, ge=0, description="Seeds the model init and every sample (sample = f(seed, index)).")
     dtype: Dtype = Field("fp32", description="Compute dtype when the axes do not list dtypes.")
-    train_batch_size: PositiveInt = Field(description="Global batch B: samples per optimizer step, fixed for all cells.")
+    train_batch_size: Samples = Field(description="Global batch B: samples per optimizer step, fixed for all cells.")
 
     @model_validator(mode="after")
     def _check(self) -> ProblemSpec:

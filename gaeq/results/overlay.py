@@ -6,6 +6,7 @@ Headless: a bare matplotlib Figure (no pyplot, no display backend, no global sta
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -21,7 +22,9 @@ DIVERGENCE = ":first-divergence"
 def plot_overlay(path: Path, report: Report, traces: TraceStore):
     """Draw and save the figure; returns the matplotlib Figure."""
     fig = overlay_figure(report, traces)
-    fig.savefig(path, dpi=100)
+    partial = Path(path).with_name(Path(path).name + ".partial")
+    fig.savefig(partial, dpi=100, format="png")
+    os.replace(partial, path)  # an interrupted write never leaves half a PNG
     return fig
 
 

@@ -112,14 +112,16 @@ def run_all(
     search: Sequence[str] = (),
     isolate: bool = False,
     launcher: str = "local",
+    done: Mapping[str, CellOutcome] | None = None,
     on_event: OnEvent = lambda event: None,
 ) -> dict[str, CellOutcome]:
     """Every cell, in two phases: first the cells that start from scratch (resume sources among
-    them), then — after converting the sources' checkpoints where asked — the resumed cells."""
+    them), then — after converting the sources' checkpoints where asked — the resumed cells.
+    `done`: cells of an earlier attempt that finished (resume sources among them)."""
     common = dict(
         problems=problems, run_dir=run_dir, timeout_s=timeout_s, search=search, isolate=isolate, launcher=launcher, on_event=on_event
     )
-    outcomes = run_cells(cells=[c for c in cells if c.resume is None], **common)
+    outcomes = dict(done or {}) | run_cells(cells=[c for c in cells if c.resume is None], **common)
     conversions: dict[tuple[str, int], str | None] = {}
     ready = []
     for cell in (c for c in cells if c.resume is not None):
@@ -142,7 +144,7 @@ def run_all(
             write_outcome(cell_dir(run_dir, cell.id), outcomes[cell.id])
             on_event(Event(kind="end", world_size=cell.world_size, cell_id=cell.id, outcome=outcomes[cell.id]))
     outcomes.update(run_cells(cells=ready, **common))
-    return outcomes
+    return {c.id: outcomes[c.id] for c in cells if c.id in outcomes}
 
 
 class _GroupRun:
