@@ -56,6 +56,14 @@ def launched_main(*, matrix: Matrix, run_dir: Path, only: Sequence[str] = (), in
     worker.set_up_rank(local_world_size=me.local_world_size)
     dist.join_from_env(with_deepspeed=any(c.trainer == "deepspeed" for c in cells), timeout_s=init_timeout_s)
     worker.group_ready()
+    try:
+        return _run_launched_cells(cells, me=me, matrix=matrix, run_dir=run_dir)
+    finally:
+        # A cluster has no gaeq parent to clean up after the ranks: each frees its own buffer.
+        dist.release_shm_buffers(addr=os.environ["MASTER_ADDR"], port=os.environ["MASTER_PORT"], rank=me.rank)
+
+
+def _run_launched_cells(cells: Sequence[Cell], *, me: dist.LaunchedRank, matrix: Matrix, run_dir: Path) -> int:
     for cell in cells:
         if cell.resume is not None and not _resume_ready(cell, rank=me.rank, run_dir=run_dir, matrix=matrix):
             continue
@@ -142,7 +150,8 @@ def run_launched_group(
 
     log = run_dir / "logs" / f"{launcher}-w{world_size}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    cmd = launcher_command(launcher, world_size=world_size, port=dist.free_port())
+    port = dist.free_port()
+    cmd = launcher_command(launcher, world_size=world_size, port=port)
     cmd += ["worker", "--matrix", str(matrix_file), "--out", str(run_dir)]
     for folder in dict.fromkeys(search):  # ordered, without repeats
         cmd += ["--search", folder]
@@ -186,6 +195,7 @@ def run_launched_group(
             time.sleep(0.2)
     finally:
         _stop(proc)
+        dist.release_shm_buffers(port=port)  # DeepSpeed never frees them; the ranks are gone now
     return outcomes
 
 

@@ -27,7 +27,7 @@ from gaeq.results.trace import cell_dir
 from gaeq.runtime import worker
 from gaeq.runtime.convert import convert_to_universal
 from gaeq.runtime.external import run_launched_group
-from gaeq.runtime.dist import free_port, set_accelerator_env
+from gaeq.runtime.dist import free_port, release_shm_buffers, set_accelerator_env
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -266,6 +266,7 @@ def _run_group(
                 break
     finally:
         _stop(procs, graceful=state.current is None)
+        release_shm_buffers(port=job.port)  # DeepSpeed never frees them; its ranks are gone now
         events.close()
         events.cancel_join_thread()
     return state.outcomes
