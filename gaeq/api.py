@@ -59,11 +59,21 @@ def check_problems(m: Matrix) -> None:
             raise MatrixError(f"problem {name!r}: {exc}") from None
 
 
-def local_rank_limit() -> int:
-    """How many ranks one machine may run: its GPUs, or 4 per CPU core (gloo ranks each want a core)."""
-    import torch
+def check_world_sizes(m: Matrix, *, gpus: bool) -> None:
+    """One machine runs at most 4 ranks per CPU core (gloo ranks each want a core) — and, with
+    `gpus`, one per GPU (this imports torch). MatrixError beyond."""
+    biggest = max((c.world_size for c in m.runnable()), default=1)
+    limit, what = 4 * (os.cpu_count() or 1), "4 per CPU core"
+    if gpus:
+        import torch
 
-    return torch.cuda.device_count() if torch.cuda.is_available() else 4 * (os.cpu_count() or 1)
+        if torch.cuda.is_available():
+            limit, what = torch.cuda.device_count(), "one per GPU"
+    if biggest > limit:
+        raise MatrixError(
+            f"world size {biggest} needs {biggest} ranks on this machine, which runs at most {limit} "
+            f"({what}): launch bigger world sizes with `gaeq worker` on a cluster"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,15 +165,11 @@ def run(
         raise FileExistsError(f"{out} already holds a run; pass another out (or resume it)")
     else:
         kept = {}
-    limit = local_rank_limit()
-    if (biggest := max((c.world_size for c in m.runnable()), default=1)) > limit:
-        raise MatrixError(
-            f"world size {biggest} needs {biggest} ranks on this machine, which runs at most {limit} "
-            "(its GPUs, or 4 per CPU core): launch bigger world sizes with `gaeq worker` on a cluster"
-        )
+    check_world_sizes(m, gpus=False)  # without torch: its import would delay the fork server below
     if launcher == "local":
         warm_up(isolate=isolate)  # the ranks' fork server imports torch/DeepSpeed while the problems are checked
     check_problems(m)
+    check_world_sizes(m, gpus=True)
     run_dir = Path(out) if out is not None else new_run_dir(m.spec.name)
     run_dir.mkdir(parents=True, exist_ok=True)
     _atomic_write(run_dir / MATRIX_FILE, yaml.safe_dump(m.source, sort_keys=False, allow_unicode=True))
