@@ -26,7 +26,7 @@ import yaml
 from gaeq.matrix import MATRIX_FILE, Matrix, MatrixError, load_matrix, matrix_from_dict  # noqa: F401  (matrix_from_dict: API)
 from gaeq.results.outcome import CellOutcome, read_outcome
 from gaeq.results.overlay import OVERLAY_FILE, overlay_figure, plot_overlay
-from gaeq.results.report import CellReport, Report, judge, resolve_tolerances, write_report
+from gaeq.results.report import CellReport, Report, atomic_write, judge, resolve_tolerances, write_report
 from gaeq.results.tensorboard import TB_DIR, write_tensorboard
 from gaeq.results.trace import StepRecord, TraceStore, cell_dir
 
@@ -172,7 +172,7 @@ def run(
     check_world_sizes(m, gpus=True)
     run_dir = Path(out) if out is not None else new_run_dir(m.spec.name)
     run_dir.mkdir(parents=True, exist_ok=True)
-    _atomic_write(run_dir / MATRIX_FILE, yaml.safe_dump(m.source, sort_keys=False, allow_unicode=True))
+    atomic_write(run_dir / MATRIX_FILE, yaml.safe_dump(m.source, sort_keys=False, allow_unicode=True))
     for cell in m.runnable():
         if cell.id not in kept:  # what an interrupted attempt left of it (partial trace, logs) goes
             shutil.rmtree(cell_dir(run_dir, cell.id), ignore_errors=True)
@@ -221,12 +221,6 @@ def _finished_cells(m: Matrix, out: str | Path | None) -> dict[str, CellOutcome]
         if outcome is not None and outcome.status == "done" and traces.usable(cell.id) is not None:
             kept[cell.id] = outcome
     return kept
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(text)
-    os.replace(partial, path)
 
 
 def open_run(run_dir: str | Path, **tolerances: float | None) -> RunResult:

@@ -19,7 +19,7 @@ from rich.table import Table
 
 from gaeq import api
 from gaeq.matrix import Matrix, MatrixError
-from gaeq.results.report import EXIT_BAD_INPUT, cost_table, verdict_table
+from gaeq.results.report import EXIT_BAD_INPUT, atomic_write, cost_table, verdict_table
 from gaeq.results.tensorboard import TB_DIR
 
 app = typer.Typer(
@@ -212,7 +212,7 @@ def worker(
         _bad_input(f"{matrix}: {exc}")
     out.mkdir(parents=True, exist_ok=True)
     if me.rank == 0 and not (out / MATRIX_FILE).exists():
-        (out / MATRIX_FILE).write_text(matrix.read_text())
+        atomic_write(out / MATRIX_FILE, matrix.read_text())  # other ranks may read it: never half-written
     raise typer.Exit(launched_main(matrix=m, run_dir=out, only=cell))
 
 

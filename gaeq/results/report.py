@@ -209,11 +209,12 @@ def _finite(value):
 
 def write_report(run_dir: Path, report: Report, *, figure: str | None = None) -> None:
     """report.json and report.md (linking `figure`, a file in run_dir), each written atomically."""
-    _atomic_write(run_dir / "report.json", json.dumps(report.to_json(), indent=2) + "\n")
-    _atomic_write(run_dir / "report.md", render_markdown(report, figure=figure))
+    atomic_write(run_dir / "report.json", json.dumps(report.to_json(), indent=2) + "\n")
+    atomic_write(run_dir / "report.md", render_markdown(report, figure=figure))
 
 
-def _atomic_write(path: Path, text: str) -> None:
+def atomic_write(path: Path, text: str) -> None:
+    """Write to a `.partial` name, then rename: readers see the old file or the whole new one."""
     tmp = path.with_name(path.name + ".partial")
     tmp.write_text(text)
     os.replace(tmp, path)
