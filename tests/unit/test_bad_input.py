@@ -98,7 +98,8 @@ def no_processes(monkeypatch):
 def assert_bad_input(result) -> None:
     out = result.stderr.strip()
     assert result.exit_code == 2, (result.exit_code, result.stdout, out)
-    assert "Traceback" not in out + result.stdout and result.exception is None or isinstance(result.exception, SystemExit)
+    assert "Traceback" not in out + result.stdout
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
     assert len(out.splitlines()) == 1 and out.startswith("error: "), out
 
 
