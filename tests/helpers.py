@@ -39,7 +39,7 @@ def run_in_process(matrix, run_dir):
         cell_dir = run_dir / "cells" / cell.id
         cell_dir.mkdir(parents=True)
         ctx = RunContext(rank=0, world_size=1, device=torch.device("cpu"), cell_dir=cell_dir, run_dir=run_dir)
-        trainer_for(cell.trainer)(cell=cell, problem=matrix.problem, ctx=ctx)
+        trainer_for(cell.trainer)(cell=cell, problem=matrix.problems[cell.variant], ctx=ctx)
         outcomes[cell.id] = CellOutcome(status="done", seconds=0.0)
         write_outcome(cell_dir, outcomes[cell.id])
     return outcomes
