@@ -328,13 +328,20 @@ def _variant_problems(spec: MatrixSpec) -> dict[str, ProblemSpec]:
 
 
 def _deep_merge(base: dict, override: dict) -> dict:
+    """`override` onto `base`, mapping by mapping — except where a mapping names another built-in
+    (`kind`) or another plugin (`import`): that one starts afresh, its old keys (`args`) belong to
+    something else."""
     merged = dict(base)
     for key, value in override.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict) and value.get("kind", merged[key].get("kind")) == merged[key].get("kind"):
+        if isinstance(value, dict) and isinstance(merged.get(key), dict) and _same_thing(merged[key], value):
             merged[key] = _deep_merge(merged[key], value)
         else:
             merged[key] = value
     return merged
+
+
+def _same_thing(base: dict, override: dict) -> bool:
+    return all(override.get(k, base.get(k)) == base.get(k) for k in ("kind", "import", "import_"))
 
 
 def expand(spec: MatrixSpec, *, plugin_dirs: tuple[str, ...] = ()) -> Matrix:
@@ -364,11 +371,15 @@ def expand(spec: MatrixSpec, *, plugin_dirs: tuple[str, ...] = ()) -> Matrix:
                 "dtype ds_bf16 is DeepSpeed's bf16 mixed precision: DeepSpeed cells at ZeRO ≥ 1 only "
                 "(at ZeRO-0 DeepSpeed 0.19 cannot accumulate bf16 gradients in fp32)"
             )
+        if dtype == "ds_fp16" and trainer != "deepspeed":
+            raise MatrixError("dtype ds_fp16 is DeepSpeed's fp16 mixed precision: DeepSpeed cells only (torch: fp16)")
         if bug is not None:
             if bug not in BUGS:
                 raise MatrixError(f"unknown bug {bug!r}; known: {', '.join(sorted(BUGS))}")
             if trainer not in BUGS[bug].trainers:
                 raise MatrixError(f"bug {bug!r} exists only in the {'/'.join(BUGS[bug].trainers)} trainer")
+            if BUGS[bug].dtypes and dtype not in BUGS[bug].dtypes:
+                raise MatrixError(f"bug {bug!r} exists only in {'/'.join(BUGS[bug].dtypes)} cells, not {dtype}")
         if fault is not None and fault.rank >= world_size:
             raise MatrixError(f"fault.rank {fault.rank} does not exist at world_size {world_size}")
         if fault is not None and fault.step >= problem.steps:
@@ -390,7 +401,7 @@ def expand(spec: MatrixSpec, *, plugin_dirs: tuple[str, ...] = ()) -> Matrix:
         )
         if offload != "none" and zero_stage == 0:
             cell = dataclasses.replace(cell, skip_reason="offload needs ZeRO ≥ 1 (ZeRO-0 has no partitioned optimizer to offload)")
-        elif dtype == "fp16" and (reason := _fp16_unsupported()):
+        elif dtype in ("fp16", "ds_fp16") and (reason := _fp16_unsupported()):
             cell = dataclasses.replace(cell, skip_reason=reason)
         if not cell.divisible:
             if spec.on_indivisible == "error":

@@ -89,6 +89,22 @@ def test_variants_get_their_own_problem_and_baseline(write_matrix):
     assert {c.id for c in m.cells} >= {"torch-w1-mb4-ga4@sgd", "deepspeed-z2-w1-mb2-ga8-ds_bf16@ds", "deepspeed-z0-w1-mb4-ga4@gpt"}
 
 
+def test_a_variant_that_switches_plugin_starts_from_fresh_args(write_matrix):
+    """Switching `import` (like switching `kind`) drops the base plugin's args: `norm` belongs to
+    tests.plugin_models:normed, and two_layer would be called with an unexpected keyword."""
+    spec = plugin_spec("tests.plugin_models:normed", norm="none", width=12)
+    spec["variants"] = {
+        "other": {"problem": {"model": {"import": "tests.plugin_models:two_layer", "args": {"width": 6}}}},
+        "wider": {"problem": {"model": {"args": {"width": 20}}}},  # same plugin: its args merge
+    }
+    spec["cells"] = [{"variant": v, "trainer": "torch", "micro_batch_size": 4} for v in ("other", "wider")]
+    m = load_matrix(write_matrix(spec))
+    assert m.problems["other"].model.args == {"width": 6}
+    assert m.problems["wider"].model.args == {"norm": "none", "width": 20}
+    result = CliRunner().invoke(app, ["validate", str(write_matrix(spec))])  # builds and runs every problem
+    assert result.exit_code == 0, result.output
+
+
 @pytest.mark.parametrize(
     ("variants", "cells", "message"),
     [
