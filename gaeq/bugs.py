@@ -15,6 +15,8 @@ class PlantedBug:
     trainers: tuple[str, ...]
     """Trainers that implement the bug (the line where the mistake happens exists only there)."""
     description: str
+    dtypes: tuple[str, ...] = ()
+    """Dtypes the bug exists in (empty: any)."""
 
 
 BUGS: dict[str, PlantedBug] = {
@@ -55,6 +57,15 @@ BUGS: dict[str, PlantedBug] = {
             name="grad_accum_bf16",
             trainers=("deepspeed",),
             description="ds_bf16 gradients accumulated in bf16 (data_types.grad_accum_dtype) instead of fp32",
+        ),
+        PlantedBug(
+            name="loss_scale_not_unscaled_before_clip",
+            trainers=("torch",),
+            dtypes=("fp16",),
+            description=(
+                "fp16 with a GradScaler: the loop clips before scaler.unscale_(), so it clips (and measures) "
+                "the gradient × loss scale — the clip threshold acts 65536× too early"
+            ),
         ),
         PlantedBug(
             name="one_grad_scaled",

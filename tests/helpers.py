@@ -33,13 +33,18 @@ def small_spec(**overrides) -> dict:
 
 
 def run_in_process(matrix, run_dir):
-    """Train every runnable cell of a world-size-1 matrix in this process; return their outcomes."""
+    """Train every runnable cell of a world-size-1 matrix in this process; return their outcomes
+    (a cell that raises is an `error`, as in a rank)."""
     outcomes = {}
     for cell in matrix.runnable():
         cell_dir = run_dir / "cells" / cell.id
         cell_dir.mkdir(parents=True)
         ctx = RunContext(rank=0, world_size=1, device=torch.device("cpu"), cell_dir=cell_dir, run_dir=run_dir)
-        trainer_for(cell.trainer)(cell=cell, problem=matrix.problems[cell.variant], ctx=ctx)
-        outcomes[cell.id] = CellOutcome(status="done", seconds=0.0)
+        try:
+            ran = trainer_for(cell.trainer)(cell=cell, problem=matrix.problems[cell.variant], ctx=ctx)
+        except Exception as exc:  # noqa: BLE001 - reported like a failed rank
+            outcomes[cell.id] = CellOutcome(status="error", seconds=0.0, reason=f"{type(exc).__name__}: {exc}")
+        else:
+            outcomes[cell.id] = CellOutcome(status="done", seconds=0.0, ran=ran)
         write_outcome(cell_dir, outcomes[cell.id])
     return outcomes

@@ -18,9 +18,10 @@ Width = Annotated[int, Field(gt=0, le=4096)]
 Depth = Annotated[int, Field(gt=0, le=32)]
 Samples = Annotated[int, Field(gt=0, le=2**20)]
 """Batch sizes."""
-Dtype = Literal["fp32", "bf16", "fp16", "ds_bf16"]
-"""fp32; bf16 / fp16 = forward autocast on both trainers (fp32 weights and gradients); ds_bf16 =
-DeepSpeed's bf16 mixed precision (bf16 weights and gradients, fp32 master weights) — DeepSpeed only."""
+Dtype = Literal["fp32", "bf16", "fp16", "ds_bf16", "ds_fp16"]
+"""fp32; bf16 / fp16 = forward autocast on both trainers (fp32 weights and gradients; fp16 adds
+torch's GradScaler on the torch side); ds_bf16 / ds_fp16 = DeepSpeed's own mixed precision (half
+weights and gradients, fp32 master weights; fp16 with dynamic loss scaling) — DeepSpeed only."""
 
 
 class Spec(BaseModel):

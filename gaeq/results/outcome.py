@@ -16,6 +16,9 @@ class CellOutcome:
     status: Literal["done", "error"]
     seconds: float
     reason: str = ""
+    ran: dict | None = None
+    """What really ran, read back from the live objects by rank 0 (gaeq.trainers.provenance);
+    None where the cell never finished its first optimizer step."""
 
 
 def write_outcome(cell_dir: Path, outcome: CellOutcome) -> None:

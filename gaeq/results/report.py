@@ -57,6 +57,8 @@ class CellReport:
     """Rank 0's peak RSS (CUDA: max allocated) during the cell."""
     comm_bytes_per_step: float | None = None
     """Mean bytes through collectives per optimizer step (rank 0; nccl-tests sizes)."""
+    ran: dict | None = None
+    """What really ran, read back from the live objects (gaeq.trainers.provenance)."""
 
     @property
     def as_expected(self) -> bool:
@@ -153,6 +155,7 @@ def judge(
                 divergence_steps=comparison.divergence_steps if comparison else None,
                 reason=reason,
                 seconds=outcome.seconds if outcome else None,
+                ran=outcome.ran if outcome else None,
                 **_cost(traces.usable(cell.id) if verdict in ("match", "diverge") else None),
             )
         )

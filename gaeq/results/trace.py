@@ -33,6 +33,8 @@ class StepRecord:
     """Samples consumed after this step, over all ranks."""
     seconds: float
     """Wall time of this optimizer step (all its micro-steps)."""
+    skipped: bool = False
+    """The update was skipped: an fp16 gradient overflowed (the loss scale is lowered instead)."""
     comm_bytes: int = 0
     """Bytes rank 0 put through collectives during this step (nccl-tests sizes, gaeq.trainers.cost)."""
     peak_mem_bytes: int = 0

@@ -68,7 +68,7 @@ def _run_launched_cells(cells: Sequence[Cell], *, me: dist.LaunchedRank, matrix:
         if cell.resume is not None and not _resume_ready(cell, rank=me.rank, run_dir=run_dir, matrix=matrix):
             continue
         try:
-            seconds = worker.run_cell(
+            done = worker.run_cell(
                 cell,
                 rank=me.rank,
                 world_size=me.world_size,
@@ -83,7 +83,7 @@ def _run_launched_cells(cells: Sequence[Cell], *, me: dist.LaunchedRank, matrix:
             write_outcome(cell_dir(run_dir, cell.id), CellOutcome(status="error", seconds=0.0, reason=f"{reason}\n{tail}".rstrip()))
             return 1
         if me.rank == 0:
-            write_outcome(cell_dir(run_dir, cell.id), CellOutcome(status="done", seconds=seconds))
+            write_outcome(cell_dir(run_dir, cell.id), done)
     dist.destroy_process_group()
     return 0
 

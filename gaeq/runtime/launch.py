@@ -156,7 +156,7 @@ class _GroupRun:
         self.run_dir = run_dir
         self.on_event = on_event
         self.ready: set[int] = set()
-        self.done: dict[str, dict[int, float]] = {}
+        self.done: dict[str, dict[int, tuple[float, dict | None]]] = {}  # cell → rank → (seconds, ran)
         self.outcomes: dict[str, CellOutcome] = {}
         self.failures: list[tuple[int, str]] = []  # (rank, reason) as ranks reported them
         self.cell_started = time.monotonic()
@@ -182,9 +182,10 @@ class _GroupRun:
             self.on_event(Event(kind="step", world_size=self.world_size, cell_id=msg[2], step=msg[3]))
         elif kind == worker.DONE:
             ranks = self.done.setdefault(msg[2], {})
-            ranks[rank] = msg[3]
+            ranks[rank] = (msg[3], msg[4])
             if len(ranks) == self.world_size and self.current is not None and self.current.id == msg[2]:
-                self.finish(self.current, CellOutcome(status="done", seconds=max(ranks.values())))
+                seconds = max(s for s, _ in ranks.values())
+                self.finish(self.current, CellOutcome(status="done", seconds=seconds, ran=ranks[0][1]))
         elif kind == worker.FAILED:
             self.failures.append((rank, msg[3]))
             return False

@@ -23,13 +23,14 @@ from typing import Any
 
 from gaeq.matrix import Cell
 from gaeq.problem.spec import ProblemSpec
+from gaeq.results.outcome import CellOutcome
 from gaeq.results.trace import cell_dir
 
 # Messages to the parent (tuples of plain data):
 #   ("ready", rank)                       joined the process group
 #   ("start", rank, cell_id)              began a cell
 #   ("step", rank, cell_id, step)         finished an optimizer step (rank 0 only)
-#   ("done", rank, cell_id, seconds)      finished a cell
+#   ("done", rank, cell_id, seconds, ran) finished a cell (ran: what really ran, a plain dict)
 #   ("failed", rank, cell_id, reason)     the cell raised; this rank exits right after
 READY, START, STEP, DONE, FAILED = "ready", "start", "step", "done", "failed"
 
@@ -87,7 +88,7 @@ def worker_main(rank: int, job: GroupJob, events: Any) -> None:
     for cell in job.cells:
         events.put((START, rank, cell.id))
         try:
-            seconds = run_cell(
+            done = run_cell(
                 cell,
                 rank=rank,
                 world_size=job.world_size,
@@ -102,7 +103,7 @@ def worker_main(rank: int, job: GroupJob, events: Any) -> None:
             # Peers may be blocked in a collective with us: the group is finished. The parent
             # tears it down and runs the remaining cells in a fresh one.
             _exit(events, 1)
-        events.put((DONE, rank, cell.id, seconds))
+        events.put((DONE, rank, cell.id, done.seconds, done.ran))
 
     dist.destroy_process_group()
     _exit(events, 0)
@@ -135,9 +136,9 @@ def run_cell(
     search: tuple[str, ...],
     run_dir: Path,
     on_step: Any = None,
-) -> float:
+) -> CellOutcome:
     """Train one cell on this rank, everything it prints going to ``cells/<id>/rank<r>.log``.
-    Returns the seconds it took; a failure is printed into that log and re-raised."""
+    Returns its `done` outcome (seconds, what ran); a failure is printed into that log and re-raised."""
     from gaeq.trainers import RunContext, trainer_for
 
     out = cell_dir(run_dir, cell.id)
@@ -154,11 +155,11 @@ def run_cell(
             run_dir=run_dir,
         )
         try:
-            trainer_for(cell.trainer)(cell=cell, problem=problem, ctx=ctx)
+            ran = trainer_for(cell.trainer)(cell=cell, problem=problem, ctx=ctx)
         except BaseException:
             traceback.print_exc()
             raise
-        return time.perf_counter() - started
+        return CellOutcome(status="done", seconds=time.perf_counter() - started, ran=ran)
 
 
 def _exit(events: Any, code: int) -> None:

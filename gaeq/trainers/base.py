@@ -79,8 +79,8 @@ class CellProblem:
         positions = self.plan.positions(step=step, micro_step=micro_step, rank=rank)
         indices = [self.plan.sample_at(p) for p in positions]
         inputs, targets = self.built.dataset.batch(indices)
-        if self.dtype == "ds_bf16" and inputs.is_floating_point():
-            inputs = inputs.to(torch.bfloat16)  # DeepSpeed's bf16 engine holds a bf16 model
+        if self.dtype in HALF_MODEL and inputs.is_floating_point():
+            inputs = inputs.to(HALF_MODEL[self.dtype])  # DeepSpeed's bf16/fp16 engine holds a half model
         return MicroBatch(
             inputs=inputs.to(self.device),
             targets=targets.to(self.device),
@@ -90,8 +90,8 @@ class CellProblem:
 
     @contextlib.contextmanager
     def forwarding(self, mb: MicroBatch) -> Iterator[None]:
-        """Around a forward pass: low-precision autocast (bf16 cells) and the sample keys that
-        make dropout split-invariant."""
+        """Around a forward pass: low-precision autocast (bf16/fp16 cells) and the sample keys
+        that make dropout split-invariant."""
         with autocast(self.dtype, self.device), sample_keys(mb.positions):
             yield
 
@@ -114,11 +114,17 @@ def build_problem(cell: Cell, problem: ProblemSpec, ctx: RunContext) -> CellProb
     )
 
 
+HALF_MODEL = {"ds_bf16": torch.bfloat16, "ds_fp16": torch.float16}
+"""Dtypes in which DeepSpeed holds the model itself in half precision."""
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+"""Dtypes computed by forward-pass autocast over fp32 weights, on both trainers."""
+
+
 def autocast(dtype: str, device: torch.device) -> contextlib.AbstractContextManager:
-    """Forward-pass autocast for `bf16` cells; a no-op in fp32 (and ds_bf16, where DeepSpeed
-    itself holds the model in bf16)."""
-    if dtype == "bf16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    """Forward-pass autocast for `bf16`/`fp16` cells; a no-op in fp32 (and ds_bf16/ds_fp16, where
+    DeepSpeed itself holds the model in half precision)."""
+    if dtype in AUTOCAST:
+        return torch.autocast(device_type=device.type, dtype=AUTOCAST[dtype])
     return contextlib.nullcontext()
 
 
@@ -150,7 +156,9 @@ class StepRecorder:
         if self.snapshots is not None:
             self.snapshots.add(step=step, kind=kind, named=named)
 
-    def record(self, *, step: int, local_loss_sum: float, normaliser: int, grad_norm: float, lr: float, seconds: float) -> None:
+    def record(
+        self, *, step: int, local_loss_sum: float, normaliser: int, grad_norm: float, lr: float, seconds: float, skipped: bool = False
+    ) -> None:
         # float64 end to end: the comparison must not be limited by the logging precision.
         comm_bytes = self.comm.take()
         total = torch.tensor([local_loss_sum], dtype=torch.float64, device=self.ctx.device)
@@ -166,6 +174,7 @@ class StepRecorder:
                 lr=float(lr),
                 samples=(step + 1) * self.cell.train_batch_size,
                 seconds=seconds,
+                skipped=skipped,
                 comm_bytes=comm_bytes,
                 peak_mem_bytes=self.memory.peak_bytes(),
             )

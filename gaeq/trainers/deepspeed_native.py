@@ -16,15 +16,19 @@ import deepspeed
 import torch
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
+from gaeq.accelerator import allow_emulated_fp16
 from gaeq.matrix import Cell
 from gaeq.problem.loss import mean_of_means_factor, share_of_global_mean
 from gaeq.problem.optim import build_scheduler, deepspeed_optimizer
 from gaeq.problem.spec import ProblemSpec
 from gaeq.trainers.base import RunContext, StepRecorder, build_problem, inject_fault
 from gaeq.trainers.checkpoint import load_deepspeed, save_deepspeed
+from gaeq.trainers.provenance import Provenance
 
 
-def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> None:
+def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
+    """Train the cell on this rank; returns what really ran (:mod:`gaeq.trainers.provenance`)."""
+    allow_emulated_fp16()
     built = build_problem(cell, problem, ctx)
     plan = built.plan
     model = built.model.to(ctx.device)
@@ -36,11 +40,26 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> None:
         config=deepspeed_config(cell, problem),
         lr_scheduler=lambda optimizer: build_scheduler(optimizer, problem),
     )
-    if (cell.offload != "none") != engine.zero_cpu_offload():
-        raise RuntimeError(f"asked for offload={cell.offload}, the engine has zero_cpu_offload()={engine.zero_cpu_offload()}")
     net = engine
     recorder = StepRecorder(cell=cell, ctx=ctx, steps=problem.steps)
     recorder.count_collectives(engine)
+    model_dtype, grad_accum_dtype = engine.get_data_types()
+    ran = Provenance(
+        cell,
+        problem,
+        world_size=engine.world_size,
+        zero_stage=engine.zero_optimization_stage(),
+        grad_accum_steps=engine.gradient_accumulation_steps(),
+        micro_batch_size=engine.train_micro_batch_size_per_gpu(),
+        fp16_enabled=engine.fp16_enabled(),
+        bf16_enabled=engine.bfloat16_enabled(),
+        gradient_clipping=engine.gradient_clipping(),
+        cpu_offload=engine.zero_cpu_offload(),
+        model_dtype=_name(model_dtype),
+        grad_accum_dtype=_name(grad_accum_dtype),
+        communication_dtype=_name(engine.communication_data_type),
+        optimizer=type(engine.optimizer).__name__,
+    )
     start = load_deepspeed(engine, run_dir=ctx.run_dir, resume=cell.resume) if cell.resume else 0
 
     for step in range(start, problem.steps):
@@ -49,6 +68,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> None:
         lr = engine.get_lr()[0]
         normaliser = built.normaliser(step)  # loss elements (samples or valid tokens) in the global batch
         local_loss_sum = 0.0  # this rank's part of the global loss sum, float64 on the host
+        skipped_before = engine.skipped_steps
         for micro_step in range(plan.grad_accum_steps):
             mb = built.micro_batch(step=step, micro_step=micro_step, rank=ctx.rank)
             boundary = micro_step == plan.grad_accum_steps - 1
@@ -56,7 +76,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> None:
             # boundary; ours must be the same one.
             if engine.is_gradient_accumulation_boundary() != boundary:
                 raise RuntimeError(f"DeepSpeed's boundary disagrees with the plan at step {step}.{micro_step}")
-            with built.forwarding(mb):
+            with ran.forward(mb.inputs), built.forwarding(mb):
                 micro_loss_sum = built.loss_sum(net(mb.inputs), mb.targets)
             # ACCUMULATION: DeepSpeed divides by GA itself inside engine.backward, so we hand it GA ×
             # this micro-batch's share of the global-batch mean (× world: it averages over ranks).
@@ -72,11 +92,14 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> None:
                 grad_norm = _norm_before_step(engine)
                 if recorder.wants("grads", step):  # gathered from every partition: all ranks call it
                     recorder.snapshot(step=step, kind="grads", gather=lambda: _full_grads(engine))
-            # ACCUMULATION: step() every micro-step; the engine clips, updates, steps the schedule
-            # and zeroes gradients only when it is at the boundary.
+            # ACCUMULATION: step() every micro-step; the engine unscales (ds_fp16), clips, updates,
+            # steps the schedule and zeroes gradients only when it is at the boundary — and on an
+            # fp16 overflow skips the update and the schedule, and lowers its loss scale.
             engine.step()
             local_loss_sum += micro_loss_sum.item()
+        skipped = engine.skipped_steps > skipped_before
         grad_norm = _norm_after_step(engine, grad_norm)
+        ran.step_done()
         if recorder.wants("params", step):
             recorder.snapshot(step=step, kind="params", gather=lambda: _full_params(engine))
         recorder.record(
@@ -86,11 +109,13 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> None:
             grad_norm=grad_norm,
             lr=lr,
             seconds=time.perf_counter() - started,
+            skipped=skipped,
         )
         if step + 1 in cell.save_at:  # a collective: every rank saves its partitions
             save_deepspeed(engine, run_dir=ctx.run_dir, cell_id=cell.id, step=step + 1)
     recorder.close()
     engine.destroy()
+    return ran.ran
 
 
 def deepspeed_config(cell: Cell, problem: ProblemSpec) -> dict[str, Any]:
@@ -111,11 +136,12 @@ def deepspeed_config(cell: Cell, problem: ProblemSpec) -> dict[str, Any]:
         # With offload DeepSpeed insists on its CPU Adam unless told otherwise: we keep torch's
         # AdamW, the same update code as the torch trainer.
         "zero_force_ds_cpu_optimizer": False,
-        # fp32 and bf16 (forward autocast, base.autocast) keep fp32 weights. ds_bf16 is DeepSpeed's
-        # own bf16: bf16 weights and gradients, fp32 master weights, gradients accumulated in fp32.
-        "fp16": {"enabled": False},
+        # fp32, bf16 and fp16 (forward autocast, base.autocast) keep fp32 weights; fp16 autocast
+        # here has no loss scaler (DeepSpeed's own fp16 is ds_fp16). ds_bf16 / ds_fp16 are
+        # DeepSpeed's mixed precision: half weights and gradients, fp32 master weights.
+        "fp16": _fp16_config(cell),
         "bf16": {"enabled": cell.dtype == "ds_bf16"},
-        "data_types": {"grad_accum_dtype": "bf16" if cell.bug == "grad_accum_bf16" else "fp32"},
+        "data_types": {"grad_accum_dtype": _grad_accum_dtype(cell)},
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
         "checkpoint": {"load_universal": bool(cell.resume and cell.resume.universal)},
@@ -123,6 +149,36 @@ def deepspeed_config(cell: Cell, problem: ProblemSpec) -> dict[str, Any]:
     if cell.bug == "deepspeed_default_clipping":
         del config["gradient_clipping"]  # planted bug: trusts DeepSpeed's default (1.0 in 0.19)
     return config
+
+
+def _fp16_config(cell: Cell) -> dict[str, Any]:
+    """ds_fp16's dynamic loss scaling, written out — the same policy as the torch trainer's
+    GradScaler: start at 2^16, halve on every overflow (skipping that update), double after 1000
+    clean steps, never below 1."""
+    if cell.dtype != "ds_fp16":
+        return {"enabled": False}
+    return {
+        "enabled": True,
+        "loss_scale": 0,  # 0: dynamic
+        "initial_scale_power": 16,
+        "loss_scale_window": 1000,
+        "hysteresis": 1,  # lower the scale on the first overflow, as GradScaler does
+        "consecutive_hysteresis": False,
+        "min_loss_scale": 1,
+    }
+
+
+def _grad_accum_dtype(cell: Cell) -> str:
+    """Where micro-step gradients pile up. ds_bf16: fp32 (bf16 only as a planted bug). ds_fp16:
+    fp16 — DeepSpeed 0.19 accumulates an fp16 model's gradients in fp16 at every stage (its
+    ZeRO-0 refuses anything else); the loss scale keeps them out of the subnormals."""
+    if cell.dtype == "ds_fp16":
+        return "fp16"
+    return "bf16" if cell.bug == "grad_accum_bf16" else "fp32"
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _zero_config(cell: Cell) -> dict[str, Any]:

@@ -13,6 +13,7 @@ import math
 import time
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gaeq.matrix import Cell
@@ -21,9 +22,11 @@ from gaeq.problem.optim import build_optimizer, build_scheduler
 from gaeq.problem.spec import ProblemSpec
 from gaeq.trainers.base import RunContext, StepRecorder, build_problem, inject_fault
 from gaeq.trainers.checkpoint import load_torch, save_torch
+from gaeq.trainers.provenance import Provenance
 
 
-def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> None:
+def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
+    """Train the cell on this rank; returns what really ran (:mod:`gaeq.trainers.provenance`)."""
     built = build_problem(cell, problem, ctx)
     plan = built.plan
     model = built.model.to(ctx.device)
@@ -34,11 +37,24 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> None:
     if cell.bug == "lr_zero":
         optimizer.param_groups[0]["lr"] = 0.0  # planted control: the compared side never moves
     scheduler = build_scheduler(optimizer, problem)
+    # fp16: torch's GradScaler, as an fp16 user writes it (a pass-through in every other dtype).
+    # Its policy is written out, the same as ds_fp16's in deepspeed_native.py: start at 2^16,
+    # halve on an overflow (and skip that update), double after 1000 clean steps.
+    scaler = torch.amp.GradScaler(
+        ctx.device.type, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=1000, enabled=cell.dtype == "fp16"
+    )
     # clip_grad_norm_ returns the pre-clipping norm; max_norm=inf measures without clipping.
     max_norm = problem.gradient_clipping or math.inf
     last_param = list(model.parameters())[-1]
     recorder = StepRecorder(cell=cell, ctx=ctx, steps=problem.steps)
     recorder.count_collectives(ddp)
+    ran = Provenance(
+        cell,
+        problem,
+        world_size=dist.get_world_size() if dist.is_initialized() else 1,
+        ddp=isinstance(net, DDP),
+        grad_scaler=scaler.is_enabled(),
+    )
     start = load_torch(model, optimizer, scheduler, run_dir=ctx.run_dir, resume=cell.resume) if cell.resume else 0
 
     for step in range(start, problem.steps):
@@ -54,7 +70,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> None:
             # no_sync() lets them pile up locally in .grad.
             sync = contextlib.nullcontext() if ddp is None or boundary else ddp.no_sync()
             with sync:
-                with built.forwarding(mb):
+                with ran.forward(mb.inputs), built.forwarding(mb):
                     micro_loss_sum = built.loss_sum(net(mb.inputs), mb.targets)
                 # ACCUMULATION: we divide. This micro-batch's share of the global-batch mean (× world,
                 # because DDP averages over ranks); for per-sample losses, (micro-batch mean) ÷ GA.
@@ -65,7 +81,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> None:
                     loss = micro_loss_sum * mean_of_means_factor(
                         micro_elements=mb.loss_elements, grad_accum_steps=plan.grad_accum_steps
                     )
-                loss.backward()
+                scaler.scale(loss).backward()
             if cell.bug == "clip_every_micro_step":
                 torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=max_norm)  # planted bug
             if cell.bug == "scheduler_every_micro_step" and not boundary:
@@ -73,13 +89,23 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> None:
             local_loss_sum += micro_loss_sum.item()
         if cell.bug == "one_grad_scaled":
             last_param.grad.mul_(4.0)  # planted bug: one tensor's gradient 4× (AdamW hardly notices)
+        # ACCUMULATION: at the boundary we unscale (fp16), clip, step the optimizer, step the
+        # schedule, zero.
+        if cell.bug == "loss_scale_not_unscaled_before_clip":
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=max_norm).item()  # planted bug
+        scaler.unscale_(optimizer)
         if recorder.wants("grads", step):
             recorder.snapshot(step=step, kind="grads", gather=lambda: {n: p.grad for n, p in model.named_parameters()})
-        # ACCUMULATION: at the boundary we clip, step the optimizer, step the schedule, zero.
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=max_norm).item()
-        optimizer.step()
-        scheduler.step()
+        if cell.bug != "loss_scale_not_unscaled_before_clip":
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=max_norm).item()
+        scale = scaler.get_scale()
+        scaler.step(optimizer)  # fp16: no update when the gradient overflowed
+        scaler.update()
+        skipped = scaler.get_scale() < scale
+        if not skipped:  # as DeepSpeed's engine: a skipped update does not advance the schedule
+            scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        ran.step_done()
         if recorder.wants("params", step):
             recorder.snapshot(step=step, kind="params", gather=lambda: dict(model.named_parameters()))
         recorder.record(
@@ -89,7 +115,9 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> None:
             grad_norm=grad_norm,
             lr=lr,
             seconds=time.perf_counter() - started,
+            skipped=skipped,
         )
         if step + 1 in cell.save_at:
             save_torch(model, optimizer, scheduler, run_dir=ctx.run_dir, cell_id=cell.id, step=step + 1, rank=ctx.rank)
     recorder.close()
+    return ran.ran

@@ -88,8 +88,17 @@ def test_both_trainers_all_zero_stages_match_and_controls_diverge(write_matrix, 
 
     # Traces: one line per step, complete; DeepSpeed chatter went to the cell logs.
     trace = (tmp_path / "run" / "cells" / "deepspeed-z3-w2-mb2-ga4" / "trace.jsonl").read_text().splitlines()
-    assert len(trace) == 12 and set(json.loads(trace[0])) == {"step", "loss", "grad_norm", "lr", "samples", "seconds", "comm_bytes", "peak_mem_bytes"}
+    assert len(trace) == 12 and set(json.loads(trace[0])) == {"step", "loss", "grad_norm", "lr", "samples", "seconds", "skipped", "comm_bytes", "peak_mem_bytes"}
     assert (tmp_path / "run" / "cells" / "deepspeed-z3-w2-mb2-ga4" / "rank1.log").exists()
+    # What ran, read back from the live objects (DDP, the engine), is in report.json per cell.
+    for c in cells.values():
+        assert (c["ran"]["world_size"], c["ran"]["micro_batch_rows"], c["ran"]["micro_steps"]) == (
+            c["world_size"], c["micro_batch_size"], c["grad_accum_steps"]
+        ), c
+        if c["trainer"] == "torch":
+            assert c["ran"]["ddp"] is (c["world_size"] > 1)
+        else:
+            assert (c["ran"]["zero_stage"], c["ran"]["gradient_clipping"]) == (c["zero_stage"], 1.0)
     assert "DeepSpeed" not in proc.stdout
     assert "gaeq verdicts" in proc.stdout and "OK: 21 match, 2 diverge" in proc.stdout
     # Artefacts for looking at the runs: one TensorBoard run per cell, the overlay figure.

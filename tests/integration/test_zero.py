@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from gaeq.accelerator import fp16_unsupported_reason
 from gaeq.results.compare import DEFAULT_TOLERANCES
 from gaeq.results.snapshots import compare_snapshots, read_snapshots
 from tests.conftest import REPO
@@ -18,8 +19,14 @@ def test_zero_experiment(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     cells = cells_by_id(report)
 
+    # fp16 runs where DeepSpeed's accelerator has it (or GAEQ_FP16_EMULATION=1): ask it, as gaeq does.
+    fp16_missing = fp16_unsupported_reason()
     ran = [c for c in cells.values() if c["verdict"] != "skipped" and c["bug"] is None]
-    assert len(ran) == 34 and all(c["verdict"] == "match" for c in ran)
+    assert len(ran) == (34 if fp16_missing else 51) and all(c["verdict"] == "match" for c in ran)
+    for c in ran:  # every label is what ran, read back from the live objects
+        assert c["ran"]["compute_dtype"] == {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[c["dtype"]], c
+        if c["trainer"] == "deepspeed":
+            assert (c["ran"]["zero_stage"], c["ran"]["cpu_offload"]) == (c["zero_stage"], c["offload"] == "cpu"), c
     fp32 = [c for c in ran if c["dtype"] == "fp32" and c["id"] != report["baseline"]]
     assert {(c["zero_stage"], c["offload"]) for c in fp32 if c["trainer"] == "deepspeed"} == {
         (0, "none"), (1, "none"), (1, "cpu"), (2, "none"), (2, "cpu"), (3, "none"), (3, "cpu")
@@ -30,8 +37,12 @@ def test_zero_experiment(tmp_path):
     skipped = [c for c in cells.values() if c["verdict"] == "skipped"]
     offload_z0 = [c for c in skipped if c["zero_stage"] == 0 and c["offload"] == "cpu"]
     assert all("offload needs ZeRO ≥ 1" in c["reason"] for c in offload_z0) and len(offload_z0) == 6
-    fp16 = [c for c in skipped if c not in offload_z0]
-    assert len(fp16) == 17 and all(c["dtype"] == "fp16" and "has no fp16 support" in c["reason"] for c in fp16)
+    fp16 = [c for c in cells.values() if c["dtype"] == "fp16" and c not in offload_z0]
+    assert len(fp16) == 17
+    if fp16_missing:
+        assert all(c["verdict"] == "skipped" and c["reason"] == fp16_missing for c in fp16)
+    else:
+        assert all(c["verdict"] == "match" and c["ran"]["compute_dtype"] == "float16" for c in fp16)
 
     # ZeRO-3's gathered parameters and gradients equal ZeRO-0's, compared directly, at world 2.
     z0 = read_snapshots(out / "cells" / "deepspeed-z0-w2-mb2-ga4")

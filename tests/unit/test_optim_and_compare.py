@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -67,6 +68,27 @@ def test_compare_reports_first_divergent_step_and_metric():
 
     with pytest.raises(ValueError, match="trace has 2 steps, the baseline has 4 from step 0"):
         compare_traces(base, base[:2], tol)
+
+
+def test_fp16_skipped_updates_must_be_skipped_alike():
+    """An overflowed fp16 step is skipped (no update; its grad norm is inf): both sides skipping
+    the same step is a match, one side alone is reported with the side and the step."""
+    tol = DEFAULT_TOLERANCES["fp16"]
+    base = trace([1.0, 0.9, 0.8, 0.7], [math.inf, 1.5, 1.0, 0.5])
+    base[0] = dataclasses.replace(base[0], skipped=True)
+    same = [dataclasses.replace(r) for r in base]
+    same[0] = dataclasses.replace(same[0], grad_norm=math.nan)  # another way to say "overflowed"
+    c = compare_traces(base, same, tol)
+    assert (c.verdict, c.divergence_steps["skipped"], c.max_rel_grad_norm_diff) == ("match", None, 0.0)
+
+    late = trace([1.0, 0.9, 0.8, 0.7], [1.2, 1.5, math.inf, 0.5])
+    late[2] = dataclasses.replace(late[2], skipped=True)
+    off = compare_traces(base, late, tol)
+    assert (off.verdict, off.caught_by, off.first_divergent_step) == ("diverge", "skipped", 0)
+    assert off.reason == "the baseline skipped the update of step 0 (fp16 overflow), the other did not"
+    assert off.divergence_steps["skipped"] == 0
+    flipped = compare_traces(late, base, tol)
+    assert flipped.reason == "the cell skipped the update of step 0 (fp16 overflow), the other did not"
 
 
 def test_tolerance_overrides():

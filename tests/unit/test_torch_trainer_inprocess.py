@@ -6,6 +6,7 @@ tests/integration runs the same through real process groups and DeepSpeed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -14,6 +15,7 @@ from gaeq.matrix import load_matrix
 from gaeq.results.outcome import CellOutcome
 from gaeq.results.report import judge, write_report
 from gaeq.results.trace import TraceStore, read_trace
+from gaeq.trainers import base as trainers_base
 from tests.helpers import run_in_process, small_spec
 
 
@@ -40,6 +42,24 @@ def test_accumulation_matches_full_batch_and_the_control_diverges(write_matrix, 
     assert control.reason.startswith("grad norm diverged at step 0: rel 3.00e+00")
     assert control.max_abs_loss_diff > 1e-4  # the loss sees it too (clipping, SGD's step size)
     assert report.ok and report.exit_code == 0
+
+
+def test_a_cell_that_does_not_run_its_label_is_an_error_not_a_match(write_matrix, tmp_path, monkeypatch):
+    """bf16 cells whose autocast silently does nothing train fp32 — and would match each other.
+    What ran is read back (the dtype the forward produced), so the label is caught instead."""
+    spec = small_spec(axes={"trainer": ["torch"], "world_size": [1], "micro_batch_size": [4, 8]})
+    spec["problem"]["dtype"] = "bf16"
+    matrix = load_matrix(write_matrix(spec))
+
+    honest = judge(matrix, run_in_process(matrix, tmp_path / "honest"), TraceStore(tmp_path / "honest"))
+    assert [c.verdict for c in honest.cells] == ["match"] * 3
+    assert all(c.ran["compute_dtype"] == "bfloat16" and c.ran["micro_steps"] == c.grad_accum_steps for c in honest.cells)
+
+    monkeypatch.setattr(trainers_base, "autocast", lambda dtype, device: contextlib.nullcontext())
+    lying = judge(matrix, run_in_process(matrix, tmp_path / "lying"), TraceStore(tmp_path / "lying"))
+    assert [c.verdict for c in lying.cells] == ["error"] * 3
+    assert all("compute_dtype: label 'bfloat16', ran 'float32'" in c.reason for c in lying.cells), lying.cells[0].reason
+    assert lying.exit_code != 0
 
 
 def test_sgd_control_is_caught_on_the_loss_when_grad_norm_is_not_compared(write_matrix, tmp_path):

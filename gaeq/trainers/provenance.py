@@ -1,0 +1,126 @@
+"""What really ran: read back from the live objects, never copied from the cell, and checked
+against the cell's label. A report row is only worth something if its label is what trained.
+
+Each trainer fills a :class:`Provenance` with what its objects say after set-up (DDP or not, the
+GradScaler; DeepSpeed's engine: ZeRO stage, GA, micro batch, fp16/bf16, clipping, offload, data
+types), and it measures the rest while training: the rows of the first micro-batch, how many
+micro-steps the first optimizer step took, and which dtypes the model's modules produced in the
+first forward pass. After that first step, any difference from the label fails the cell with a
+reason that names both values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from gaeq.accelerator import fp16_emulated
+from gaeq.matrix import Cell
+from gaeq.problem.spec import ProblemSpec
+
+COMPUTE_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "ds_bf16": "bfloat16", "ds_fp16": "float16"}
+"""The dtype a cell's forward pass must compute in (the lowest precision any module produced)."""
+
+
+class LabelMismatch(RuntimeError):
+    """A cell ran something other than its label says."""
+
+
+def label_of(cell: Cell, problem: ProblemSpec) -> dict[str, Any]:
+    """What the cell's label (and the problem) promise, in the terms :class:`Provenance` reads back."""
+    label: dict[str, Any] = {
+        "world_size": cell.world_size,
+        "compute_dtype": COMPUTE_DTYPE[cell.dtype],  # measured: the forward's lowest precision
+        "micro_batch_rows": cell.micro_batch_size,  # measured: rows of the first micro-batch
+        "micro_steps": cell.grad_accum_steps,  # measured: forward passes in the first optimizer step
+    }
+    if cell.trainer == "torch":
+        return label | {"ddp": cell.world_size > 1, "grad_scaler": cell.dtype == "fp16"}
+    label |= {
+        "zero_stage": cell.zero_stage,
+        "micro_batch_size": cell.micro_batch_size,
+        "grad_accum_steps": cell.grad_accum_steps,
+        "cpu_offload": cell.offload != "none",
+        "fp16_enabled": cell.dtype == "ds_fp16",
+        "bf16_enabled": cell.dtype == "ds_bf16",
+    }
+    if cell.dtype == "ds_bf16":  # bf16 accumulation is a planted bug
+        label["grad_accum_dtype"] = "bfloat16" if cell.bug == "grad_accum_bf16" else "float32"
+    elif cell.dtype == "ds_fp16":
+        label["grad_accum_dtype"] = "float16"
+    if cell.bug != "deepspeed_default_clipping":  # that bug is DeepSpeed's default clipping
+        label["gradient_clipping"] = problem.gradient_clipping
+    return label
+
+
+class Provenance:
+    def __init__(self, cell: Cell, problem: ProblemSpec, **read_back: Any) -> None:
+        self.label = label_of(cell, problem)
+        self.ran: dict[str, Any] = dict(read_back)
+        if cell.dtype in ("fp16", "ds_fp16") and fp16_emulated():
+            self.ran["fp16_kernels"] = "emulated (GAEQ_FP16_EMULATION=1)"
+        self._micro_steps = 0
+        self._checked = False
+
+    @contextlib.contextmanager
+    def forward(self, inputs: torch.Tensor) -> Iterator[None]:
+        """Around each forward pass: the first one records the micro-batch rows and the dtypes
+        every module produced."""
+        self._micro_steps += 1
+        if "compute_dtype" in self.ran:
+            yield
+            return
+        self.ran["micro_batch_rows"] = int(inputs.shape[0])
+        with module_output_dtypes() as seen:
+            yield
+        self.ran["compute_dtype"] = lowest_precision(seen)
+
+    def step_done(self) -> None:
+        """After the first optimizer step: compare with the label (LabelMismatch names both)."""
+        if self._checked:
+            return
+        self._checked = True
+        self.ran["micro_steps"] = self._micro_steps
+        wrong = [f"{key}: label {want!r}, ran {self.ran.get(key)!r}" for key, want in self.label.items() if self.ran.get(key) != want]
+        if wrong:
+            raise LabelMismatch("the cell did not run what its label says — " + "; ".join(wrong))
+
+
+@contextlib.contextmanager
+def module_output_dtypes() -> Iterator[set[torch.dtype]]:
+    """The floating-point dtypes of every module output produced inside the block."""
+    seen: set[torch.dtype] = set()
+
+    def hook(module, args, output) -> None:
+        for t in _tensors(output):
+            if t.is_floating_point():
+                seen.add(t.dtype)
+
+    handle = torch.nn.modules.module.register_module_forward_hook(hook)
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+def lowest_precision(dtypes: set[torch.dtype]) -> str | None:
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        if dtype in dtypes:
+            return str(dtype).removeprefix("torch.")
+    return None
+
+
+def _tensors(output: Any) -> Iterator[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        yield output
+    elif isinstance(output, (tuple, list)):
+        for item in output:
+            yield from _tensors(item)
+    elif isinstance(output, dict):
+        for item in output.values():
+            yield from _tensors(item)
+    elif hasattr(output, "logits") and isinstance(output.logits, torch.Tensor):  # transformers' outputs
+        yield output.logits
