@@ -110,8 +110,7 @@ def run(
     if resume and out is None:
         _bad_input("--resume needs --out: the run directory to resume")
     m = _load(matrix, check=False)  # the problems are checked by api.run, once the ranks' fork server is starting
-    # SIGTERM stops the run like Ctrl-C: the launcher's clean-up kills every rank.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    _stop_on_signals()
     steps = m.problem.steps
     # The report's heavy imports (TensorBoard, matplotlib) load while the ranks train.
     threading.Thread(target=_import_report_modules, daemon=True).start()
@@ -198,6 +197,7 @@ def worker(
 
     from gaeq.matrix import MATRIX_FILE
     from gaeq.runtime import dist
+    from gaeq.runtime import worker
     from gaeq.runtime.external import cells_for_launch, launched_main
 
     try:
@@ -213,7 +213,22 @@ def worker(
     out.mkdir(parents=True, exist_ok=True)
     if me.rank == 0 and not (out / MATRIX_FILE).exists():
         atomic_write(out / MATRIX_FILE, matrix.read_text())  # other ranks may read it: never half-written
-    raise typer.Exit(launched_main(matrix=m, run_dir=out, only=cell))
+    code = launched_main(matrix=m, run_dir=out, only=cell)
+    # Every outcome is written: leave without the interpreter's and C++'s teardown, where a
+    # native thread still alive at exit (gloo's, the shm op's) can abort a finished rank with
+    # "terminate called without an active exception" — gaeq's own ranks leave the same way.
+    worker.hard_exit(code)
+
+
+def _stop_on_signals() -> None:
+    """SIGTERM (`kill`, schedulers, CI) and SIGHUP (the terminal closed) stop a run like Ctrl-C:
+    KeyboardInterrupt, then the launcher's clean-up kills every rank. A signal the run was started
+    with ignored stays ignored, as every Unix program does: SIGINT for a background job (`cmd &` in
+    a script — a stray Ctrl-C in its terminal must not stop it), SIGHUP under nohup."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, signal.default_int_handler)
+    # SIGINT: Python installs KeyboardInterrupt itself unless the signal was inherited ignored.
 
 
 def _bad_input(message: str) -> NoReturn:

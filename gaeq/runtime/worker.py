@@ -19,7 +19,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from gaeq.matrix import Cell
 from gaeq.problem.spec import ProblemSpec
@@ -164,10 +164,18 @@ def run_cell(
 
 def _exit(events: Any, code: int) -> None:
     """Exit without losing queued messages (os._exit would drop what the feeder thread holds)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
     events.close()
     events.join_thread()
+    hard_exit(code)
+
+
+def hard_exit(code: int) -> NoReturn:
+    """Leave a rank once its results are on disk or in the pipe: flush, then os._exit. No
+    interpreter shutdown and no C++ static destructors, which abort a process (SIGABRT,
+    "terminate called without an active exception") when a native thread of gloo or of
+    DeepSpeed's shm op is still joinable at exit — a finished rank's result must not depend on it."""
+    sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(code)
 
 

@@ -16,7 +16,7 @@ import yaml
 
 from tests.conftest import REPO
 from tests.helpers import small_spec
-from tests.integration.test_run import leftover_processes
+from tests.integration.test_run import leftover_processes, start_gaeq
 
 pytestmark = pytest.mark.integration
 
@@ -40,7 +40,7 @@ def test_an_interrupted_run_leaves_only_complete_files_and_resume_finishes_it(si
     env = {**os.environ, "GAEQ_TEST_TAG": uuid.uuid4().hex}
     cmd = [sys.executable, "-m", "gaeq", "run", "--matrix", str(matrix), "--out", str(out)]
     long_cell = out / "cells" / "deepspeed-z1-w2-mb2-ga4"
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+    proc = start_gaeq(cmd[3:], tag=env["GAEQ_TEST_TAG"])  # SIGINT as in a terminal, however pytest was started
     deadline = time.monotonic() + 300
     while not (long_cell / "rank0.log").exists():
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
@@ -50,7 +50,7 @@ def test_an_interrupted_run_leaves_only_complete_files_and_resume_finishes_it(si
     output, _ = proc.communicate(timeout=60)
     assert proc.returncode == 130, output
     assert time.monotonic() - started < 30, "ranks were not stopped promptly"
-    assert f"--out {out} --resume" in output
+    assert "interrupted" in output and f"--out {out} --resume" in output
     assert leftover_processes(env["GAEQ_TEST_TAG"]) == []
     assert not (out / "report.json").exists() and not (out / "report.md").exists()
     # Only complete files: every published trace has all its steps; no outcome without a trace.
