@@ -78,9 +78,12 @@ def _run_launched_cells(cells: Sequence[Cell], *, me: dist.LaunchedRank, matrix:
                 run_dir=run_dir,
             )
         except BaseException as exc:  # noqa: BLE001 - reported, then the launcher tears the group down
-            reason = f"rank {me.rank} failed: {type(exc).__name__}: {exc}"
-            tail = worker.log_tail(cell_dir(run_dir, cell.id) / f"rank{me.rank}.log")
-            write_outcome(cell_dir(run_dir, cell.id), CellOutcome(status="error", seconds=0.0, reason=f"{reason}\n{tail}".rstrip()))
+            # The first rank to fail names the cause: a peer that exits makes the others fail
+            # after it ("connection closed by peer"), and their outcome must not replace its own.
+            if read_outcome(cell_dir(run_dir, cell.id)) is None:
+                reason = f"rank {me.rank} failed: {type(exc).__name__}: {exc}"
+                tail = worker.log_tail(cell_dir(run_dir, cell.id) / f"rank{me.rank}.log")
+                write_outcome(cell_dir(run_dir, cell.id), CellOutcome(status="error", seconds=0.0, reason=f"{reason}\n{tail}".rstrip()))
             return 1
         if me.rank == 0:
             write_outcome(cell_dir(run_dir, cell.id), done)
