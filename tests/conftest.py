@@ -18,3 +18,14 @@ def write_matrix(tmp_path):
         return path
 
     return write
+
+
+@pytest.fixture(scope="session")
+def pitfalls_run(tmp_path_factory):
+    """`gaeq run experiments/pitfalls.yaml`, once per session: tests/integration/test_pitfalls.py
+    checks it, notebook 04 re-judges it (GAEQ_PITFALLS_RUN) instead of training it again."""
+    from tests.integration.test_run import gaeq_run
+
+    out = tmp_path_factory.mktemp("pitfalls") / "run"
+    proc, report, tag = gaeq_run(REPO / "experiments" / "pitfalls.yaml", out)
+    return proc, report, tag, out

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import REPO
-from tests.integration.test_run import cells_by_id, gaeq_run, leftover_processes
+from tests.integration.test_run import cells_by_id, leftover_processes
 
 pytestmark = pytest.mark.integration
 
 
-def test_every_planted_bug_is_caught_and_every_twin_matches(tmp_path):
-    proc, report, tag = gaeq_run(REPO / "experiments" / "pitfalls.yaml", tmp_path / "run")
+def test_every_planted_bug_is_caught_and_every_twin_matches(pitfalls_run):
+    proc, report, tag, _ = pitfalls_run
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert report["ok"] is True
     cells = cells_by_id(report)
