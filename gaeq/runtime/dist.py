@@ -1,4 +1,8 @@
-"""Backend and device choice, and process-group set-up for one rank."""
+"""Backend and device choice, and process-group set-up for one rank.
+
+torch is imported inside the functions that need it: `gaeq run`'s parent imports this module
+before it starts the ranks' fork server, which should not wait ~1.7 s for the parent's torch.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +11,15 @@ import socket
 from pathlib import Path
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
+if TYPE_CHECKING:
+    import torch
 
 
 def has_cuda() -> bool:
+    import torch
+
     return torch.cuda.is_available()
 
 
@@ -22,6 +29,8 @@ def backend() -> str:
 
 
 def device_for(local_rank: int) -> torch.device:
+    import torch
+
     return torch.device("cuda", local_rank) if has_cuda() else torch.device("cpu")
 
 
@@ -84,6 +93,9 @@ def join_from_env(*, with_deepspeed: bool, timeout_s: float) -> None:
     (including the JIT build of its shared-memory comm op on a fresh machine) happens here, at
     group start-up, and not inside the first cell's time budget.
     """
+    import torch
+    import torch.distributed as dist
+
     me = rank_from_env()
     # DeepSpeed's launcher sets it; without it the CPU accelerator's device_count() runs
     # `numactl --hardware` in a subprocess on every ZeRO-3 gradient reduction.
@@ -124,5 +136,7 @@ def release_shm_buffers(*, port: int | str, addr: str = "127.0.0.1", rank: int |
 
 
 def destroy_process_group() -> None:
+    import torch.distributed as dist
+
     if dist.is_initialized():
         dist.destroy_process_group()

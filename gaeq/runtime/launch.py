@@ -27,7 +27,7 @@ from gaeq.results.trace import cell_dir
 from gaeq.runtime import worker
 from gaeq.runtime.convert import convert_to_universal
 from gaeq.runtime.external import run_launched_group
-from gaeq.runtime.dist import free_port, release_shm_buffers, set_accelerator_env
+from gaeq.runtime.dist import free_port, release_shm_buffers
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -288,7 +288,8 @@ def _context(*, isolate: bool):
     `isolate`, every group is a fresh interpreter — exactly what one launch per config costs."""
     if isolate or sys.platform != "linux":
         return mp.get_context("spawn")
-    set_accelerator_env()  # inherited by the fork server, which imports DeepSpeed
+    # DS_ACCELERATOR: set by the fork server's preload (and by a spawned rank) before DeepSpeed
+    # is imported — not here, where asking torch about CUDA would import it before the server starts.
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["gaeq.runtime.preload"])
     return ctx

@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
-from gaeq.trainers.base import RunContext
+
+def __getattr__(name: str) -> Any:
+    # RunContext lives with torch (gaeq.trainers.base); importing this package (e.g. for the
+    # checkpoint path helpers in `gaeq run`'s parent) must not import torch.
+    if name == "RunContext":
+        from gaeq.trainers.base import RunContext
+
+        return RunContext
+    raise AttributeError(name)
 
 
 def trainer_for(name: str) -> Callable[..., None]:

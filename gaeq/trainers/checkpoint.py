@@ -12,8 +12,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import torch
-
 from gaeq.matrix import Resume
 
 
@@ -69,6 +67,8 @@ def load_deepspeed(engine, *, run_dir: str | Path, resume: Resume) -> int:
 
 def save_torch(model, optimizer, scheduler, *, run_dir: str | Path, cell_id: str, step: int, rank: int) -> None:
     """Rank 0 writes the (replicated) state dicts, atomically."""
+    import torch  # (here: the path helpers above are imported by `gaeq run`'s parent, torch-free)
+
     if rank != 0:
         return
     path = torch_checkpoint(run_dir, cell_id, step)
@@ -83,6 +83,8 @@ def load_torch(model, optimizer, scheduler, *, run_dir: str | Path, resume: Resu
     path = torch_checkpoint(run_dir, resume.source, resume.step)
     if not path.is_file():
         raise FileNotFoundError(f"no torch checkpoint {path} to resume from")
+    import torch
+
     state = torch.load(path, map_location="cpu", weights_only=True)
     if state.get("step") != resume.step:
         raise ValueError(f"{path} holds step {state.get('step')}, expected {resume.step}")
