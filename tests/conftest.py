@@ -29,3 +29,16 @@ def pitfalls_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("pitfalls") / "run"
     proc, report, tag = gaeq_run(REPO / "experiments" / "pitfalls.yaml", out)
     return proc, report, tag, out
+
+
+@pytest.fixture(scope="session")
+def default_run(tmp_path_factory):
+    """`gaeq run --matrix experiments/ga.yaml` (the README's), once per session. Its traces are the
+    reference of the tests that run some of its cells another way (--isolate, external launchers):
+    a cell's trace depends only on its problem and split, so theirs must be bitwise these."""
+    from tests.integration.test_run import gaeq_run
+
+    out = tmp_path_factory.mktemp("default") / "run"
+    proc, report, tag = gaeq_run(REPO / "experiments" / "ga.yaml", out)
+    return proc, report, tag, out
+

