@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from gaeq.runtime.lifeline import die_with_parent
 from gaeq.runtime.worker import log_tail
 from gaeq.trainers.checkpoint import checkpoint_root, deepspeed_tag
 
@@ -33,7 +34,9 @@ def convert_to_universal(*, run_dir: Path, source_id: str, step: int, timeout_s:
     env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
     with log.open("w") as out:
         try:
-            result = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s, env=env, check=False)
+            result = subprocess.run(
+                command, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s, env=env, check=False, preexec_fn=die_with_parent()
+            )
         except subprocess.TimeoutExpired:
             return f"ds_to_universal did not finish within {timeout_s:.0f} s ({log})"
     if result.returncode != 0:

@@ -4,8 +4,10 @@ fraction of a second instead of paying ~2 s of imports per rank, and the first c
 longer pays the lazy imports (torch._dynamo on the first optimizer, ~1.7 s; DeepSpeed's ZeRO stages).
 """
 
+from gaeq.runtime import lifeline
 from gaeq.runtime.dist import set_accelerator_env
 
+lifeline.bind_to_parent()  # the fork server exits the moment `gaeq` does, however it ends
 set_accelerator_env()  # before DeepSpeed is imported
 
 import deepspeed  # noqa: E402,F401

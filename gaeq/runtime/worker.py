@@ -8,7 +8,6 @@ files: the group's log, and while a cell runs, that cell's ``rank<r>.log``.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
 import os
 import signal
@@ -25,6 +24,7 @@ from gaeq.matrix import Cell
 from gaeq.problem.spec import ProblemSpec
 from gaeq.results.outcome import CellOutcome
 from gaeq.results.trace import cell_dir
+from gaeq.runtime import lifeline
 
 # Messages to the parent (tuples of plain data):
 #   ("ready", rank)                       joined the process group
@@ -184,10 +184,9 @@ def _detach_from_terminal() -> None:
     # parent can kill a rank together with anything it started (e.g. a JIT compiler).
     os.setpgrp()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # Die with the parent, whatever kills it.
-    if sys.platform == "linux":
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    # Die with the parent (the fork server, or gaeq), and with gaeq itself, whatever kills it.
+    lifeline.arm_death_signal()
+    lifeline.bind_to_parent()
 
 
 def _redirect_fds(path: Path) -> None:
