@@ -150,8 +150,9 @@ def run(
     `on_event` receives :class:`gaeq.runtime.launch.Event` progress (from this process's threads).
     Ctrl-C stops every rank and raises KeyboardInterrupt.
     """
+    from gaeq.runtime import lifeline, shm
     from gaeq.runtime.external import LAUNCHERS
-    from gaeq.runtime.launch import run_all, warm_up
+    from gaeq.runtime.launch import Event, run_all, warm_up
 
     if launcher not in LAUNCHERS:
         raise ValueError(f"unknown launcher {launcher!r}; one of {', '.join(LAUNCHERS)}")
@@ -166,6 +167,7 @@ def run(
     else:
         kept = {}
     check_world_sizes(m, gpus=False)  # without torch: its import would delay the fork server below
+    lifeline.mark_parent()  # every process started from here on dies with this one
     if launcher == "local":
         warm_up(isolate=isolate)  # the ranks' fork server imports torch/DeepSpeed while the problems are checked
     check_problems(m)
@@ -173,6 +175,9 @@ def run(
     run_dir = Path(out) if out is not None else new_run_dir(m.spec.name)
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write(run_dir / MATRIX_FILE, yaml.safe_dump(m.source, sort_keys=False, allow_unicode=True))
+    freed = shm.free_orphans()  # what runs that were killed left in /dev/shm
+    if freed.segments:
+        (on_event or (lambda event: None))(Event(kind="shm_freed", world_size=0, freed_bytes=freed.bytes, step=freed.segments))
     for cell in m.runnable():
         if cell.id not in kept:  # what an interrupted attempt left of it (partial trace, logs) goes
             shutil.rmtree(cell_dir(run_dir, cell.id), ignore_errors=True)

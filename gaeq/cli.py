@@ -128,6 +128,11 @@ def run(
         def on_event(event: Event) -> None:
             if event.kind == "group":
                 progress.update(current, description=f"  starting world size {event.world_size}", completed=0, visible=True)
+            elif event.kind == "shm_freed":
+                progress.console.print(
+                    f"freed {event.freed_bytes / 2**20:.0f} MB of /dev/shm: {event.step} all-reduce buffer(s) left by gaeq runs that were killed",
+                    highlight=False,
+                )
             elif event.kind == "convert":
                 progress.update(current, description=f"  ds_to_universal {event.cell_id} @ step {event.step}", visible=True)
             elif event.kind == "start":
@@ -197,13 +202,14 @@ def worker(
 
     from gaeq.matrix import MATRIX_FILE
     from gaeq.runtime import dist
-    from gaeq.runtime import worker
+    from gaeq.runtime import lifeline, worker
     from gaeq.runtime.external import cells_for_launch, launched_main
 
     try:
         me = dist.rank_from_env()
     except ValueError as exc:
         _bad_input(str(exc))
+    lifeline.bind_to_parent()  # started by `gaeq run --launcher …`: gone when that gaeq is
     m = _load(matrix)
     m = dataclasses.replace(m, plugin_dirs=m.plugin_dirs + tuple(search))
     try:

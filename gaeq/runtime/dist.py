@@ -112,29 +112,6 @@ def join_from_env(*, with_deepspeed: bool, timeout_s: float) -> None:
         dist.init_process_group(backend(), rank=me.rank, world_size=me.world_size, timeout=timeout)
 
 
-SHM_DIR = Path("/dev/shm")
-
-
-def release_shm_buffers(*, port: int | str, addr: str = "127.0.0.1", rank: int | None = None) -> list[Path]:
-    """Unlink the shared-memory all-reduce buffers DeepSpeed's CPU comm op left for a group.
-
-    DeepSpeed 0.19's shm op (ops/csrc/cpu/comm/shm.cpp) creates one 66 MB segment per rank,
-    ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>``, and never unlinks it: each
-    process group would leak 66 MB of RAM per rank until reboot (a test suite: gigabytes). Call it
-    once the group's ranks are gone (or, for `rank`, from that rank after the group is destroyed).
-    Returns what was removed.
-    """
-    pattern = f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{'*' if rank is None else rank}"
-    removed = []
-    for path in SHM_DIR.glob(pattern):
-        try:
-            path.unlink()
-            removed.append(path)
-        except FileNotFoundError:
-            pass
-    return removed
-
-
 def destroy_process_group() -> None:
     import torch.distributed as dist
 

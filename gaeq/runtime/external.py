@@ -25,7 +25,7 @@ from pathlib import Path
 from gaeq.matrix import Cell, Matrix
 from gaeq.results.outcome import CellOutcome, read_outcome, write_outcome
 from gaeq.results.trace import cell_dir
-from gaeq.runtime import dist, worker
+from gaeq.runtime import dist, lifeline, shm, worker
 
 LAUNCHERS = ("local", "torchrun", "deepspeed")
 
@@ -60,7 +60,7 @@ def launched_main(*, matrix: Matrix, run_dir: Path, only: Sequence[str] = (), in
         return _run_launched_cells(cells, me=me, matrix=matrix, run_dir=run_dir)
     finally:
         # A cluster has no gaeq parent to clean up after the ranks: each frees its own buffer.
-        dist.release_shm_buffers(addr=os.environ["MASTER_ADDR"], port=os.environ["MASTER_PORT"], rank=me.rank)
+        shm.release_shm_buffers(addr=os.environ["MASTER_ADDR"], port=os.environ["MASTER_PORT"], rank=me.rank)
 
 
 def _run_launched_cells(cells: Sequence[Cell], *, me: dist.LaunchedRank, matrix: Matrix, run_dir: Path) -> int:
@@ -163,42 +163,51 @@ def run_launched_group(
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.setdefault("DS_ACCELERATOR", "cuda" if dist.has_cuda() else "cpu")
     outcomes: dict[str, CellOutcome] = {}
-    with log.open("ab") as out:
-        # Its own session: a stalled or interrupted launch is killed with every rank it started.
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
-    try:
-        deadline = time.monotonic() + init_timeout_s
-        pending = list(cells)
-        on_event(Event(kind="start", world_size=world_size, cell_id=pending[0].id))
-        while pending:
-            outcome = read_outcome(cell_dir(run_dir, pending[0].id))
-            if outcome is not None:
-                cell = pending.pop(0)
-                outcomes[cell.id] = outcome
-                on_event(Event(kind="end", world_size=world_size, cell_id=cell.id, outcome=outcome))
-                if outcome.status != "done":  # the failing rank exits; the launcher stops the rest
-                    _wait(proc, seconds=30)
-                    break
-                if pending:
-                    on_event(Event(kind="start", world_size=world_size, cell_id=pending[0].id))
-                deadline = time.monotonic() + timeout_s
-                continue
-            code = proc.poll()
-            if code is not None:
-                time.sleep(0.2)  # an outcome written just before the exit
-                if read_outcome(cell_dir(run_dir, pending[0].id)) is None:
-                    why = f"{launcher} exited with code {code} before the cell finished"
+    with shm.group_on(port):  # a marker while it runs; DeepSpeed's shm segments freed after
+        with log.open("ab") as out:
+            # Its own session: a stalled or interrupted launch is killed with every rank it started.
+            # (It dies with gaeq, too: a killed gaeq cannot kill it.)
+            proc = subprocess.Popen(
+                cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+                preexec_fn=lifeline.die_with_parent(),
+            )
+        try:
+            deadline = time.monotonic() + init_timeout_s
+            pending = list(cells)
+            on_event(Event(kind="start", world_size=world_size, cell_id=pending[0].id))
+            while pending:
+                outcome = read_outcome(cell_dir(run_dir, pending[0].id))
+                if outcome is not None:
+                    cell = pending.pop(0)
+                    outcomes[cell.id] = outcome
+                    on_event(Event(kind="end", world_size=world_size, cell_id=cell.id, outcome=outcome))
+                    if outcome.status != "done":  # the failing rank exits; the launcher stops the rest
+                        _wait(proc, seconds=30)
+                        break
+                    if pending:
+                        on_event(Event(kind="start", world_size=world_size, cell_id=pending[0].id))
+                    deadline = time.monotonic() + timeout_s
+                    continue
+                code = proc.poll()
+                if code is not None:
+                    time.sleep(0.2)  # an outcome written just before the exit
+                    if read_outcome(cell_dir(run_dir, pending[0].id)) is None:
+                        why = f"{launcher} exited with code {code} before the cell finished"
+                        _fail(pending[0], why, run_dir=run_dir, log=log, outcomes=outcomes, world_size=world_size, on_event=on_event)
+                        break
+                    continue
+                if time.monotonic() > deadline:
+                    why = f"timed out: no cell finished for {timeout_s:.0f} s under {launcher} (a rank hangs?)"
                     _fail(pending[0], why, run_dir=run_dir, log=log, outcomes=outcomes, world_size=world_size, on_event=on_event)
                     break
-                continue
-            if time.monotonic() > deadline:
-                why = f"timed out: no cell finished for {timeout_s:.0f} s under {launcher} (a rank hangs?)"
-                _fail(pending[0], why, run_dir=run_dir, log=log, outcomes=outcomes, world_size=world_size, on_event=on_event)
-                break
-            time.sleep(0.2)
-    finally:
-        _stop(proc)
-        dist.release_shm_buffers(port=port)  # DeepSpeed never frees them; the ranks are gone now
+                time.sleep(0.2)
+        finally:
+            _stop(proc)
     return outcomes
 
 

@@ -27,18 +27,21 @@ from gaeq.results.trace import cell_dir
 from gaeq.runtime import worker
 from gaeq.runtime.convert import convert_to_universal
 from gaeq.runtime.external import run_launched_group
-from gaeq.runtime.dist import free_port, release_shm_buffers
+from gaeq.runtime import shm
+from gaeq.runtime.dist import free_port
 
 
 @dataclass(frozen=True, kw_only=True)
 class Event:
     """Progress for whoever owns the terminal."""
 
-    kind: str  # "group" | "start" | "step" | "end" | "convert"
+    kind: str  # "group" | "start" | "step" | "end" | "convert" | "shm_freed"
     world_size: int
     cell_id: str | None = None
     step: int | None = None
     outcome: CellOutcome | None = None
+    freed_bytes: int = 0
+    """shm_freed: bytes of /dev/shm freed, left by killed runs (`step`: how many segments)."""
 
 
 OnEvent = Callable[[Event], None]
@@ -238,38 +241,38 @@ def _run_group(
         for rank in range(world_size)
     ]
     state = _GroupRun(world_size=world_size, cells=cells, run_dir=run_dir, on_event=on_event)
-    try:
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + init_timeout_s
-        while state.current is not None:
-            try:
-                msg = events.get(timeout=0.2)
-            except queue.Empty:
-                msg = None
-            if msg is not None and state.handle(msg):
-                started = len(state.ready) == world_size
-                deadline = time.monotonic() + (timeout_s if started else init_timeout_s)
-            if state.failures or any(p.exitcode is not None for p in procs):
-                # Ranks are exiting: either the group finished (last DONEs still in the pipe) or
-                # it is failing. Let it settle, then name the root cause.
-                _drain(events, state)
-                if state.current is None:
+    with shm.group_on(job.port):  # a marker while it runs; DeepSpeed's shm segments freed after
+        try:
+            for p in procs:
+                p.start()
+            deadline = time.monotonic() + init_timeout_s
+            while state.current is not None:
+                try:
+                    msg = events.get(timeout=0.2)
+                except queue.Empty:
+                    msg = None
+                if msg is not None and state.handle(msg):
+                    started = len(state.ready) == world_size
+                    deadline = time.monotonic() + (timeout_s if started else init_timeout_s)
+                if state.failures or any(p.exitcode is not None for p in procs):
+                    # Ranks are exiting: either the group finished (last DONEs still in the pipe) or
+                    # it is failing. Let it settle, then name the root cause.
+                    _drain(events, state)
+                    if state.current is None:
+                        break
+                    why, rank = _root_cause(procs, state)
+                    state.fail(why, rank=rank)
                     break
-                why, rank = _root_cause(procs, state)
-                state.fail(why, rank=rank)
-                break
-            if time.monotonic() > deadline:
-                started = len(state.ready) == world_size
-                budget = timeout_s if started else init_timeout_s
-                phase = "in the cell" if started else "while joining the process group"
-                state.fail(f"timed out: no progress for {budget:.0f} s {phase} (a rank hangs?)", rank=None)
-                break
-    finally:
-        _stop(procs, graceful=state.current is None)
-        release_shm_buffers(port=job.port)  # DeepSpeed never frees them; its ranks are gone now
-        events.close()
-        events.cancel_join_thread()
+                if time.monotonic() > deadline:
+                    started = len(state.ready) == world_size
+                    budget = timeout_s if started else init_timeout_s
+                    phase = "in the cell" if started else "while joining the process group"
+                    state.fail(f"timed out: no progress for {budget:.0f} s {phase} (a rank hangs?)", rank=None)
+                    break
+        finally:
+            _stop(procs, graceful=state.current is None)
+            events.close()
+            events.cancel_join_thread()
     return state.outcomes
 
 
