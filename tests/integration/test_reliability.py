@@ -16,7 +16,7 @@ import yaml
 
 from tests.conftest import REPO
 from tests.helpers import small_spec
-from tests.integration.test_run import leftover_processes, start_gaeq
+from tests.integration.test_run import gaeq_run, leftover_processes, start_gaeq
 
 pytestmark = pytest.mark.integration
 
@@ -89,8 +89,16 @@ def test_resume_refuses_another_matrix(write_matrix, tmp_path):
 
 def test_two_runs_at_once_do_not_collide_and_fp32_traces_are_bitwise_identical(write_matrix, tmp_path):
     """Same matrix, same second, same working directory, default run directory: two distinct runs
-    (ports, directories), both green, and the same fp32 traces bit for bit."""
-    spec = small_spec(axes={"trainer": ["torch", "deepspeed"], "world_size": [1, 2], "micro_batch_size": [4], "zero_stage": [2, 3]})
+    (ports, directories), both green, and the same fp32 traces bit for bit.
+
+    The matrix is SGD with momentum judged on the loss alone: DeepSpeed matches torch there too,
+    and the missing ÷ GA is caught on the loss once the first update has been made."""
+    spec = small_spec(
+        axes={"trainer": ["torch", "deepspeed"], "world_size": [1, 2], "micro_batch_size": [4], "zero_stage": [2, 3]},
+        cells=[{"trainer": "torch", "world_size": 2, "micro_batch_size": 4, "bug": "no_loss_division"}],
+        tolerances={"fp32": {"grad_norm_rtol": 1e9}},  # judge on the loss alone
+    )
+    spec["problem"]["optimizer"] = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
     matrix = write_matrix(spec)
     env = {**os.environ, "GAEQ_TEST_TAG": uuid.uuid4().hex}
     cmd = [sys.executable, "-m", "gaeq", "run", "--matrix", str(matrix)]
@@ -100,5 +108,67 @@ def test_two_runs_at_once_do_not_collide_and_fp32_traces_are_bitwise_identical(w
     runs = sorted((tmp_path / "runs").iterdir())
     assert len(runs) == 2, runs
     traces = [{t.parent.name: training(t) for t in run.glob("cells/*/trace.jsonl")} for run in runs]
-    assert len(traces[0]) == 7 and traces[0] == traces[1]
+    assert len(traces[0]) == 8 and traces[0] == traces[1]
     assert leftover_processes(env["GAEQ_TEST_TAG"]) == []
+    cells = {c["id"]: c for c in json.loads((runs[0] / "report.json").read_text())["cells"]}
+    assert {c["verdict"] for c in cells.values() if c["trainer"] == "deepspeed"} == {"match"}
+    control = cells["torch-w2-mb4-ga2-bug_no_loss_division"]
+    assert control["verdict"] == "diverge" and control["reason"].startswith("loss diverged at step 1"), control
+    assert control["max_abs_loss_diff"] > 1e-3
+
+
+def endless_deepspeed_run(write_matrix, tmp_path, *, sigint=signal.SIG_DFL):
+    """`gaeq run` on one DeepSpeed world-2 cell that trains until stopped; returns once it trains."""
+    spec = small_spec(
+        axes={"trainer": ["deepspeed"], "world_size": [2], "micro_batch_size": [2], "zero_stage": [1]},
+        baseline={"trainer": "deepspeed", "world_size": 2, "micro_batch_size": 2, "zero_stage": 1},
+    )
+    spec["problem"]["steps"] = 100_000
+    out, tag = tmp_path / "run", uuid.uuid4().hex
+    proc = start_gaeq(["run", "--matrix", str(write_matrix(spec)), "--out", str(out)], tag=tag, sigint=sigint)
+    partial = out / "cells" / "deepspeed-z1-w2-mb2-ga4" / "trace.jsonl.partial"
+    deadline = time.monotonic() + 300
+    while not (partial.exists() and partial.stat().st_size > 0):
+        assert proc.poll() is None and time.monotonic() < deadline, "the DeepSpeed cell never started training"
+        time.sleep(0.2)
+    return proc, tag, partial
+
+
+def test_a_run_started_with_sigint_ignored_keeps_it_ignored_and_stops_on_sighup(write_matrix, tmp_path):
+    """The choice (README, "Signals"): a background run (`gaeq run … &` from a script, a CI
+    runner) inherits SIGINT ignored and keeps it so — a stray Ctrl-C in that terminal does not stop
+    it; SIGHUP (its terminal closed) and SIGTERM always do."""
+    proc, tag, partial = endless_deepspeed_run(write_matrix, tmp_path, sigint=signal.SIG_IGN)
+    proc.send_signal(signal.SIGINT)
+    size = partial.stat().st_size
+    time.sleep(3)
+    assert proc.poll() is None and partial.stat().st_size > size, "SIGINT stopped a run that was started with it ignored"
+    proc.send_signal(signal.SIGHUP)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "interrupted" in output, output
+    assert leftover_processes(tag) == []
+    assert not (tmp_path / "run" / "report.json").exists()
+
+
+def test_a_killed_gaeq_takes_every_process_with_it_and_the_next_run_frees_its_shared_memory(write_matrix, tmp_path):
+    """kill -9 on `gaeq` (an OOM killer, a scheduler) during a DeepSpeed world-2 cell: the fork
+    server and both ranks watch gaeq itself and are gone within seconds; the shared memory they
+    leave (a killed gaeq frees nothing) is freed by the next `gaeq run`, which says so."""
+    proc, tag, partial = endless_deepspeed_run(write_matrix, tmp_path)
+    markers = [m for m in Path("/dev/shm").glob(f"gaeq_group_{os.getuid()}_*") if m.read_text().split()[0] == str(proc.pid)]
+    assert len(markers) == 1, markers
+    port = markers[0].name.rsplit("_", 1)[1]
+    left = sorted(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_*"))
+    assert len(left) == 2  # one 66 MB segment per rank
+
+    megabytes = round(sum(path.stat().st_size for path in left) / 2**20)  # 2 × 66
+    proc.kill()
+    proc.wait(timeout=10)
+    assert leftover_processes(tag, grace=10) == []  # fork server, ranks: nothing keeps training
+    assert all(path.exists() for path in left)
+
+    spec = small_spec(axes={"trainer": ["torch"], "world_size": [1], "micro_batch_size": [4]})
+    next_run, report, _ = gaeq_run(write_matrix(spec, "next.yaml"), tmp_path / "next")
+    assert next_run.returncode == 0, next_run.stdout + next_run.stderr
+    assert f"freed {megabytes} MB of /dev/shm: 2 all-reduce buffer(s) left by gaeq runs that were killed" in next_run.stdout
+    assert not any(path.exists() for path in left) and not markers[0].exists()
