@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from gaeq.accelerator import FP16_EMULATION_ENV
+from gaeq.accelerator import FP16_EMULATION_ENV, fp16_emulated
 from tests.conftest import REPO
 from tests.integration.test_run import cells_by_id, gaeq_run, leftover_processes
 
@@ -43,7 +43,8 @@ def test_fp16_experiment(tmp_path, monkeypatch):
             assert ran["fp16_enabled"] is (c["dtype"] == "ds_fp16") and ran["bf16_enabled"] is False
         if c["dtype"] == "ds_fp16":
             assert (ran["model_dtype"], ran["grad_accum_dtype"]) == ("float16", "float16")
-        if "fp16_kernels" in ran:
+        assert ("fp16_kernels" in ran) is fp16_emulated()  # emulated exactly where the CPU has no fp16
+        if fp16_emulated():
             assert ran["fp16_kernels"].startswith("emulated")
 
     # fp16 is not fp32 in disguise: its baseline's curve differs (measured 3.3e-5 here), by more
