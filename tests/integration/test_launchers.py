@@ -22,13 +22,13 @@ pytestmark = pytest.mark.integration
 
 # Cells of the default matrix: `default_run` (tests/conftest.py) is the local launcher's reference.
 SPEC = ga_spec(
-    axes={"trainer": ["torch", "deepspeed"], "world_size": [1, 2], "micro_batch_size": [4], "zero_stage": [1, 3]},
+    axes={"trainer": ["torch", "deepspeed"], "world_size": [1, 2], "micro_batch_size": [8], "zero_stage": [1, 3]},
     cells=[{"trainer": "torch", "world_size": 2, "micro_batch_size": 4, "bug": "no_loss_division"}],
 )
 # The world-2 half, judged against a world-2 baseline (a cell of the default matrix too): one
 # launch per test instead of two.
 SPEC_W2 = ga_spec(
-    axes={"trainer": ["torch", "deepspeed"], "world_size": [2], "micro_batch_size": [4], "zero_stage": [1, 3]},
+    axes={"trainer": ["torch", "deepspeed"], "world_size": [2], "micro_batch_size": [8], "zero_stage": [1, 3]},
     cells=[{"trainer": "torch", "world_size": 2, "micro_batch_size": 4, "bug": "no_loss_division"}],
     baseline={"trainer": "torch", "world_size": 2, "micro_batch_size": 16},
 )
