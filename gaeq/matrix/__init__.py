@@ -1,0 +1,28 @@
+"""The matrix: one training problem (and its variants) and the ways to split its global batch.
+
+- :mod:`~gaeq.matrix.schema` — the YAML schema (pydantic, every key checked and documented);
+- :mod:`~gaeq.matrix.cell` — :class:`Split`, :class:`Cell` and :class:`Matrix`, plain frozen data;
+- :mod:`~gaeq.matrix.expand` — axes × variants + explicit cells → cells, baselines included;
+- :mod:`~gaeq.matrix.resume` — checkpoint → resume experiments;
+- :mod:`~gaeq.matrix.load` — a file or a mapping → a :class:`Matrix`, or one :class:`MatrixError` line.
+"""
+
+from gaeq.matrix.cell import Cell, Fault, Matrix, Resume, Split, group_key, indivisible_message
+from gaeq.matrix.load import load_matrix, matrix_from_dict
+from gaeq.matrix.schema import BASE, MATRIX_FILE, MatrixError, MatrixSpec
+
+__all__ = [
+    "BASE",
+    "MATRIX_FILE",
+    "Cell",
+    "Fault",
+    "Matrix",
+    "MatrixError",
+    "MatrixSpec",
+    "Resume",
+    "Split",
+    "group_key",
+    "indivisible_message",
+    "load_matrix",
+    "matrix_from_dict",
+]

@@ -1,0 +1,152 @@
+"""A cell — one way of splitting the global batch — and the matrix of them, as plain data.
+
+Frozen dataclasses that cross process boundaries (ranks receive their cells pickled). Gradient
+accumulation is never chosen, always derived::
+
+    grad_accum_steps = train_batch_size // (micro_batch_size * world_size)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gaeq.matrix.schema import BASE, MatrixError, MatrixSpec
+from gaeq.problem.spec import ProblemSpec
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fault:
+    rank: int
+    step: int
+    kind: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Resume:
+    source: str
+    """Id of the cell whose checkpoint is resumed."""
+    step: int
+    """Optimizer steps the checkpoint holds; the resumed cell trains steps `step`..end."""
+    universal: bool
+    drop: tuple[str, ...] = ()
+
+
+def group_key(*, dtype: str, variant: str) -> str:
+    """Cells are judged against the baseline of their group: same problem variant, same dtype."""
+    return dtype if variant == BASE else f"{dtype}@{variant}"
+
+
+SPLIT_AXES = ("trainer", "world_size", "micro_batch_size", "zero_stage", "offload", "dtype", "variant")
+"""The matrix's axes: the fields of a :class:`Split`, in the order the axes are expanded. A new axis
+is a field here, in :class:`Split`, in the schema (AxesSpec, CellSpec) and in :attr:`Cell.id`."""
+
+DEEPSPEED_ONLY = {"zero_stage": None, "offload": "none"}
+"""Axes only DeepSpeed cells have, and what a torch cell has instead."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Split:
+    """How a cell splits the global batch (and in which dtype, for which problem variant): one
+    value of each axis."""
+
+    trainer: str
+    world_size: int
+    micro_batch_size: int
+    zero_stage: int | None = None
+    """ZeRO stage for DeepSpeed cells; None for the torch trainer."""
+    offload: str = "none"
+    dtype: str = "fp32"
+    variant: str = BASE
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cell(Split):
+    """One way of splitting the global batch, and what it is expected to show. Plain data: it
+    crosses process boundaries."""
+
+    train_batch_size: int
+    bug: str | None = None
+    expect: str = "match"
+    fault: Fault | None = None
+    snapshots: tuple[str, ...] = ()
+    """Tensors saved at boundaries ("grads", "params"): what the matrix tracks beyond the trace."""
+    snapshot_every: int = 1
+    save_at: tuple[int, ...] = ()
+    """Checkpoint after these many optimizer steps (for resume experiments)."""
+    resume: Resume | None = None
+    skip_reason: str | None = field(default=None, compare=False)
+
+    @property
+    def divisible(self) -> bool:
+        return self.train_batch_size % (self.micro_batch_size * self.world_size) == 0
+
+    @property
+    def grad_accum_steps(self) -> int:
+        if not self.divisible:
+            raise MatrixError(self._indivisible())
+        return self.train_batch_size // (self.micro_batch_size * self.world_size)
+
+    @property
+    def id(self) -> str:
+        parts = [self.trainer]
+        if self.zero_stage is not None:
+            parts.append(f"z{self.zero_stage}")
+        if self.offload != "none":
+            parts.append(f"{self.offload}off")
+        ga = self.grad_accum_steps if self.divisible else "NA"
+        parts += [f"w{self.world_size}", f"mb{self.micro_batch_size}", f"ga{ga}"]
+        if self.dtype != "fp32":
+            parts.append(self.dtype)
+        if self.bug:
+            parts.append(f"bug_{self.bug}")
+        if self.fault:
+            parts.append(f"fault_{self.fault.kind}_r{self.fault.rank}_s{self.fault.step}")
+        if self.resume:
+            parts.append(f"from_s{self.resume.step}_{'universal' if self.resume.universal else 'plain'}")
+            parts += [f"drop_{d}" for d in self.resume.drop]
+        suffix = "" if self.variant == BASE else f"@{self.variant}"
+        return "-".join(parts) + suffix
+
+    @property
+    def group(self) -> str:
+        return group_key(dtype=self.dtype, variant=self.variant)
+
+    @property
+    def first_step(self) -> int:
+        """The first optimizer step this cell trains (and is compared on)."""
+        return self.resume.step if self.resume else 0
+
+    def _indivisible(self) -> str:
+        return indivisible_message(
+            train_batch_size=self.train_batch_size, micro_batch_size=self.micro_batch_size, world_size=self.world_size
+        )
+
+
+def indivisible_message(*, train_batch_size: int, micro_batch_size: int, world_size: int) -> str:
+    return (
+        f"train_batch_size {train_batch_size} is not divisible by "
+        f"micro_batch_size {micro_batch_size} × world_size {world_size}"
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Matrix:
+    """A validated matrix: its problems (one per variant) and expanded cells, baselines included."""
+
+    spec: MatrixSpec
+    problems: dict[str, ProblemSpec]
+    """variant name → problem ('base' is the matrix's own)."""
+    cells: tuple[Cell, ...]
+    baselines: dict[str, str]
+    """group (dtype[@variant]) → id of its baseline cell."""
+    plugin_dirs: tuple[str, ...] = ()
+    """Folders searched for plugin modules: the matrix file's folder and the working directory."""
+    source: dict = field(default_factory=dict, compare=False, repr=False)
+    """The mapping it was validated from (kept with a run, to judge it again later)."""
+
+    @property
+    def problem(self) -> ProblemSpec:
+        return self.problems[BASE]
+
+    def runnable(self) -> list[Cell]:
+        return [c for c in self.cells if c.skip_reason is None]

@@ -1,0 +1,193 @@
+"""Axes × variants + explicit cells + resume experiments → cells, baselines included, in a stable
+order. One :class:`Expander` owns what is being built (cells, baselines, problems); every source of
+cells (the axes product, explicit cells, baselines, resume sources and targets) hands it a
+:class:`Split`, and :meth:`Expander.cell` is the one place a split is checked and becomes a cell.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from pydantic import ValidationError
+
+from gaeq.bugs import BUGS
+from gaeq.matrix.cell import DEEPSPEED_ONLY, SPLIT_AXES, Cell, Fault, Matrix, Split, group_key
+from gaeq.matrix.schema import BASE, TENSOR_METRICS, FaultSpec, MatrixError, MatrixSpec, describe
+from gaeq.problem.spec import ProblemSpec
+
+
+def expand(spec: MatrixSpec, *, plugin_dirs: tuple[str, ...] = ()) -> Matrix:
+    """Baselines + axes × variants + explicit cells + resume experiments → a :class:`Matrix`."""
+    from gaeq.matrix.resume import add_resume
+
+    if spec.axes is None and not spec.cells and not spec.resume:
+        raise MatrixError("no cells: give axes, cells or resume (or several)")
+    if spec.axes and spec.axes.dtype and "dtype" in spec.problem.model_fields_set:
+        raise MatrixError("set dtype either in problem.dtype or in axes.dtype, not both")
+    ex = Expander(spec)
+    if spec.axes is not None:
+        ex.add_axes()
+    for c in spec.cells:
+        ex.add(ex.split_of(c), bug=c.bug, expect=c.expect, fault=c.fault)
+    for r in spec.resume:
+        add_resume(ex, r)
+    return ex.matrix(plugin_dirs=plugin_dirs)
+
+
+class Expander:
+    def __init__(self, spec: MatrixSpec) -> None:
+        self.spec = spec
+        self.problems = _variant_problems(spec)
+        self.cells: list[Cell] = []
+        self.baselines: dict[str, str] = {}
+        """group (dtype[@variant]) → id of its baseline cell."""
+
+    def problem(self, variant: str) -> ProblemSpec:
+        if variant not in self.problems:
+            raise MatrixError(f"unknown variant {variant!r}; known: {', '.join(self.problems)}")
+        return self.problems[variant]
+
+    def dtypes_of(self, variant: str) -> list[str]:
+        """The dtypes a variant's cells run in: axes.dtype, else the variant's problem.dtype."""
+        problem = self.problem(variant)
+        axes = self.spec.axes
+        return list(axes.dtype) if axes and axes.dtype else [problem.dtype]
+
+    def split_of(self, spec, **given) -> Split:
+        """A Split from any spec with split fields (CellSpec, BaselineSpec, ResumeTargetSpec);
+        `given` overrides them; a missing dtype is the variant's."""
+        fields = {a: getattr(spec, a) for a in SPLIT_AXES if hasattr(spec, a)} | given
+        fields = {k: v for k, v in fields.items() if v is not None or k == "zero_stage"}
+        fields.setdefault("dtype", self.dtypes_of(fields.get("variant", BASE))[0])
+        return Split(**fields)
+
+    def add_axes(self) -> None:
+        """The cartesian product of the axes, per variant and dtype, each group after its baseline.
+        Axes only DeepSpeed has collapse to one value for torch cells."""
+        axes = self.spec.axes
+        for variant in axes.variant:
+            for dtype in self.dtypes_of(variant):
+                self.ensure_baseline(dtype=dtype, variant=variant)
+                product = [getattr(axes, a) for a in SPLIT_AXES if a not in ("dtype", "variant")]
+                names = [a for a in SPLIT_AXES if a not in ("dtype", "variant")]
+                splits = {}
+                for values in itertools.product(*product):
+                    split = dict(zip(names, values), dtype=dtype, variant=variant)
+                    if split["trainer"] != "deepspeed":
+                        split |= DEEPSPEED_ONLY
+                    splits.setdefault(tuple(split.items()), split)  # torch: one cell, not one per ZeRO stage
+                for split in splits.values():
+                    self.add(Split(**split))
+
+    def ensure_baseline(self, *, dtype: str, variant: str) -> None:
+        """The group's baseline (the matrix's, or its variant's), added once, before its cells."""
+        self.problem(variant)  # an unknown variant is named here
+        key = group_key(dtype=dtype, variant=variant)
+        if key in self.baselines:
+            return
+        b = (self.spec.variants[variant].baseline if variant in self.spec.variants else None) or self.spec.baseline
+        micro = b.micro_batch_size or self.problems[variant].train_batch_size
+        baseline = self.cell(self.split_of(b, micro_batch_size=micro, dtype=dtype, variant=variant))
+        if not baseline.divisible:  # (a baseline skipped for want of fp16 skips its group with it)
+            raise MatrixError(f"the baseline of {key} cannot run: {baseline.skip_reason}")
+        self.baselines[key] = baseline.id
+        self.cells.append(baseline)
+
+    def add(self, split: Split, **planted) -> Cell:
+        """Check `split` (and what is planted in it), append its cell after its group's baseline."""
+        self.ensure_baseline(dtype=split.dtype, variant=split.variant)
+        cell = self.cell(split, **planted)
+        self.cells.append(cell)
+        return cell
+
+    def cell(self, split: Split, *, bug: str | None = None, expect: str | None = None, fault: FaultSpec | None = None) -> Cell:
+        """The one place a split is checked and becomes a cell (or a skipped cell, with the reason)."""
+        problem = self.problem(split.variant)
+        trainer, world, micro, dtype = split.trainer, split.world_size, split.micro_batch_size, split.dtype
+        if trainer == "torch" and split.zero_stage is not None:
+            raise MatrixError(f"zero_stage is a DeepSpeed setting; the torch cell w{world} mb{micro} sets it")
+        if trainer == "deepspeed" and split.zero_stage is None:
+            split = dataclasses.replace(split, zero_stage=0)
+        if trainer == "torch" and split.offload != "none":
+            raise MatrixError(f"offload is a DeepSpeed setting; the torch cell w{world} mb{micro} sets it")
+        if dtype == "ds_bf16" and not (trainer == "deepspeed" and split.zero_stage >= 1):
+            raise MatrixError(
+                "dtype ds_bf16 is DeepSpeed's bf16 mixed precision: DeepSpeed cells at ZeRO ≥ 1 only "
+                "(at ZeRO-0 DeepSpeed 0.19 cannot accumulate bf16 gradients in fp32)"
+            )
+        if dtype == "ds_fp16" and trainer != "deepspeed":
+            raise MatrixError("dtype ds_fp16 is DeepSpeed's fp16 mixed precision: DeepSpeed cells only (torch: fp16)")
+        if bug is not None:
+            if bug not in BUGS:
+                raise MatrixError(f"unknown bug {bug!r}; known: {', '.join(sorted(BUGS))}")
+            if trainer not in BUGS[bug].trainers:
+                raise MatrixError(f"bug {bug!r} exists only in the {'/'.join(BUGS[bug].trainers)} trainer")
+            if BUGS[bug].dtypes and dtype not in BUGS[bug].dtypes:
+                raise MatrixError(f"bug {bug!r} exists only in {'/'.join(BUGS[bug].dtypes)} cells, not {dtype}")
+        if fault is not None and fault.rank >= world:
+            raise MatrixError(f"fault.rank {fault.rank} does not exist at world_size {world}")
+        if fault is not None and fault.step >= problem.steps:
+            raise MatrixError(f"fault.step {fault.step} is past the last step ({problem.steps - 1})")
+        cell = Cell(
+            **{a: getattr(split, a) for a in SPLIT_AXES},
+            train_batch_size=problem.train_batch_size,
+            bug=bug,
+            expect=expect or ("diverge" if bug else "match"),
+            fault=Fault(**fault.model_dump()) if fault else None,
+            snapshots=tuple(m for m in TENSOR_METRICS if m in self.spec.track),
+            snapshot_every=self.spec.track_every,
+        )
+        if split.offload != "none" and split.zero_stage == 0:
+            cell = dataclasses.replace(cell, skip_reason="offload needs ZeRO ≥ 1 (ZeRO-0 has no partitioned optimizer to offload)")
+        elif dtype in ("fp16", "ds_fp16") and (reason := _fp16_unsupported()):
+            cell = dataclasses.replace(cell, skip_reason=reason)
+        if not cell.divisible:
+            if self.spec.on_indivisible == "error":
+                raise MatrixError(cell._indivisible() + " (or set on_indivisible: skip)")
+            cell = dataclasses.replace(cell, skip_reason=cell._indivisible())
+        return cell
+
+    def matrix(self, *, plugin_dirs: tuple[str, ...]) -> Matrix:
+        unique: dict[str, Cell] = {}
+        for cell in self.cells:
+            if cell.id in unique and unique[cell.id] != cell:
+                raise MatrixError(f"two different cells share the id {cell.id}")
+            unique.setdefault(cell.id, cell)
+        return Matrix(spec=self.spec, problems=self.problems, cells=tuple(unique.values()), baselines=self.baselines, plugin_dirs=plugin_dirs)
+
+
+def _variant_problems(spec: MatrixSpec) -> dict[str, ProblemSpec]:
+    problems = {BASE: spec.problem}
+    base = spec.problem.model_dump(by_alias=True, exclude_unset=True)
+    for name, variant in spec.variants.items():
+        if name == BASE:
+            raise MatrixError(f"variant name {BASE!r} is reserved for the matrix's own problem")
+        try:
+            problems[name] = ProblemSpec.model_validate(_deep_merge(base, variant.problem))
+        except ValidationError as exc:
+            raise MatrixError(f"variants.{name}.problem: {describe(exc)}") from None
+    return problems
+
+
+def _deep_merge(base: dict, override: dict) -> dict:
+    """`override` onto `base`, mapping by mapping — except where a mapping names another built-in
+    (`kind`) or another plugin (`import`): that one starts afresh, its old keys (`args`) belong to
+    something else."""
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict) and _same_thing(merged[key], value):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _same_thing(base: dict, override: dict) -> bool:
+    return all(override.get(k, base.get(k)) == base.get(k) for k in ("kind", "import", "import_"))
+
+
+def _fp16_unsupported() -> str | None:
+    from gaeq.accelerator import fp16_unsupported_reason  # imports torch/DeepSpeed: only for fp16 cells
+
+    return fp16_unsupported_reason()

@@ -1,0 +1,51 @@
+"""Reading a matrix: a YAML file or a mapping → a validated, expanded :class:`Matrix`, or one
+readable :class:`MatrixError` line naming the key."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+
+import yaml
+from pydantic import ValidationError
+
+from gaeq.matrix.cell import Matrix
+from gaeq.matrix.expand import expand
+from gaeq.matrix.schema import MatrixError, MatrixSpec, describe
+
+
+def load_matrix(path: str | Path) -> Matrix:
+    """Read, validate and expand a matrix file. Raises :class:`MatrixError` with one readable line."""
+    path = Path(path)
+    if path.is_dir():
+        raise MatrixError(f"{path}: is a directory, not a matrix file")
+    if not path.is_file():
+        raise MatrixError(f"{path}: no such file")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise MatrixError(f"{path}: not valid YAML ({_first_line(exc)})") from None
+    except OSError as exc:
+        raise MatrixError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    try:
+        return matrix_from_dict(raw, plugin_dirs=(str(path.resolve().parent), str(Path.cwd())))
+    except MatrixError as exc:
+        raise MatrixError(f"{path}: {exc}") from None
+
+
+def matrix_from_dict(raw: object, *, plugin_dirs: tuple[str, ...] | None = None) -> Matrix:
+    """Validate and expand a matrix given as data (what a YAML file parses to). Plugins are
+    imported from `plugin_dirs` (default: the working directory)."""
+    if not isinstance(raw, dict):
+        raise MatrixError("the top level must be a mapping of keys (name, problem, axes, ...)")
+    try:
+        spec = MatrixSpec.model_validate(raw)
+        matrix = expand(spec, plugin_dirs=plugin_dirs if plugin_dirs is not None else (str(Path.cwd()),))
+        return dataclasses.replace(matrix, source=copy.deepcopy(raw))
+    except ValidationError as exc:
+        raise MatrixError(describe(exc)) from None
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

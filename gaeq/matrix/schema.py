@@ -1,0 +1,154 @@
+"""The matrix file's schema: pydantic at the YAML boundary, `extra="forbid"` (a typo is an error,
+never a silently ignored knob). Each model documents its fields; the CLI's `validate` and the
+README's matrix reference are written from them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, ValidationError
+
+from gaeq.bugs import BUGS
+from gaeq.problem.spec import Dtype, PositiveInt, ProblemSpec, Samples
+from gaeq.problem.spec import Spec as _Spec
+
+WorldSize = Annotated[int, Field(gt=0, le=4096)]
+
+Trainer = Literal["torch", "deepspeed"]
+Expect = Literal["match", "diverge"]
+ZeroStage = Literal[0, 1, 2, 3]
+Offload = Literal["none", "cpu"]
+Tracked = Literal["loss", "grad_norm", "params", "grads"]
+TENSOR_METRICS = ("grads", "params")
+VariantName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_]+$")]
+BASE = "base"
+"""The variant name of the matrix's own `problem`."""
+
+
+MATRIX_FILE = "matrix.yaml"
+"""The matrix as run, kept in its run directory (what `gaeq report` and `gaeq worker` read)."""
+
+
+class MatrixError(ValueError):
+    """A matrix file a user can fix. The message says what to change."""
+
+
+class AxesSpec(_Spec):
+    trainer: list[Trainer] = Field(["torch", "deepspeed"], min_length=1)
+    world_size: list[WorldSize] = Field([1], min_length=1)
+    micro_batch_size: list[Samples] = Field(min_length=1)
+    zero_stage: list[ZeroStage] = Field([0], min_length=1, description="DeepSpeed cells only.")
+    offload: list[Offload] = Field(
+        ["none"], min_length=1, description="DeepSpeed cells only: ZeRO-Offload of the optimizer (and of parameters at ZeRO-3)."
+    )
+    dtype: list[Dtype] | None = Field(None, min_length=1, description="Default: [problem.dtype].")
+    variant: list[VariantName] = Field([BASE], min_length=1, description="Problem variants the axes apply to.")
+
+
+class FaultSpec(_Spec):
+    """Fault injection, for tests of the runtime: a rank that fails at a given step."""
+
+    rank: int = Field(0, ge=0)
+    step: int = Field(0, ge=0)
+    kind: Literal["raise", "exit", "hang"] = "raise"
+
+
+class CellSpec(_Spec):
+    """One explicit cell, e.g. a control with a planted bug: a split, and what is planted in it."""
+
+    trainer: Trainer
+    world_size: WorldSize = 1
+    micro_batch_size: Samples
+    zero_stage: ZeroStage | None = None
+    offload: Offload = "none"
+    dtype: Dtype | None = Field(None, description="Default: the variant's dtype (or the first of axes.dtype).")
+    variant: VariantName = BASE
+    bug: str | None = Field(None, description=f"A planted bug: one of {sorted(BUGS)}.")
+    expect: Expect | None = Field(None, description="Default: 'diverge' with a bug, else 'match'.")
+    fault: FaultSpec | None = None
+
+
+class BaselineSpec(_Spec):
+    trainer: Trainer = "torch"
+    world_size: WorldSize = 1
+    micro_batch_size: Samples | None = Field(None, description="Default: train_batch_size (GA = 1).")
+    zero_stage: ZeroStage | None = None
+
+
+class ResumeTargetSpec(_Spec):
+    """Where a checkpoint is resumed: the source's trainer, dtype and variant, another split."""
+
+    world_size: WorldSize = 1
+    micro_batch_size: Samples
+    zero_stage: ZeroStage | None = None
+    offload: Offload = "none"
+    drop: list[Literal["optimizer", "schedule"]] = Field(
+        [], description="Negative controls: resume without the optimizer state, or with the LR schedule restarted."
+    )
+    expect: Expect | None = Field(None, description="Default: 'diverge' when something is dropped, else 'match'.")
+
+
+class ResumeSpec(_Spec):
+    """Train `from` to step `at_step`, checkpoint, (convert,) and resume in every `to` cell."""
+
+    from_: CellSpec = Field(alias="from", description="The source cell (added to the matrix if it is not there).")
+    at_step: PositiveInt = Field(description="Optimizer steps completed before the checkpoint.")
+    universal: bool = Field(
+        True, description="Convert with DeepSpeed's ds_to_universal and load with load_universal (DeepSpeed, ZeRO ≥ 1)."
+    )
+    to: list[ResumeTargetSpec] = Field(min_length=1)
+
+
+class VariantSpec(_Spec):
+    """Another problem in the same matrix: the matrix's `problem` with these keys replaced."""
+
+    problem: dict[str, Any] = Field(default_factory=dict, description="Deep-merged onto the matrix's problem.")
+    baseline: BaselineSpec | None = Field(None, description="Default: the matrix's baseline.")
+
+
+class ToleranceSpec(_Spec):
+    """Overrides of the per-dtype tolerance ladder (gaeq.results.compare.DEFAULT_TOLERANCES)."""
+
+    loss_atol: float | None = Field(None, ge=0)
+    loss_rtol: float | None = Field(None, ge=0)
+    grad_norm_rtol: float | None = Field(None, ge=0)
+    tensor_atol: float | None = Field(None, ge=0)
+    tensor_rtol: float | None = Field(None, ge=0)
+
+
+class MatrixSpec(_Spec):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str = ""
+    problem: ProblemSpec
+    variants: dict[VariantName, VariantSpec] = {}
+    axes: AxesSpec | None = Field(None, description="The cartesian product of splits; optional with explicit cells.")
+    cells: list[CellSpec] = []
+    resume: list[ResumeSpec] = Field([], description="Checkpoint → resume experiments; resumed cells are compared from their resume step on.")
+    baseline: BaselineSpec = BaselineSpec()
+    on_indivisible: Literal["error", "skip"] = Field(
+        "error", description="A split where B is not divisible by micro × world: fail validation, or skip the cell."
+    )
+    tolerances: dict[Dtype, ToleranceSpec] = {}
+    track: list[Tracked] = Field(
+        ["loss", "grad_norm"],
+        min_length=1,
+        description="What is compared with the baseline. params/grads also save full (ZeRO-gathered) tensors "
+        "at every boundary: gradients before the update, parameters after it.",
+    )
+    track_every: PositiveInt = Field(1, description="Save params/grads every N optimizer steps (and at the last).")
+    timeout_s: float = Field(300.0, gt=0, le=86400, description="Per cell; a rank silent for longer makes the cell `error`.")
+
+
+def describe(exc: ValidationError) -> str:
+    """The first pydantic error as one line that names the key: `problem.steps: ...`."""
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in err["loc"]) or "top level"
+    if err["type"] == "extra_forbidden":
+        return f"unknown key {where!r} (check its spelling and where it sits)"
+    if err["type"] == "missing":
+        return f"missing key {where!r}"
+    more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+    got = repr(err.get("input"))
+    got = got if len(got) <= 80 else got[:77] + "..."
+    return f"{where}: {err['msg']}, got {got}{more}"

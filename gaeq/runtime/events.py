@@ -1,0 +1,33 @@
+"""Progress of a run, for whoever owns the terminal (the CLI) or calls the API (a notebook).
+
+Events are plain data, made in the `gaeq run` process (from its launcher's loop) and handed to one
+callback; library code never prints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from gaeq.results.outcome import CellOutcome
+
+
+@dataclass(frozen=True, kw_only=True)
+class Event:
+    kind: str
+    """group (a process group starts) | start / step / end (of a cell) | convert (ds_to_universal) |
+    shm_freed (shared memory of killed runs removed)."""
+    world_size: int
+    cell_id: str | None = None
+    step: int | None = None
+    outcome: CellOutcome | None = None
+    """end: how the cell ended."""
+    freed_bytes: int = 0
+    """shm_freed: bytes of /dev/shm freed (`step`: how many segments)."""
+
+
+OnEvent = Callable[[Event], None]
+
+
+def ignore(event: Event) -> None:
+    """The default callback."""
