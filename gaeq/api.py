@@ -26,7 +26,8 @@ import yaml
 from gaeq.matrix import MATRIX_FILE, Matrix, MatrixError, load_matrix, matrix_from_dict  # noqa: F401  (matrix_from_dict: API)
 from gaeq.results.outcome import CellOutcome, read_outcome
 from gaeq.results.overlay import OVERLAY_FILE, overlay_figure, plot_overlay
-from gaeq.results.report import CellReport, Report, atomic_write, judge, resolve_tolerances, write_report
+from gaeq.files import atomic_write
+from gaeq.results.report import CellReport, Report, judge, resolve_tolerances, write_report
 from gaeq.results.tensorboard import TB_DIR, write_tensorboard
 from gaeq.results.trace import StepRecord, TraceStore, cell_dir
 
@@ -147,12 +148,13 @@ def run(
     them on ``gaeq worker``, one launch per world size — the code path a cluster uses).
     `resume`: `out` holds an interrupted run of the same matrix; cells that finished there (a complete
     trace and a `done` outcome) are kept, the others are trained again.
-    `on_event` receives :class:`gaeq.runtime.launch.Event` progress (from this process's threads).
+    `on_event` receives :class:`gaeq.runtime.events.Event` progress (from this process's threads).
     Ctrl-C stops every rank and raises KeyboardInterrupt.
     """
     from gaeq.runtime import lifeline, shm
     from gaeq.runtime.external import LAUNCHERS
-    from gaeq.runtime.launch import Event, run_all, warm_up
+    from gaeq.runtime.events import Event
+    from gaeq.runtime.launch import run_all, warm_up
 
     if launcher not in LAUNCHERS:
         raise ValueError(f"unknown launcher {launcher!r}; one of {', '.join(LAUNCHERS)}")

@@ -19,7 +19,8 @@ from rich.table import Table
 
 from gaeq import api
 from gaeq.matrix import Matrix, MatrixError
-from gaeq.results.report import EXIT_BAD_INPUT, atomic_write, cost_table, verdict_table
+from gaeq.files import atomic_write
+from gaeq.results.report import EXIT_BAD_INPUT, cost_table, verdict_table
 from gaeq.results.tensorboard import TB_DIR
 
 app = typer.Typer(
@@ -101,7 +102,7 @@ def run(
 ) -> None:
     """Train every cell of a matrix, compare each with its baseline, print the verdicts."""
     from gaeq.runtime.external import LAUNCHERS
-    from gaeq.runtime.launch import Event
+    from gaeq.runtime.events import Event
 
     if launcher not in LAUNCHERS:
         _bad_input(f"--launcher {launcher}: one of {', '.join(LAUNCHERS)}")

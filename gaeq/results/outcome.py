@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
+
+from gaeq.files import atomic_write
 
 OUTCOME_FILE = "outcome.json"
 
@@ -23,9 +24,7 @@ class CellOutcome:
 
 def write_outcome(cell_dir: Path, outcome: CellOutcome) -> None:
     cell_dir.mkdir(parents=True, exist_ok=True)
-    tmp = cell_dir / (OUTCOME_FILE + ".partial")
-    tmp.write_text(json.dumps(asdict(outcome), indent=1))
-    os.replace(tmp, cell_dir / OUTCOME_FILE)
+    atomic_write(cell_dir / OUTCOME_FILE, json.dumps(asdict(outcome), indent=1))
 
 
 def read_outcome(cell_dir: Path) -> CellOutcome | None:

@@ -6,10 +6,10 @@ Headless: a bare matplotlib Figure (no pyplot, no display backend, no global sta
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from gaeq.files import replacing
 from gaeq.results.compare import step_diffs
 from gaeq.results.report import Report
 from gaeq.results.trace import TraceStore
@@ -22,9 +22,8 @@ DIVERGENCE = ":first-divergence"
 def plot_overlay(path: Path, report: Report, traces: TraceStore):
     """Draw and save the figure; returns the matplotlib Figure."""
     fig = overlay_figure(report, traces)
-    partial = Path(path).with_name(Path(path).name + ".partial")
-    fig.savefig(partial, dpi=100, format="png")
-    os.replace(partial, path)  # an interrupted write never leaves half a PNG
+    with replacing(path) as partial:  # an interrupted write never leaves half a PNG
+        fig.savefig(partial, dpi=100, format="png")
     return fig
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
@@ -13,6 +12,7 @@ from pathlib import Path
 from rich.table import Table
 from rich.text import Text
 
+from gaeq.files import atomic_write
 from gaeq.matrix import Cell, Matrix, group_key
 from gaeq.results.compare import Tolerance, compare_traces, tolerance_for
 from gaeq.results.outcome import CellOutcome
@@ -214,13 +214,6 @@ def write_report(run_dir: Path, report: Report, *, figure: str | None = None) ->
     """report.json and report.md (linking `figure`, a file in run_dir), each written atomically."""
     atomic_write(run_dir / "report.json", json.dumps(report.to_json(), indent=2) + "\n")
     atomic_write(run_dir / "report.md", render_markdown(report, figure=figure))
-
-
-def atomic_write(path: Path, text: str) -> None:
-    """Write to a `.partial` name, then rename: readers see the old file or the whole new one."""
-    tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 _COLUMNS = (

@@ -10,11 +10,12 @@ reported as step, kind, parameter name, max abs and norm-relative difference, an
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from gaeq.files import replacing
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: `gaeq run` starts the ranks' fork
     import torch  # server before its own process pays for torch (~1.7 s)
@@ -50,9 +51,8 @@ class SnapshotWriter:
     def close(self) -> None:
         from safetensors.torch import save_file
 
-        partial = self.path.with_name(SNAPSHOT_FILE + ".partial")
-        save_file(self._tensors, str(partial), metadata={"order": json.dumps(self._order)})
-        os.replace(partial, self.path)
+        with replacing(self.path) as partial:
+            save_file(self._tensors, str(partial), metadata={"order": json.dumps(self._order)})
 
 
 @dataclass(frozen=True)

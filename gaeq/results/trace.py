@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from gaeq.files import partial_path, publish
+
 TRACE_FILE = "trace.jsonl"
 
 
@@ -44,8 +46,7 @@ class StepRecord:
 class TraceWriter:
     def __init__(self, directory: Path) -> None:
         self.path = Path(directory) / TRACE_FILE
-        self._partial = self.path.with_name(TRACE_FILE + ".partial")
-        self._file: IO[str] | None = self._partial.open("w")
+        self._file: IO[str] | None = partial_path(self.path).open("w")
 
     def write(self, record: StepRecord) -> None:
         assert self._file is not None, "trace already closed"
@@ -59,7 +60,7 @@ class TraceWriter:
         os.fsync(self._file.fileno())
         self._file.close()
         self._file = None
-        os.replace(self._partial, self.path)
+        publish(self.path)
 
 
 def read_trace(directory: Path) -> list[StepRecord]:

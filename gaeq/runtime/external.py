@@ -26,6 +26,7 @@ from gaeq.matrix import Cell, Matrix
 from gaeq.results.outcome import CellOutcome, read_outcome, write_outcome
 from gaeq.results.trace import cell_dir
 from gaeq.runtime import dist, lifeline, shm, worker
+from gaeq.runtime.events import Event
 
 LAUNCHERS = ("local", "torchrun", "deepspeed")
 
@@ -149,8 +150,6 @@ def run_launched_group(
     outcomes in the run directory. Returns the outcomes of the cells that ended — finished, or
     failed (the first cell without an outcome when the launcher died or stalled); the caller
     launches again for the rest."""
-    from gaeq.runtime.launch import Event
-
     log = run_dir / "logs" / f"{launcher}-w{world_size}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     port = dist.free_port()
@@ -212,8 +211,6 @@ def run_launched_group(
 
 
 def _fail(cell: Cell, why: str, *, run_dir: Path, log: Path, outcomes: dict, world_size: int, on_event: Callable) -> None:
-    from gaeq.runtime.launch import Event
-
     logs = [cell_dir(run_dir, cell.id) / f"rank{r}.log" for r in range(world_size)] + [log]
     tails = "\n".join(t for t in map(worker.log_tail, logs) if t)
     outcomes[cell.id] = CellOutcome(status="error", seconds=0.0, reason=f"{why}\n{tails}".rstrip())

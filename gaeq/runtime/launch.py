@@ -16,8 +16,7 @@ import queue
 import signal
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from gaeq.matrix import MATRIX_FILE, Cell
@@ -25,26 +24,13 @@ from gaeq.problem.spec import ProblemSpec
 from gaeq.results.outcome import CellOutcome, write_outcome
 from gaeq.results.trace import cell_dir
 from gaeq.runtime import worker
+from gaeq.runtime.events import Event, OnEvent
 from gaeq.runtime.convert import convert_to_universal
 from gaeq.runtime.external import run_launched_group
 from gaeq.runtime import shm
 from gaeq.runtime.dist import free_port
 
 
-@dataclass(frozen=True, kw_only=True)
-class Event:
-    """Progress for whoever owns the terminal."""
-
-    kind: str  # "group" | "start" | "step" | "end" | "convert" | "shm_freed"
-    world_size: int
-    cell_id: str | None = None
-    step: int | None = None
-    outcome: CellOutcome | None = None
-    freed_bytes: int = 0
-    """shm_freed: bytes of /dev/shm freed, left by killed runs (`step`: how many segments)."""
-
-
-OnEvent = Callable[[Event], None]
 
 # First start-up on a fresh machine JIT-builds DeepSpeed's comm op (~25 s on 2 cores).
 DEFAULT_INIT_TIMEOUT_S = 600.0

@@ -9,9 +9,9 @@ are independent of world size and GA by construction.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
+from gaeq.files import replacing
 from gaeq.matrix import Resume
 
 
@@ -73,10 +73,9 @@ def save_torch(model, optimizer, scheduler, *, run_dir: str | Path, cell_id: str
         return
     path = torch_checkpoint(run_dir, cell_id, step)
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step}
-    torch.save(state, partial)
-    os.replace(partial, path)
+    with replacing(path) as partial:
+        torch.save(state, partial)
 
 
 def load_torch(model, optimizer, scheduler, *, run_dir: str | Path, resume: Resume) -> int:
