@@ -24,7 +24,7 @@ def write_matrix(tmp_path):
 def pitfalls_run(tmp_path_factory):
     """`gaeq run experiments/pitfalls.yaml`, once per session: tests/integration/test_pitfalls.py
     checks it, notebook 04 re-judges it (GAEQ_PITFALLS_RUN) instead of training it again."""
-    from tests.integration.test_run import gaeq_run
+    from tests.helpers import gaeq_run
 
     out = tmp_path_factory.mktemp("pitfalls") / "run"
     proc, report, tag = gaeq_run(REPO / "experiments" / "pitfalls.yaml", out)
@@ -36,7 +36,7 @@ def default_run(tmp_path_factory):
     """`gaeq run --matrix experiments/ga.yaml` (the README's), once per session. Its traces are the
     reference of the tests that run some of its cells another way (--isolate, external launchers):
     a cell's trace depends only on its problem and split, so theirs must be bitwise these."""
-    from tests.integration.test_run import gaeq_run
+    from tests.helpers import gaeq_run
 
     out = tmp_path_factory.mktemp("default") / "run"
     proc, report, tag = gaeq_run(REPO / "experiments" / "ga.yaml", out)

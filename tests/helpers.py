@@ -1,12 +1,24 @@
-"""Matrices shared by the tests."""
+"""What the tests share: matrices, and running `gaeq` as a user does (a tagged child process)."""
 
 from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
 
 import torch
 import yaml
 
 from gaeq.results.outcome import CellOutcome, write_outcome
 from gaeq.trainers import RunContext, trainer_for
+
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def small_spec(**overrides) -> dict:
@@ -36,9 +48,7 @@ def small_spec(**overrides) -> dict:
 def ga_spec(**overrides) -> dict:
     """experiments/ga.yaml's problem with other axes/cells: its cells are cells of the suite's
     `default_run` (tests/conftest.py), whose traces theirs must equal bitwise."""
-    from tests.conftest import REPO
-
-    problem = yaml.safe_load((REPO / "experiments" / "ga.yaml").read_text())["problem"]
+    problem = yaml.safe_load((REPO_ROOT / "experiments" / "ga.yaml").read_text())["problem"]
     return {"name": "ga-subset", "problem": problem, **overrides}
 
 
@@ -58,3 +68,67 @@ def run_in_process(matrix, run_dir):
             outcomes[cell.id] = CellOutcome(status="done", seconds=0.0, ran=ran)
         write_outcome(cell_dir, outcomes[cell.id])
     return outcomes
+
+
+def deepspeed_shm() -> set[str]:
+    """This user's /dev/shm segments of DeepSpeed's CPU comm op (66 MB per rank and group)."""
+    return {p.name for p in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*")}
+
+
+def gaeq_run(matrix: Path, out: Path, *, timeout: float = 600, extra: list[str] = ()) -> tuple[subprocess.CompletedProcess, dict, str]:
+    """Run the CLI in a child process tagged with a unique environment marker (to find leftovers).
+
+    Every run checks that it left no DeepSpeed shared memory behind (DeepSpeed never frees its
+    segments; gaeq does — under an external launcher too): none appeared that was not there before."""
+    tag = uuid.uuid4().hex
+    env = {**os.environ, "GAEQ_TEST_TAG": tag, "COLUMNS": "200"}
+    shm_before = deepspeed_shm()
+    proc = subprocess.run(
+        [sys.executable, "-m", "gaeq", "run", "--matrix", str(matrix), "--out", str(out), *extra],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=REPO_ROOT,
+    )
+    report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else {}
+    assert deepspeed_shm() <= shm_before, f"left in /dev/shm: {sorted(deepspeed_shm() - shm_before)}"
+    return proc, report, tag
+
+
+def start_gaeq(args: list[str], *, tag: str, sigint=signal.SIG_DFL, **popen) -> subprocess.Popen:
+    """Start ``python -m gaeq ARGS`` tagged, with SIGINT's disposition set explicitly: a child
+    inherits an ignored SIGINT from a background job or CI runner (and then keeps it ignored, see
+    gaeq.cli._stop_on_signals), so a test that means Ctrl-C must not depend on how pytest started."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "gaeq", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "GAEQ_TEST_TAG": tag, **popen.pop("env", {})},
+        cwd=popen.pop("cwd", REPO_ROOT),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, sigint),
+        **popen,
+    )
+
+
+def leftover_processes(tag: str, *, grace: float = 5.0) -> list[int]:
+    """PIDs of live processes that inherited the tag (every rank gaeq started would have)."""
+    deadline = time.monotonic() + grace
+    while True:
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                if f"GAEQ_TEST_TAG={tag}".encode() in (entry / "environ").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+        if not pids or time.monotonic() > deadline:
+            return pids
+        time.sleep(0.2)
+
+
+def cells_by_id(report: dict) -> dict[str, dict]:
+    return {c["id"]: c for c in report["cells"]}

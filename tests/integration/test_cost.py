@@ -9,8 +9,7 @@ import pytest
 from gaeq.problem.models import MLP
 from gaeq.problem.spec import MLPSpec
 from gaeq.results.trace import read_trace
-from tests.helpers import ga_spec, small_spec
-from tests.integration.test_run import cells_by_id, gaeq_run
+from tests.helpers import cells_by_id, ga_spec, gaeq_run, small_spec
 
 pytestmark = pytest.mark.integration
 

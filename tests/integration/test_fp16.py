@@ -13,7 +13,7 @@ import pytest
 
 from gaeq.accelerator import FP16_EMULATION_ENV, fp16_emulated
 from tests.conftest import REPO
-from tests.integration.test_run import cells_by_id, gaeq_run, leftover_processes
+from tests.helpers import cells_by_id, gaeq_run, leftover_processes
 
 pytestmark = pytest.mark.integration
 

@@ -15,8 +15,7 @@ import uuid
 import pytest
 
 from tests.conftest import REPO
-from tests.helpers import ga_spec, small_spec
-from tests.integration.test_run import gaeq_run, leftover_processes
+from tests.helpers import ga_spec, gaeq_run, leftover_processes, small_spec
 
 pytestmark = pytest.mark.integration
 

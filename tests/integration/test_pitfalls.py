@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.test_run import cells_by_id, leftover_processes
+from tests.helpers import cells_by_id, leftover_processes
 
 pytestmark = pytest.mark.integration
 

@@ -15,8 +15,7 @@ import pytest
 import yaml
 
 from tests.conftest import REPO
-from tests.helpers import small_spec
-from tests.integration.test_run import gaeq_run, leftover_processes, start_gaeq
+from tests.helpers import gaeq_run, leftover_processes, small_spec, start_gaeq
 
 pytestmark = pytest.mark.integration
 

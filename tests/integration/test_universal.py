@@ -11,8 +11,7 @@ from gaeq.results.trace import read_trace
 from gaeq.runtime.launch import run_all
 from gaeq.trainers.checkpoint import checkpoint_root, deepspeed_tag
 from tests.conftest import REPO
-from tests.helpers import small_spec
-from tests.integration.test_run import cells_by_id, gaeq_run, leftover_processes
+from tests.helpers import cells_by_id, gaeq_run, leftover_processes, small_spec
 
 pytestmark = pytest.mark.integration
 

@@ -8,7 +8,7 @@ from gaeq.accelerator import fp16_unsupported_reason
 from gaeq.results.compare import DEFAULT_TOLERANCES
 from gaeq.results.snapshots import compare_snapshots, read_snapshots
 from tests.conftest import REPO
-from tests.integration.test_run import cells_by_id, gaeq_run, leftover_processes
+from tests.helpers import cells_by_id, gaeq_run, leftover_processes
 
 pytestmark = pytest.mark.integration
 
