@@ -27,7 +27,8 @@ from gaeq.matrix import MATRIX_FILE, Matrix, MatrixError, load_matrix, matrix_fr
 from gaeq.results.outcome import CellOutcome, read_outcome
 from gaeq.results.overlay import OVERLAY_FILE, overlay_figure, plot_overlay
 from gaeq.files import atomic_write
-from gaeq.results.report import CellReport, Report, judge, resolve_tolerances, write_report
+from gaeq.results.render import write_report
+from gaeq.results.report import CellReport, Report, judge, resolve_tolerances
 from gaeq.results.tensorboard import TB_DIR, write_tensorboard
 from gaeq.results.trace import StepRecord, TraceStore, cell_dir
 

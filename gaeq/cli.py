@@ -20,7 +20,8 @@ from rich.table import Table
 from gaeq import api
 from gaeq.matrix import Matrix, MatrixError
 from gaeq.files import atomic_write
-from gaeq.results.report import EXIT_BAD_INPUT, cost_table, verdict_table
+from gaeq.results.render import cost_table, verdict_table
+from gaeq.results.report import EXIT_BAD_INPUT
 from gaeq.results.tensorboard import TB_DIR
 
 app = typer.Typer(

@@ -1,18 +1,12 @@
-"""Verdicts: judge every cell against its baseline; write report.json / report.md; build the table."""
+"""Verdicts: judge every cell against its baseline (rendering and writing: gaeq.results.render)."""
 
 from __future__ import annotations
 
-import json
 import math
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 
-from rich.table import Table
-from rich.text import Text
-
-from gaeq.files import atomic_write
 from gaeq.matrix import Cell, Matrix, group_key
 from gaeq.results.compare import Tolerance, compare_traces, tolerance_for
 from gaeq.results.outcome import CellOutcome
@@ -208,140 +202,3 @@ def _cost(trace) -> dict:
 
 def _finite(value):
     return None if isinstance(value, float) and not math.isfinite(value) else value
-
-
-def write_report(run_dir: Path, report: Report, *, figure: str | None = None) -> None:
-    """report.json and report.md (linking `figure`, a file in run_dir), each written atomically."""
-    atomic_write(run_dir / "report.json", json.dumps(report.to_json(), indent=2) + "\n")
-    atomic_write(run_dir / "report.md", render_markdown(report, figure=figure))
-
-
-_COLUMNS = (
-    "cell", "W", "MB", "GA", "ZeRO", "dtype", "expect", "verdict", "max |Δloss|", "max rel Δ‖g‖", "caught",
-    "samples/s", "step ms", "peak MB", "comm KB/step", "s",
-)  # fmt: skip
-_TENSOR_COLUMNS = ("max |Δgrad|", "max |Δparam|")
-_RIGHT = {"W", "MB", "GA", "ZeRO", "samples/s", "step ms", "peak MB", "comm KB/step", "s"}
-"""Shown when the matrix tracks gradients or parameters."""
-
-
-def _columns(report: Report) -> tuple[str, ...]:
-    return _COLUMNS[:10] + (_TENSOR_COLUMNS if _tracks_tensors(report) else ()) + _COLUMNS[10:]
-
-
-def _tracks_tensors(report: Report) -> bool:
-    return any(c.max_abs_grad_diff is not None or c.max_abs_param_diff is not None for c in report.cells)
-
-
-def _row(c: CellReport, *, tensors: bool) -> list[str]:
-    cells = [
-        c.id,
-        str(c.world_size),
-        str(c.micro_batch_size),
-        "-" if c.grad_accum_steps is None else str(c.grad_accum_steps),
-        "-" if c.zero_stage is None else str(c.zero_stage) + ("+cpu" if c.offload != "none" else ""),
-        c.dtype,
-        c.expect,
-        c.verdict,
-        _sci(c.max_abs_loss_diff),
-        _sci(c.max_rel_grad_norm_diff),
-    ]
-    if tensors:
-        cells += [_sci(c.max_abs_grad_diff), _sci(c.max_abs_param_diff)]
-    return cells + [
-        _caught(c),
-        _fmt(c.samples_per_s, "{:.0f}"),
-        _fmt(c.step_seconds and c.step_seconds * 1e3, "{:.2f}"),
-        _fmt(c.peak_mem_bytes and c.peak_mem_bytes / 2**20, "{:.0f}"),
-        _fmt(c.comm_bytes_per_step and c.comm_bytes_per_step / 1024, "{:.1f}", zero="0"),
-        _fmt(c.seconds, "{:.1f}"),
-    ]
-
-
-def _fmt(value: float | None, spec: str, *, zero: str | None = None) -> str:
-    if value is None:
-        return "-"
-    if value == 0 and zero is not None:
-        return zero
-    return spec.format(value)
-
-
-def _caught(c: CellReport) -> str:
-    """Every metric that diverged, first one first: `grad_norm@0 loss@1`."""
-    steps = {m: s for m, s in (c.divergence_steps or {}).items() if s is not None}
-    return " ".join(f"{m}@{s}" for m, s in sorted(steps.items(), key=lambda kv: (kv[1], kv[0] != c.caught_by))) or "-"
-
-
-def _sci(x: float | None) -> str:
-    return "-" if x is None else f"{x:.1e}"
-
-
-_STYLE = {"match": "green", "diverge": "yellow", "error": "bold red", "skipped": "dim"}
-
-
-_COST = ("samples/s", "step ms", "peak MB", "comm KB/step")
-
-
-def verdict_table(report: Report) -> Table:
-    """Equivalence: one row per cell (its cost is in :func:`cost_table`)."""
-    table = Table(title="gaeq verdicts", title_justify="left", show_lines=False)
-    tensors = _tracks_tensors(report)
-    columns = _columns(report)
-    keep = [i for i, name in enumerate(columns) if name not in _COST]
-    for i in keep:
-        table.add_column(columns[i], justify="right" if columns[i] in _RIGHT else "left", no_wrap=columns[i] == "cell")
-    table.add_column("ok")
-    for c in report.cells:
-        row = _row(c, tensors=tensors)
-        row[7] = Text(c.verdict, style=_STYLE[c.verdict])
-        ok = Text("✓", style="green") if c.as_expected else Text("✗", style="bold red")
-        table.add_row(*(row[i] for i in keep), ok)
-    return table
-
-
-def cost_table(report: Report) -> Table:
-    """What each cell cost: throughput, step time, peak memory, bytes through collectives."""
-    table = Table(title="cost per cell", title_justify="left")
-    columns = _columns(report)
-    keep = [0, 1, 2, 3, 4] + [columns.index(name) for name in _COST]
-    for i in keep:
-        table.add_column(columns[i], justify="right" if columns[i] in _RIGHT else "left", no_wrap=columns[i] == "cell")
-    for c in report.cells:
-        if c.samples_per_s is None:
-            continue
-        row = _row(c, tensors=_tracks_tensors(report))
-        table.add_row(*(row[i] for i in keep))
-    return table
-
-
-def render_markdown(report: Report, *, figure: str | None = None) -> str:
-    s = report.summary
-    lines = [
-        "# gaeq report",
-        "",
-        f"**{'OK' if report.ok else 'NOT OK'}** — "
-        + ", ".join(f"{n} {v}" for v, n in s.items())
-        + f"; baseline{'s' if len(report.baselines) > 1 else ''}: "
-        + ", ".join(f"`{b}` ({d})" for d, b in report.baselines.items()),
-        "",
-        *([f"![loss of every cell, and |Δloss| vs baseline]({figure})", ""] if figure else []),
-        "Tolerances: "
-        + "; ".join(
-            f"{d}: loss {t.loss_atol:g} abs + {t.loss_rtol:g} rel, grad norm {t.grad_norm_rtol:g} rel"
-            for d, t in report.tolerances.items()
-        ),
-        "",
-        "| " + " | ".join(name.replace("|", "\\|") for name in _columns(report) + ("ok",)) + " |",
-        "|" + "---|" * (len(_columns(report)) + 1),
-    ]
-    for c in report.cells:
-        lines.append("| " + " | ".join(_row(c, tensors=_tracks_tensors(report)) + ["✓" if c.as_expected else "✗"]) + " |")
-    notes = [c for c in report.cells if c.reason and c.reason != "baseline"]
-    if notes:
-        lines += ["", "## Reasons", ""]
-        for c in notes:
-            first, *rest = c.reason.splitlines()
-            lines.append(f"- `{c.id}` ({c.verdict}): {first}")
-            if rest:
-                lines += ["", "  ```", *("  " + r for r in rest), "  ```"]
-    return "\n".join(lines) + "\n"

@@ -13,7 +13,8 @@ import pytest
 
 from gaeq.matrix import load_matrix
 from gaeq.results.outcome import CellOutcome
-from gaeq.results.report import judge, write_report
+from gaeq.results.render import write_report
+from gaeq.results.report import judge
 from gaeq.results.trace import TraceStore, read_trace
 from gaeq.trainers import base as trainers_base
 from tests.helpers import run_in_process, small_spec

@@ -1,0 +1,148 @@
+"""A report for people: the verdict and cost tables (rich, for the CLI), report.md, and writing
+report.json / report.md.
+
+Columns are declared once, as data (:data:`COLUMNS`): a name, how to read it from a
+:class:`CellReport`, which table shows it. Adding a report column is one line here (and the
+CellReport field it reads).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.table import Table
+from rich.text import Text
+
+from gaeq.files import atomic_write
+from gaeq.results.report import CellReport, Report
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    get: Callable[[CellReport], str]
+    table: str = "verdict"
+    """verdict | cost | both (the identifying columns) | tensors (verdict table, when tensors are tracked)."""
+    right: bool = False
+
+
+def _sci(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1e}"
+
+
+def _fmt(value: float | None, spec: str, *, zero: str | None = None) -> str:
+    if value is None:
+        return "-"
+    if value == 0 and zero is not None:
+        return zero
+    return spec.format(value)
+
+
+def _caught(c: CellReport) -> str:
+    """Every metric that diverged, first one first: `grad_norm@0 loss@1`."""
+    steps = {m: s for m, s in (c.divergence_steps or {}).items() if s is not None}
+    return " ".join(f"{m}@{s}" for m, s in sorted(steps.items(), key=lambda kv: (kv[1], kv[0] != c.caught_by))) or "-"
+
+
+def _zero(c: CellReport) -> str:
+    return "-" if c.zero_stage is None else str(c.zero_stage) + ("+cpu" if c.offload != "none" else "")
+
+
+COLUMNS = (
+    Column("cell", lambda c: c.id, "both"),
+    Column("W", lambda c: str(c.world_size), "both", right=True),
+    Column("MB", lambda c: str(c.micro_batch_size), "both", right=True),
+    Column("GA", lambda c: "-" if c.grad_accum_steps is None else str(c.grad_accum_steps), "both", right=True),
+    Column("ZeRO", _zero, "both", right=True),
+    Column("dtype", lambda c: c.dtype),
+    Column("expect", lambda c: c.expect),
+    Column("verdict", lambda c: c.verdict),
+    Column("max |Δloss|", lambda c: _sci(c.max_abs_loss_diff)),
+    Column("max rel Δ‖g‖", lambda c: _sci(c.max_rel_grad_norm_diff)),
+    Column("max |Δgrad|", lambda c: _sci(c.max_abs_grad_diff), "tensors"),
+    Column("max |Δparam|", lambda c: _sci(c.max_abs_param_diff), "tensors"),
+    Column("caught", _caught),
+    Column("samples/s", lambda c: _fmt(c.samples_per_s, "{:.0f}"), "cost", right=True),
+    Column("step ms", lambda c: _fmt(c.step_seconds and c.step_seconds * 1e3, "{:.2f}"), "cost", right=True),
+    Column("peak MB", lambda c: _fmt(c.peak_mem_bytes and c.peak_mem_bytes / 2**20, "{:.0f}"), "cost", right=True),
+    Column("comm KB/step", lambda c: _fmt(c.comm_bytes_per_step and c.comm_bytes_per_step / 1024, "{:.1f}", zero="0"), "cost", right=True),
+    Column("s", lambda c: _fmt(c.seconds, "{:.1f}"), right=True),
+)
+_STYLE = {"match": "green", "diverge": "yellow", "error": "bold red", "skipped": "dim"}
+
+
+def columns(report: Report, *, tables: tuple[str, ...] = ("both", "verdict", "tensors", "cost")) -> list[Column]:
+    """The columns of `tables`, in order; tensor columns only when the matrix tracks tensors."""
+    tensors = any(c.max_abs_grad_diff is not None or c.max_abs_param_diff is not None for c in report.cells)
+    return [col for col in COLUMNS if col.table in tables and (col.table != "tensors" or tensors)]
+
+
+def _table(title: str, cols: list[Column]) -> Table:
+    table = Table(title=title, title_justify="left")
+    for col in cols:
+        table.add_column(col.name, justify="right" if col.right else "left", no_wrap=col.name == "cell")
+    return table
+
+
+def verdict_table(report: Report) -> Table:
+    """Equivalence: one row per cell (its cost is in :func:`cost_table`)."""
+    cols = columns(report, tables=("both", "verdict", "tensors"))
+    table = _table("gaeq verdicts", cols)
+    table.add_column("ok")
+    for c in report.cells:
+        row = [Text(c.verdict, style=_STYLE[c.verdict]) if col.name == "verdict" else col.get(c) for col in cols]
+        table.add_row(*row, Text("✓", style="green") if c.as_expected else Text("✗", style="bold red"))
+    return table
+
+
+def cost_table(report: Report) -> Table:
+    """What each cell cost: throughput, step time, peak memory, bytes through collectives."""
+    cols = columns(report, tables=("both", "cost"))
+    table = _table("cost per cell", cols)
+    for c in report.cells:
+        if c.samples_per_s is not None:
+            table.add_row(*(col.get(c) for col in cols))
+    return table
+
+
+def render_markdown(report: Report, *, figure: str | None = None) -> str:
+    s = report.summary
+    cols = columns(report)
+    lines = [
+        "# gaeq report",
+        "",
+        f"**{'OK' if report.ok else 'NOT OK'}** — "
+        + ", ".join(f"{n} {v}" for v, n in s.items())
+        + f"; baseline{'s' if len(report.baselines) > 1 else ''}: "
+        + ", ".join(f"`{b}` ({d})" for d, b in report.baselines.items()),
+        "",
+        *([f"![loss of every cell, and |Δloss| vs baseline]({figure})", ""] if figure else []),
+        "Tolerances: "
+        + "; ".join(
+            f"{d}: loss {t.loss_atol:g} abs + {t.loss_rtol:g} rel, grad norm {t.grad_norm_rtol:g} rel"
+            for d, t in report.tolerances.items()
+        ),
+        "",
+        "| " + " | ".join(col.name.replace("|", "\\|") for col in cols) + " | ok |",
+        "|" + "---|" * (len(cols) + 1),
+    ]
+    for c in report.cells:
+        lines.append("| " + " | ".join(col.get(c) for col in cols) + f" | {'✓' if c.as_expected else '✗'} |")
+    notes = [c for c in report.cells if c.reason and c.reason != "baseline"]
+    if notes:
+        lines += ["", "## Reasons", ""]
+        for c in notes:
+            first, *rest = c.reason.splitlines()
+            lines.append(f"- `{c.id}` ({c.verdict}): {first}")
+            if rest:
+                lines += ["", "  ```", *("  " + r for r in rest), "  ```"]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(run_dir: Path, report: Report, *, figure: str | None = None) -> None:
+    """report.json and report.md (linking `figure`, a file in run_dir), each written atomically."""
+    atomic_write(run_dir / "report.json", json.dumps(report.to_json(), indent=2) + "\n")
+    atomic_write(run_dir / "report.md", render_markdown(report, figure=figure))
