@@ -42,3 +42,14 @@ def default_run(tmp_path_factory):
     proc, report, tag = gaeq_run(REPO / "experiments" / "ga.yaml", out)
     return proc, report, tag, out
 
+
+
+@pytest.fixture(scope="session")
+def universal_run(tmp_path_factory):
+    """`gaeq run experiments/universal.yaml`, once per session: tests/integration/test_universal.py
+    checks it, notebook 3 (whose resize experiment is a part of it) re-judges it (GAEQ_UNIVERSAL_RUN)."""
+    from tests.helpers import gaeq_run
+
+    out = tmp_path_factory.mktemp("universal") / "run"
+    proc, report, tag = gaeq_run(REPO / "experiments" / "universal.yaml", out)
+    return proc, report, tag, out

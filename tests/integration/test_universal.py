@@ -16,9 +16,8 @@ from tests.helpers import cells_by_id, gaeq_run, leftover_processes, small_spec
 pytestmark = pytest.mark.integration
 
 
-def test_universal_experiment(tmp_path):
-    out = tmp_path / "run"
-    proc, report, tag = gaeq_run(REPO / "experiments" / "universal.yaml", out)
+def test_universal_experiment(universal_run):
+    proc, report, tag, out = universal_run
     assert proc.returncode == 0, proc.stdout + proc.stderr
     cells = cells_by_id(report)
     # Saved at world 2 / GA 2 / ZeRO-2, resumed at world 1 / GA 4 and at world 2 / ZeRO-1 / micro halved.

@@ -32,9 +32,12 @@ def test_outputs_are_stripped_in_git(path):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs_and_asserts_hold(path, tmp_path, request, monkeypatch):
-    if path.stem == "04_pitfalls":  # the suite's own run of experiments/pitfalls.yaml, re-judged
-        _, _, _, run_dir = request.getfixturevalue("pitfalls_run")
-        monkeypatch.setenv("GAEQ_PITFALLS_RUN", str(run_dir))
+    # Notebooks 3 and 4 re-judge the suite's own runs of experiments/universal.yaml and pitfalls.yaml
+    # (they say so) instead of training them again.
+    shared = {"03_changing_world_size": ("universal_run", "GAEQ_UNIVERSAL_RUN"), "04_pitfalls": ("pitfalls_run", "GAEQ_PITFALLS_RUN")}
+    if path.stem in shared:
+        fixture, variable = shared[path.stem]
+        monkeypatch.setenv(variable, str(request.getfixturevalue(fixture)[3]))
     nb = nbformat.read(path, as_version=4)
     # Each cell gets 5 minutes: the first DeepSpeed start on a fresh machine JIT-builds an op (~30 s).
     client = NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}})
