@@ -161,7 +161,9 @@ def run(
         raise ValueError(f"unknown launcher {launcher!r}; one of {', '.join(LAUNCHERS)}")
     if isolate and launcher != "local":
         raise ValueError("isolate is a mode of the local launcher (an external launcher starts one group per world size)")
-    # Everything that can be checked without a process comes first: bad input never starts one.
+    # Everything that can be checked without a process comes first: a bad matrix file never starts
+    # one. (Plugins are imported and problems built after the fork server has been started, so that
+    # its imports overlap with theirs; a plugin that fails stops the server with the run.)
     m = load(matrix, check=False)
     if resume:
         kept = _finished_cells(m, out)

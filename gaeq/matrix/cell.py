@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gaeq.matrix.schema import BASE, MatrixError, MatrixSpec
-from gaeq.problem.spec import ProblemSpec
+from gaeq.matrix.schema import BASE, MatrixError, MatrixSpec, Offload, Trainer
+from gaeq.problem.spec import Dtype, ProblemSpec
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,13 +49,13 @@ class Split:
     """How a cell splits the global batch (and in which dtype, for which problem variant): one
     value of each axis."""
 
-    trainer: str
+    trainer: Trainer
     world_size: int
     micro_batch_size: int
     zero_stage: int | None = None
     """ZeRO stage for DeepSpeed cells; None for the torch trainer."""
-    offload: str = "none"
-    dtype: str = "fp32"
+    offload: Offload = "none"
+    dtype: Dtype = "fp32"
     variant: str = BASE
 
 

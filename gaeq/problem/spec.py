@@ -101,7 +101,7 @@ class MLPSpec(Spec):
 
 
 class GPTSpec(Spec):
-    """nanoGPT-like: token + position embeddings, pre-LN blocks (causal attention, MLP), tied head."""
+    """nanoGPT-like: token + position embeddings, pre-LN blocks (causal attention, MLP), an untied head."""
 
     kind: Literal["gpt"] = "gpt"
     n_layer: Depth = 2

@@ -96,7 +96,7 @@ class CellProblem:
             yield
 
 
-def build_problem(cell: Cell, problem: ProblemSpec, ctx: RunContext) -> CellProblem:
+def build_cell_problem(cell: Cell, problem: ProblemSpec, ctx: RunContext) -> CellProblem:
     if cell.world_size != (dist.get_world_size() if dist.is_initialized() else 1):
         raise RuntimeError(f"cell {cell.id} needs world_size {cell.world_size}, process group has another")
     torch.manual_seed(problem.seed)  # the global RNG (dropout_rng: global) starts alike in every cell

@@ -21,7 +21,7 @@ from gaeq.matrix import Cell
 from gaeq.problem.loss import mean_of_means_factor, share_of_global_mean
 from gaeq.problem.optim import build_scheduler, deepspeed_optimizer
 from gaeq.problem.spec import ProblemSpec
-from gaeq.trainers.base import RunContext, StepRecorder, build_problem, inject_fault
+from gaeq.trainers.base import RunContext, StepRecorder, build_cell_problem, inject_fault
 from gaeq.trainers.checkpoint import load_deepspeed, save_deepspeed
 from gaeq.trainers.provenance import Provenance
 
@@ -29,9 +29,9 @@ from gaeq.trainers.provenance import Provenance
 def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     """Train the cell on this rank; returns what really ran (:mod:`gaeq.trainers.provenance`)."""
     allow_emulated_fp16()
-    built = build_problem(cell, problem, ctx)
-    plan = built.plan
-    model = built.model.to(ctx.device)
+    task = build_cell_problem(cell, problem, ctx)
+    plan = task.plan
+    model = task.model.to(ctx.device)
     # ACCUMULATION: the engine owns data parallelism (and ZeRO partitioning), the optimizer it
     # builds from the config, and the schedule we hand it, which it steps at each boundary.
     engine, _, _, _ = deepspeed.initialize(
@@ -66,18 +66,18 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         inject_fault(cell, rank=ctx.rank, step=step)
         started = time.perf_counter()
         lr = engine.get_lr()[0]
-        normaliser = built.normaliser(step)  # loss elements (samples or valid tokens) in the global batch
+        normaliser = task.normaliser(step)  # loss elements (samples or valid tokens) in the global batch
         local_loss_sum = 0.0  # this rank's part of the global loss sum, float64 on the host
         skipped_before = engine.skipped_steps
         for micro_step in range(plan.grad_accum_steps):
-            mb = built.micro_batch(step=step, micro_step=micro_step, rank=ctx.rank)
+            mb = task.micro_batch(step=step, micro_step=micro_step, rank=ctx.rank)
             boundary = micro_step == plan.grad_accum_steps - 1
             # ACCUMULATION: the engine counts micro-steps and reduces gradients at its own
             # boundary; ours must be the same one.
             if engine.is_gradient_accumulation_boundary() != boundary:
                 raise RuntimeError(f"DeepSpeed's boundary disagrees with the plan at step {step}.{micro_step}")
-            with ran.forward(mb.inputs), built.forwarding(mb):
-                micro_loss_sum = built.loss_sum(net(mb.inputs), mb.targets)
+            with ran.forward(mb.inputs), task.forwarding(mb):
+                micro_loss_sum = task.loss_sum(net(mb.inputs), mb.targets)
             # ACCUMULATION: DeepSpeed divides by GA itself inside engine.backward, so we hand it GA ×
             # this micro-batch's share of the global-batch mean (× world: it averages over ranks).
             # Its return value is that ÷ GA; the loss we log is the forward one.

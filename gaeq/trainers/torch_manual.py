@@ -20,16 +20,16 @@ from gaeq.matrix import Cell
 from gaeq.problem.loss import mean_of_means_factor, share_of_global_mean
 from gaeq.problem.optim import build_optimizer, build_scheduler
 from gaeq.problem.spec import ProblemSpec
-from gaeq.trainers.base import RunContext, StepRecorder, build_problem, inject_fault
+from gaeq.trainers.base import RunContext, StepRecorder, build_cell_problem, inject_fault
 from gaeq.trainers.checkpoint import load_torch, save_torch
 from gaeq.trainers.provenance import Provenance
 
 
 def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     """Train the cell on this rank; returns what really ran (:mod:`gaeq.trainers.provenance`)."""
-    built = build_problem(cell, problem, ctx)
-    plan = built.plan
-    model = built.model.to(ctx.device)
+    task = build_cell_problem(cell, problem, ctx)
+    plan = task.plan
+    model = task.model.to(ctx.device)
     # ACCUMULATION: we own the data-parallel wrapper; DDP averages gradients over ranks (÷ world).
     ddp = DDP(model) if ctx.world_size > 1 else None
     net = ddp or model
@@ -61,17 +61,17 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         inject_fault(cell, rank=ctx.rank, step=step)
         started = time.perf_counter()
         lr = scheduler.get_last_lr()[0]
-        normaliser = built.normaliser(step)  # loss elements (samples or valid tokens) in the global batch
+        normaliser = task.normaliser(step)  # loss elements (samples or valid tokens) in the global batch
         local_loss_sum = 0.0  # this rank's part of the global loss sum, float64 on the host
         for micro_step in range(plan.grad_accum_steps):
-            mb = built.micro_batch(step=step, micro_step=micro_step, rank=ctx.rank)
+            mb = task.micro_batch(step=step, micro_step=micro_step, rank=ctx.rank)
             boundary = micro_step == plan.grad_accum_steps - 1
             # ACCUMULATION: gradients are all-reduced only on the boundary micro-step; before it,
             # no_sync() lets them pile up locally in .grad.
             sync = contextlib.nullcontext() if ddp is None or boundary else ddp.no_sync()
             with sync:
-                with ran.forward(mb.inputs), built.forwarding(mb):
-                    micro_loss_sum = built.loss_sum(net(mb.inputs), mb.targets)
+                with ran.forward(mb.inputs), task.forwarding(mb):
+                    micro_loss_sum = task.loss_sum(net(mb.inputs), mb.targets)
                 # ACCUMULATION: we divide. This micro-batch's share of the global-batch mean (× world,
                 # because DDP averages over ranks); for per-sample losses, (micro-batch mean) ÷ GA.
                 loss = micro_loss_sum * share_of_global_mean(world_size=ctx.world_size, normaliser=normaliser)
