@@ -154,7 +154,8 @@ def run(
     """
     from gaeq.runtime import lifeline, shm
     from gaeq.runtime.external import LAUNCHERS
-    from gaeq.runtime.events import Event
+    from gaeq.runtime.cells import RunOptions
+    from gaeq.runtime.events import Event, ignore
     from gaeq.runtime.launch import run_all, warm_up
 
     if launcher not in LAUNCHERS:
@@ -182,21 +183,20 @@ def run(
     atomic_write(run_dir / MATRIX_FILE, yaml.safe_dump(m.source, sort_keys=False, allow_unicode=True))
     freed = shm.free_orphans()  # what runs that were killed left in /dev/shm
     if freed.segments:
-        (on_event or (lambda event: None))(Event(kind="shm_freed", world_size=0, freed_bytes=freed.bytes, step=freed.segments))
+        (on_event or ignore)(Event(kind="shm_freed", world_size=0, freed_bytes=freed.bytes, step=freed.segments))
     for cell in m.runnable():
         if cell.id not in kept:  # what an interrupted attempt left of it (partial trace, logs) goes
             shutil.rmtree(cell_dir(run_dir, cell.id), ignore_errors=True)
-    outcomes = kept | run_all(
-        cells=[c for c in m.runnable() if c.id not in kept],
-        done=kept,
+    opts = RunOptions(
         problems=m.problems,
-        search=m.plugin_dirs,
         run_dir=run_dir,
         timeout_s=m.spec.timeout_s,
+        search=m.plugin_dirs,
         isolate=isolate,
         launcher=launcher,
-        on_event=on_event or (lambda event: None),
+        on_event=on_event or ignore,
     )
+    outcomes = kept | run_all([c for c in m.runnable() if c.id not in kept], opts, done=kept)
     return judge_run(m, run_dir, outcomes)
 
 

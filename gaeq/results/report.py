@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 
 from gaeq.matrix import Cell, Matrix, group_key
-from gaeq.results.compare import Tolerance, compare_traces, tolerance_for
+from gaeq.results.compare import Comparison, Tolerance, compare_traces, tolerance_for
 from gaeq.results.outcome import CellOutcome
 from gaeq.results.snapshots import compare_snapshots, read_snapshots
 from gaeq.results.trace import TraceStore, cell_dir
@@ -18,31 +18,9 @@ EXIT_OK, EXIT_VERDICT, EXIT_BAD_INPUT, EXIT_RUN_FAILED = 0, 1, 2, 3
 
 
 @dataclass(frozen=True, kw_only=True)
-class CellReport:
-    id: str
-    trainer: str
-    world_size: int
-    micro_batch_size: int
-    grad_accum_steps: int | None
-    zero_stage: int | None
-    offload: str
-    dtype: str
-    variant: str
-    bug: str | None
-    expect: str
-    verdict: str
-    max_abs_loss_diff: float | None
-    max_rel_grad_norm_diff: float | None
-    max_abs_grad_diff: float | None
-    """Over every saved gradient (None: not tracked)."""
-    max_abs_param_diff: float | None
-    first_divergent_step: int | None
-    caught_by: str | None
-    """The metric that diverged first: loss, grad_norm or lr."""
-    divergence_steps: dict[str, int | None] | None
-    """Each metric's first divergent step."""
-    reason: str
-    seconds: float | None
+class Cost:
+    """What a cell cost, derived from its trace (never stored twice)."""
+
     samples_per_s: float | None = None
     """Training loop only: samples / summed step time."""
     step_seconds: float | None = None
@@ -51,12 +29,78 @@ class CellReport:
     """Rank 0's peak RSS (CUDA: max allocated) during the cell."""
     comm_bytes_per_step: float | None = None
     """Mean bytes through collectives per optimizer step (rank 0; nccl-tests sizes)."""
-    ran: dict | None = None
-    """What really ran, read back from the live objects (gaeq.trainers.provenance)."""
+
+    @classmethod
+    def of(cls, trace) -> Cost:
+        if not trace:
+            return cls()
+        seconds = sum(r.seconds for r in trace)
+        samples = len(trace) * (trace[0].samples // (trace[0].step + 1))
+        return cls(
+            samples_per_s=samples / seconds if seconds > 0 else None,
+            step_seconds=seconds / len(trace),
+            peak_mem_bytes=max(r.peak_mem_bytes for r in trace),
+            comm_bytes_per_step=sum(r.comm_bytes for r in trace) / len(trace),
+        )
+
+
+_FROM_CELL = ("id", "trainer", "world_size", "micro_batch_size", "grad_accum_steps", "zero_stage", "offload", "dtype", "variant", "bug", "expect")
+_FROM_COMPARISON = (
+    "max_abs_loss_diff", "max_rel_grad_norm_diff", "max_abs_grad_diff", "max_abs_param_diff",
+    "first_divergent_step", "caught_by", "divergence_steps",
+)  # fmt: skip
+_FROM_COST = tuple(f.name for f in fields(Cost))
+JSON_FIELDS = (*_FROM_CELL, "verdict", *_FROM_COMPARISON, "reason", "seconds", *_FROM_COST, "ran")
+"""A cell's entry in report.json, in this order."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CellReport:
+    """A judged cell: the cell, how its run ended, its comparison with the baseline, its cost.
+
+    Read it by field name — ``report.world_size``, ``report.max_abs_loss_diff``,
+    ``report.samples_per_s`` — whichever part holds it (None where that part is missing: a cell
+    that did not run has no comparison); :meth:`to_json` flattens it for report.json."""
+
+    cell: Cell
+    verdict: str
+    reason: str
+    comparison: Comparison | None = None
+    outcome: CellOutcome | None = None
+    cost: Cost = Cost()
+
+    @property
+    def id(self) -> str:
+        return self.cell.id
+
+    @property
+    def grad_accum_steps(self) -> int | None:
+        return self.cell.grad_accum_steps if self.cell.divisible else None
+
+    @property
+    def seconds(self) -> float | None:
+        return self.outcome.seconds if self.outcome else None
+
+    @property
+    def ran(self) -> dict | None:
+        """What really ran, read back from the live objects (gaeq.trainers.provenance)."""
+        return self.outcome.ran if self.outcome else None
+
+    def __getattr__(self, name: str):
+        if name in _FROM_CELL:
+            return getattr(self.cell, name)
+        if name in _FROM_COMPARISON:
+            return getattr(self.comparison, name) if self.comparison is not None else None
+        if name in _FROM_COST:
+            return getattr(self.cost, name)
+        raise AttributeError(name)
 
     @property
     def as_expected(self) -> bool:
         return self.verdict == "skipped" or self.verdict == self.expect
+
+    def to_json(self) -> dict:
+        return {name: _finite(getattr(self, name)) for name in JSON_FIELDS}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,7 +135,7 @@ class Report:
             "baseline": next(iter(self.baselines.values())),
             "baselines": self.baselines,
             "tolerances": {dtype: asdict(tol) for dtype, tol in self.tolerances.items()},
-            "cells": [{k: _finite(v) for k, v in asdict(c).items()} for c in self.cells],
+            "cells": [c.to_json() for c in self.cells],
             "summary": self.summary,
         }
 
@@ -125,32 +169,14 @@ def judge(
             tolerance=tolerances[cell.dtype],
             tracked=tuple(matrix.spec.track),
         )
-        outcome = outcomes.get(cell.id)
         cells.append(
             CellReport(
-                id=cell.id,
-                trainer=cell.trainer,
-                world_size=cell.world_size,
-                micro_batch_size=cell.micro_batch_size,
-                grad_accum_steps=cell.grad_accum_steps if cell.divisible else None,
-                zero_stage=cell.zero_stage,
-                offload=cell.offload,
-                dtype=cell.dtype,
-                variant=cell.variant,
-                bug=cell.bug,
-                expect=cell.expect,
+                cell=cell,
                 verdict=verdict,
-                max_abs_loss_diff=comparison.max_abs_loss_diff if comparison else None,
-                max_rel_grad_norm_diff=comparison.max_rel_grad_norm_diff if comparison else None,
-                max_abs_grad_diff=comparison.max_abs_grad_diff if comparison else None,
-                max_abs_param_diff=comparison.max_abs_param_diff if comparison else None,
-                first_divergent_step=comparison.first_divergent_step if comparison else None,
-                caught_by=comparison.caught_by if comparison else None,
-                divergence_steps=comparison.divergence_steps if comparison else None,
                 reason=reason,
-                seconds=outcome.seconds if outcome else None,
-                ran=outcome.ran if outcome else None,
-                **_cost(traces.usable(cell.id) if verdict in ("match", "diverge") else None),
+                comparison=comparison,
+                outcome=outcomes.get(cell.id),
+                cost=Cost.of(traces.usable(cell.id) if verdict in ("match", "diverge") else None),
             )
         )
     return Report(baselines=dict(matrix.baselines), tolerances=tolerances, cells=cells)
@@ -184,20 +210,6 @@ def _judge_cell(cell: Cell, *, base_id: str, outcomes, traces: TraceStore, toler
         return "error", f"unreadable or incomplete results: {exc}", None
     reason = "baseline" if cell.id == base_id else comparison.reason
     return comparison.verdict, reason, comparison
-
-
-def _cost(trace) -> dict:
-    """What the cell cost, from its trace (derived, never stored twice)."""
-    if not trace:
-        return {}
-    seconds = sum(r.seconds for r in trace)
-    samples = len(trace) * (trace[0].samples // (trace[0].step + 1))
-    return {
-        "samples_per_s": samples / seconds if seconds > 0 else None,
-        "step_seconds": seconds / len(trace),
-        "peak_mem_bytes": max(r.peak_mem_bytes for r in trace),
-        "comm_bytes_per_step": sum(r.comm_bytes for r in trace) / len(trace),
-    }
 
 
 def _finite(value):

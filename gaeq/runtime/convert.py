@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from gaeq.runtime.lifeline import die_with_parent
-from gaeq.runtime.worker import log_tail
+from gaeq.runtime.cells import log_tail
 from gaeq.trainers.checkpoint import checkpoint_root, deepspeed_tag
 
 

@@ -19,13 +19,14 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
-from gaeq.matrix import Cell, Matrix
+from gaeq.matrix import MATRIX_FILE, Cell, Matrix
 from gaeq.results.outcome import CellOutcome, read_outcome, write_outcome
 from gaeq.results.trace import cell_dir
 from gaeq.runtime import dist, lifeline, shm, worker
+from gaeq.runtime.cells import RunOptions, fail_cell, resume_blocker
 from gaeq.runtime.events import Event
 
 LAUNCHERS = ("local", "torchrun", "deepspeed")
@@ -82,9 +83,8 @@ def _run_launched_cells(cells: Sequence[Cell], *, me: dist.LaunchedRank, matrix:
             # The first rank to fail names the cause: a peer that exits makes the others fail
             # after it ("connection closed by peer"), and their outcome must not replace its own.
             if read_outcome(cell_dir(run_dir, cell.id)) is None:
-                reason = f"rank {me.rank} failed: {type(exc).__name__}: {exc}"
-                tail = worker.log_tail(cell_dir(run_dir, cell.id) / f"rank{me.rank}.log")
-                write_outcome(cell_dir(run_dir, cell.id), CellOutcome(status="error", seconds=0.0, reason=f"{reason}\n{tail}".rstrip()))
+                why = f"rank {me.rank} failed: {type(exc).__name__}: {exc}"
+                fail_cell(cell.id, why, run_dir=run_dir, logs=[cell_dir(run_dir, cell.id) / f"rank{me.rank}.log"])
             return 1
         if me.rank == 0:
             write_outcome(cell_dir(run_dir, cell.id), done)
@@ -102,14 +102,13 @@ def _resume_ready(cell: Cell, *, rank: int, run_dir: Path, matrix: Matrix) -> bo
     source, step = cell.resume.source, cell.resume.step
     reason = None
     if rank == 0:
-        outcome = read_outcome(cell_dir(run_dir, source))
-        if outcome is None or outcome.status != "done":
-            reason = f"source cell {source} did not finish in {run_dir}: no checkpoint to resume"
-        elif cell.resume.universal:
-            failed = convert_to_universal(run_dir=run_dir, source_id=source, step=step, timeout_s=matrix.spec.timeout_s)
-            reason = f"universal conversion of {source} at step {step} failed: {failed}" if failed else None
+        reason = resume_blocker(
+            cell,
+            source=read_outcome(cell_dir(run_dir, source)),
+            convert=lambda: convert_to_universal(run_dir=run_dir, source_id=source, step=step, timeout_s=matrix.spec.timeout_s),
+        )
         if reason:
-            write_outcome(cell_dir(run_dir, cell.id), CellOutcome(status="error", seconds=0.0, reason=reason))
+            fail_cell(cell.id, reason, run_dir=run_dir)
     verdict = [reason]
     tdist.broadcast_object_list(verdict, src=0)  # every rank skips, or every rank trains
     return verdict[0] is None
@@ -134,28 +133,19 @@ def launcher_command(launcher: str, *, world_size: int, port: int) -> list[str]:
     raise ValueError(f"unknown launcher {launcher!r}; one of {', '.join(LAUNCHERS)}")
 
 
-def run_launched_group(
-    *,
-    launcher: str,
-    world_size: int,
-    cells: Sequence[Cell],
-    matrix_file: Path,
-    search: Sequence[str],
-    run_dir: Path,
-    timeout_s: float,
-    init_timeout_s: float,
-    on_event: Callable,
-) -> dict[str, CellOutcome]:
-    """Start `launcher` on ``gaeq worker`` for `cells` (all of one world size) and wait for their
-    outcomes in the run directory. Returns the outcomes of the cells that ended — finished, or
-    failed (the first cell without an outcome when the launcher died or stalled); the caller
-    launches again for the rest."""
+def run_launched_group(*, world_size: int, cells: Sequence[Cell], opts: RunOptions) -> dict[str, CellOutcome]:
+    """Start `opts.launcher` on ``gaeq worker`` for `cells` (all of one world size) and wait for
+    their outcomes in the run directory (which holds the matrix as ``matrix.yaml``). Returns the
+    outcomes of the cells that ended — finished, or failed (the first cell without an outcome when
+    the launcher died or stalled); the caller launches again for the rest."""
+    launcher, run_dir, on_event = opts.launcher, opts.run_dir, opts.on_event
+    timeout_s, init_timeout_s = opts.timeout_s, opts.init_timeout_s
     log = run_dir / "logs" / f"{launcher}-w{world_size}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     port = dist.free_port()
     cmd = launcher_command(launcher, world_size=world_size, port=port)
-    cmd += ["worker", "--matrix", str(matrix_file), "--out", str(run_dir)]
-    for folder in dict.fromkeys(search):  # ordered, without repeats
+    cmd += ["worker", "--matrix", str(run_dir / MATRIX_FILE), "--out", str(run_dir)]
+    for folder in dict.fromkeys(opts.search):  # ordered, without repeats
         cmd += ["--search", folder]
     for cell in cells:
         cmd += ["--cell", cell.id]
@@ -197,12 +187,12 @@ def run_launched_group(
                     time.sleep(0.2)  # an outcome written just before the exit
                     if read_outcome(cell_dir(run_dir, pending[0].id)) is None:
                         why = f"{launcher} exited with code {code} before the cell finished"
-                        _fail(pending[0], why, run_dir=run_dir, log=log, outcomes=outcomes, world_size=world_size, on_event=on_event)
+                        _fail(pending[0], why, log=log, outcomes=outcomes, world_size=world_size, opts=opts)
                         break
                     continue
                 if time.monotonic() > deadline:
                     why = f"timed out: no cell finished for {timeout_s:.0f} s under {launcher} (a rank hangs?)"
-                    _fail(pending[0], why, run_dir=run_dir, log=log, outcomes=outcomes, world_size=world_size, on_event=on_event)
+                    _fail(pending[0], why, log=log, outcomes=outcomes, world_size=world_size, opts=opts)
                     break
                 time.sleep(0.2)
         finally:
@@ -210,12 +200,9 @@ def run_launched_group(
     return outcomes
 
 
-def _fail(cell: Cell, why: str, *, run_dir: Path, log: Path, outcomes: dict, world_size: int, on_event: Callable) -> None:
-    logs = [cell_dir(run_dir, cell.id) / f"rank{r}.log" for r in range(world_size)] + [log]
-    tails = "\n".join(t for t in map(worker.log_tail, logs) if t)
-    outcomes[cell.id] = CellOutcome(status="error", seconds=0.0, reason=f"{why}\n{tails}".rstrip())
-    write_outcome(cell_dir(run_dir, cell.id), outcomes[cell.id])
-    on_event(Event(kind="end", world_size=world_size, cell_id=cell.id, outcome=outcomes[cell.id]))
+def _fail(cell: Cell, why: str, *, log: Path, outcomes: dict, world_size: int, opts: RunOptions) -> None:
+    logs = [cell_dir(opts.run_dir, cell.id) / f"rank{r}.log" for r in range(world_size)] + [log]
+    outcomes[cell.id] = fail_cell(cell.id, why, run_dir=opts.run_dir, logs=logs, world_size=world_size, on_event=opts.on_event)
 
 
 def _wait(proc: subprocess.Popen, *, seconds: float) -> None:

@@ -17,37 +17,44 @@ import signal
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 
-from gaeq.matrix import MATRIX_FILE, Cell
-from gaeq.problem.spec import ProblemSpec
+from gaeq.matrix import Cell
 from gaeq.results.outcome import CellOutcome, write_outcome
 from gaeq.results.trace import cell_dir
-from gaeq.runtime import worker
-from gaeq.runtime.events import Event, OnEvent
+from gaeq.runtime import shm, worker
+from gaeq.runtime.cells import RunOptions, fail_cell, resume_blocker
 from gaeq.runtime.convert import convert_to_universal
-from gaeq.runtime.external import run_launched_group
-from gaeq.runtime import shm
 from gaeq.runtime.dist import free_port
+from gaeq.runtime.events import Event
+from gaeq.runtime.external import run_launched_group
 
 
+def run_all(cells: Sequence[Cell], opts: RunOptions, *, done: Mapping[str, CellOutcome] | None = None) -> dict[str, CellOutcome]:
+    """Every cell, in two phases: first the cells that start from scratch (resume sources among
+    them), then — after converting the sources' checkpoints where asked — the resumed cells.
+    `done`: cells of an earlier attempt that finished (resume sources among them)."""
+    outcomes = dict(done or {}) | run_cells([c for c in cells if c.resume is None], opts)
+    conversions: dict[tuple[str, int], str | None] = {}
 
-# First start-up on a fresh machine JIT-builds DeepSpeed's comm op (~25 s on 2 cores).
-DEFAULT_INIT_TIMEOUT_S = 600.0
+    def convert(source: str, step: int) -> str | None:  # once per (source, step)
+        if (source, step) not in conversions:
+            opts.on_event(Event(kind="convert", world_size=0, cell_id=source, step=step))
+            conversions[(source, step)] = convert_to_universal(run_dir=opts.run_dir, source_id=source, step=step, timeout_s=opts.timeout_s)
+        return conversions[(source, step)]
+
+    ready = []
+    for cell in (c for c in cells if c.resume is not None):
+        source, step = cell.resume.source, cell.resume.step
+        blocker = resume_blocker(cell, source=outcomes.get(source), convert=lambda: convert(source, step))
+        if blocker is None:
+            ready.append(cell)
+        else:
+            outcomes[cell.id] = fail_cell(cell.id, blocker, run_dir=opts.run_dir, world_size=cell.world_size, on_event=opts.on_event)
+    outcomes.update(run_cells(ready, opts))
+    return {c.id: outcomes[c.id] for c in cells if c.id in outcomes}
 
 
-def run_cells(
-    *,
-    cells: Sequence[Cell],
-    problems: Mapping[str, ProblemSpec],
-    run_dir: Path,
-    timeout_s: float,
-    search: Sequence[str] = (),
-    init_timeout_s: float = DEFAULT_INIT_TIMEOUT_S,
-    isolate: bool = False,
-    launcher: str = "local",
-    on_event: OnEvent = lambda event: None,
-) -> dict[str, CellOutcome]:
+def run_cells(cells: Sequence[Cell], opts: RunOptions) -> dict[str, CellOutcome]:
     """Run every cell; return how each ended. Writes ``cells/<id>/outcome.json`` for each.
 
     One process group per world size runs all of its cells — or, with `isolate`, one fresh group
@@ -56,94 +63,27 @@ def run_cells(
     matrix as ``matrix.yaml``)."""
     by_world: dict[object, list[Cell]] = {}
     for cell in cells:
-        by_world.setdefault(cell.id if isolate else cell.world_size, []).append(cell)
+        by_world.setdefault(cell.id if opts.isolate else cell.world_size, []).append(cell)
     outcomes: dict[str, CellOutcome] = {}
     for group in by_world.values():
         pending = list(group)
-        world_size = group[0].world_size
         while pending:
-            on_event(Event(kind="group", world_size=world_size))
-            if launcher == "local":
-                finished = _run_group(
-                    world_size=world_size,
-                    isolate=isolate,
-                    cells=pending,
-                    problems=dict(problems),
-                    search=tuple(search),
-                    run_dir=run_dir,
-                    timeout_s=timeout_s,
-                    init_timeout_s=init_timeout_s,
-                    on_event=on_event,
-                )
-            else:
-                finished = run_launched_group(
-                    launcher=launcher,
-                    world_size=world_size,
-                    cells=pending,
-                    matrix_file=run_dir / MATRIX_FILE,
-                    search=tuple(search),
-                    run_dir=run_dir,
-                    timeout_s=timeout_s,
-                    init_timeout_s=init_timeout_s,
-                    on_event=on_event,
-                )
+            opts.on_event(Event(kind="group", world_size=group[0].world_size))
+            run_group = _run_group if opts.launcher == "local" else run_launched_group
+            finished = run_group(world_size=group[0].world_size, cells=pending, opts=opts)
             outcomes.update(finished)
             pending = [c for c in pending if c.id not in finished]
     return outcomes
 
 
-def run_all(
-    *,
-    cells: Sequence[Cell],
-    problems: Mapping[str, ProblemSpec],
-    run_dir: Path,
-    timeout_s: float,
-    search: Sequence[str] = (),
-    isolate: bool = False,
-    launcher: str = "local",
-    done: Mapping[str, CellOutcome] | None = None,
-    on_event: OnEvent = lambda event: None,
-) -> dict[str, CellOutcome]:
-    """Every cell, in two phases: first the cells that start from scratch (resume sources among
-    them), then — after converting the sources' checkpoints where asked — the resumed cells.
-    `done`: cells of an earlier attempt that finished (resume sources among them)."""
-    common = dict(
-        problems=problems, run_dir=run_dir, timeout_s=timeout_s, search=search, isolate=isolate, launcher=launcher, on_event=on_event
-    )
-    outcomes = dict(done or {}) | run_cells(cells=[c for c in cells if c.resume is None], **common)
-    conversions: dict[tuple[str, int], str | None] = {}
-    ready = []
-    for cell in (c for c in cells if c.resume is not None):
-        source, step = cell.resume.source, cell.resume.step
-        reason = None
-        if outcomes.get(source) is None or outcomes[source].status != "done":
-            reason = f"source cell {source} did not finish: no checkpoint to resume"
-        elif cell.resume.universal:
-            if (source, step) not in conversions:
-                on_event(Event(kind="convert", world_size=0, cell_id=source, step=step))
-                conversions[(source, step)] = convert_to_universal(
-                    run_dir=run_dir, source_id=source, step=step, timeout_s=timeout_s
-                )
-            if conversions[(source, step)]:
-                reason = f"universal conversion of {source} at step {step} failed: {conversions[(source, step)]}"
-        if reason is None:
-            ready.append(cell)
-        else:
-            outcomes[cell.id] = CellOutcome(status="error", seconds=0.0, reason=reason)
-            write_outcome(cell_dir(run_dir, cell.id), outcomes[cell.id])
-            on_event(Event(kind="end", world_size=cell.world_size, cell_id=cell.id, outcome=outcomes[cell.id]))
-    outcomes.update(run_cells(cells=ready, **common))
-    return {c.id: outcomes[c.id] for c in cells if c.id in outcomes}
-
-
 class _GroupRun:
     """Book-keeping of one process group: which cell is current, what each rank has said."""
 
-    def __init__(self, *, world_size: int, cells: Sequence[Cell], run_dir: Path, on_event: OnEvent) -> None:
+    def __init__(self, *, world_size: int, cells: Sequence[Cell], opts: RunOptions) -> None:
         self.world_size = world_size
         self.cells = list(cells)
-        self.run_dir = run_dir
-        self.on_event = on_event
+        self.run_dir = opts.run_dir
+        self.on_event = opts.on_event
         self.ready: set[int] = set()
         self.done: dict[str, dict[int, tuple[float, dict | None]]] = {}  # cell → rank → (seconds, ran)
         self.outcomes: dict[str, CellOutcome] = {}
@@ -159,24 +99,23 @@ class _GroupRun:
         write_outcome(cell_dir(self.run_dir, cell.id), outcome)
         self.on_event(Event(kind="end", world_size=self.world_size, cell_id=cell.id, outcome=outcome))
 
-    def handle(self, msg: tuple) -> bool:
+    def handle(self, msg: worker.Msg) -> bool:
         """Apply one message from a rank. True when it shows progress (resets the deadline)."""
-        kind, rank = msg[0], msg[1]
-        if kind == worker.READY:
-            self.ready.add(rank)
-        elif kind == worker.START and rank == 0:
+        if msg.kind == worker.READY:
+            self.ready.add(msg.rank)
+        elif msg.kind == worker.START and msg.rank == 0:
             self.cell_started = time.monotonic()
-            self.on_event(Event(kind="start", world_size=self.world_size, cell_id=msg[2]))
-        elif kind == worker.STEP:
-            self.on_event(Event(kind="step", world_size=self.world_size, cell_id=msg[2], step=msg[3]))
-        elif kind == worker.DONE:
-            ranks = self.done.setdefault(msg[2], {})
-            ranks[rank] = (msg[3], msg[4])
-            if len(ranks) == self.world_size and self.current is not None and self.current.id == msg[2]:
+            self.on_event(Event(kind="start", world_size=self.world_size, cell_id=msg.cell_id))
+        elif msg.kind == worker.STEP:
+            self.on_event(Event(kind="step", world_size=self.world_size, cell_id=msg.cell_id, step=msg.step))
+        elif msg.kind == worker.DONE:
+            ranks = self.done.setdefault(msg.cell_id, {})
+            ranks[msg.rank] = (msg.seconds, msg.ran)
+            if len(ranks) == self.world_size and self.current is not None and self.current.id == msg.cell_id:
                 seconds = max(s for s, _ in ranks.values())
                 self.finish(self.current, CellOutcome(status="done", seconds=seconds, ran=ranks[0][1]))
-        elif kind == worker.FAILED:
-            self.failures.append((rank, msg[3]))
+        elif msg.kind == worker.FAILED:
+            self.failures.append((msg.rank, msg.reason))
             return False
         return True
 
@@ -194,39 +133,30 @@ class _GroupRun:
                 cell_dir(self.run_dir, cell.id) / f"rank{r}.log" if started else worker.group_log(self.run_dir, self.world_size, r)
                 for r in ranks
             ]
-            tails = "\n".join(t for t in map(worker.log_tail, logs) if t)
             seconds = time.monotonic() - self.cell_started if started else 0.0
-            self.finish(cell, CellOutcome(status="error", seconds=seconds, reason=f"{why}\n{tails}".rstrip()))
+            self.outcomes[cell.id] = fail_cell(
+                cell.id, why, run_dir=self.run_dir, logs=logs, seconds=seconds, world_size=self.world_size, on_event=self.on_event
+            )
 
 
-def _run_group(
-    *,
-    world_size: int,
-    isolate: bool,
-    cells: Sequence[Cell],
-    problems: dict[str, ProblemSpec],
-    search: tuple[str, ...],
-    run_dir: Path,
-    timeout_s: float,
-    init_timeout_s: float,
-    on_event: OnEvent,
-) -> dict[str, CellOutcome]:
-    ctx = _context(isolate=isolate)
+def _run_group(*, world_size: int, cells: Sequence[Cell], opts: RunOptions) -> dict[str, CellOutcome]:
+    ctx = _context(isolate=opts.isolate)
     events = ctx.Queue()
+    timeout_s, init_timeout_s = opts.timeout_s, opts.init_timeout_s
     job = worker.GroupJob(
         world_size=world_size,
         port=free_port(),
         cells=tuple(cells),
-        problems=problems,
-        search=search,
-        run_dir=str(run_dir),
+        problems=dict(opts.problems),
+        search=opts.search,
+        run_dir=str(opts.run_dir),
         init_timeout_s=init_timeout_s,
     )
     procs = [
         ctx.Process(target=worker.worker_main, args=(rank, job, events), name=f"gaeq-w{world_size}-r{rank}")
         for rank in range(world_size)
     ]
-    state = _GroupRun(world_size=world_size, cells=cells, run_dir=run_dir, on_event=on_event)
+    state = _GroupRun(world_size=world_size, cells=cells, opts=opts)
     with shm.group_on(job.port):  # a marker while it runs; DeepSpeed's shm segments freed after
         try:
             for p in procs:

@@ -1,8 +1,8 @@
 """The per-rank loop: join the group once, then for each cell build the problem, train, record.
 
 Runs in a child process started by :mod:`gaeq.runtime.launch`. It talks to the parent only through
-plain-data tuples on a queue; everything it prints (DeepSpeed's logging included) goes to log
-files: the group's log, and while a cell runs, that cell's ``rank<r>.log``.
+plain-data messages (:class:`Msg`) on a queue; everything it prints (DeepSpeed's logging included)
+goes to log files: the group's log, and while a cell runs, that cell's ``rank<r>.log``.
 """
 
 from __future__ import annotations
@@ -26,13 +26,24 @@ from gaeq.results.outcome import CellOutcome
 from gaeq.results.trace import cell_dir
 from gaeq.runtime import lifeline
 
-# Messages to the parent (tuples of plain data):
-#   ("ready", rank)                       joined the process group
-#   ("start", rank, cell_id)              began a cell
-#   ("step", rank, cell_id, step)         finished an optimizer step (rank 0 only)
-#   ("done", rank, cell_id, seconds, ran) finished a cell (ran: what really ran, a plain dict)
-#   ("failed", rank, cell_id, reason)     the cell raised; this rank exits right after
 READY, START, STEP, DONE, FAILED = "ready", "start", "step", "done", "failed"
+
+
+@dataclass(frozen=True)
+class Msg:
+    """A rank's message to the parent: plain data, pickled through a queue.
+
+    ready — joined the process group; start — began `cell_id`; step — finished optimizer `step`
+    (rank 0 only); done — finished the cell, with `seconds` and `ran` (what really ran); failed —
+    the cell raised (`reason`); the rank exits right after."""
+
+    kind: str
+    rank: int
+    cell_id: str | None = None
+    step: int | None = None
+    seconds: float | None = None
+    ran: dict | None = None
+    reason: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,15 +63,6 @@ class GroupJob:
 
 def group_log(run_dir: str | Path, world_size: int, rank: int) -> Path:
     return Path(run_dir) / "logs" / f"group-w{world_size}-rank{rank}.log"
-
-
-LOG_TAIL_LINES = 12
-
-
-def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
-    """The last lines of a log, headed by its name ('' for a missing or empty log)."""
-    text = path.read_text(errors="replace").rstrip().splitlines()[-lines:] if path.is_file() else []
-    return f"--- {path.name} (last {len(text)} lines) ---\n" + "\n".join(text) if text else ""
 
 
 def worker_main(rank: int, job: GroupJob, events: Any) -> None:
@@ -83,10 +85,10 @@ def worker_main(rank: int, job: GroupJob, events: Any) -> None:
     )
     group_ready()
     print(f"gaeq: process group ready (world {job.world_size}, rank {rank}, {len(job.cells)} cells)", flush=True)
-    events.put((READY, rank))
+    events.put(Msg(READY, rank))
 
     for cell in job.cells:
-        events.put((START, rank, cell.id))
+        events.put(Msg(START, rank, cell.id))
         try:
             done = run_cell(
                 cell,
@@ -96,14 +98,14 @@ def worker_main(rank: int, job: GroupJob, events: Any) -> None:
                 problem=job.problems[cell.variant],
                 search=job.search,
                 run_dir=Path(job.run_dir),
-                on_step=lambda step, cell_id=cell.id: events.put((STEP, rank, cell_id, step)),
+                on_step=lambda step, cell_id=cell.id: events.put(Msg(STEP, rank, cell_id, step=step)),
             )
         except BaseException as exc:  # noqa: BLE001 - any failure ends this rank
-            events.put((FAILED, rank, cell.id, f"{type(exc).__name__}: {exc}"))
+            events.put(Msg(FAILED, rank, cell.id, reason=f"{type(exc).__name__}: {exc}"))
             # Peers may be blocked in a collective with us: the group is finished. The parent
             # tears it down and runs the remaining cells in a fresh one.
             _exit(events, 1)
-        events.put((DONE, rank, cell.id, done.seconds, done.ran))
+        events.put(Msg(DONE, rank, cell.id, seconds=done.seconds, ran=done.ran))
 
     dist.destroy_process_group()
     _exit(events, 0)

@@ -8,6 +8,7 @@ import pytest
 
 from gaeq.matrix import load_matrix
 from gaeq.results.trace import read_trace
+from gaeq.runtime.cells import RunOptions
 from gaeq.runtime.launch import run_all
 from gaeq.trainers.checkpoint import checkpoint_root, deepspeed_tag
 from tests.conftest import REPO
@@ -63,9 +64,8 @@ def test_a_broken_checkpoint_is_an_error_with_a_readable_reason(write_matrix, tm
                 for state in checkpoint.glob("*.pt"):
                     state.write_bytes(b"not a checkpoint")
 
-    outcomes = run_all(
-        cells=matrix.runnable(), problems=matrix.problems, run_dir=run_dir, timeout_s=120, on_event=break_checkpoint
-    )
+    opts = RunOptions(problems=matrix.problems, run_dir=run_dir, timeout_s=120, on_event=break_checkpoint)
+    outcomes = run_all(matrix.runnable(), opts)
     assert outcomes["deepspeed-z1-w2-mb4-ga2"].status == "done"
     converted = outcomes["deepspeed-z1-w1-mb8-ga2-from_s4_universal"]
     plain = outcomes["deepspeed-z1-w2-mb4-ga2-from_s4_plain"]

@@ -1,0 +1,74 @@
+"""What every launch path shares about a run's cells: its options, how a cell fails, when a
+resumed cell may start. (`launch.py` for gaeq's own ranks, `external.py` for torchrun/deepspeed.)"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from gaeq.matrix import Cell
+from gaeq.problem.spec import ProblemSpec
+from gaeq.results.outcome import CellOutcome, write_outcome
+from gaeq.results.trace import cell_dir
+from gaeq.runtime.events import Event, OnEvent, ignore
+
+DEFAULT_INIT_TIMEOUT_S = 600.0
+"""Joining a group: the first start-up on a fresh machine JIT-builds DeepSpeed's comm op (~25 s on 2 cores)."""
+LOG_TAIL_LINES = 12
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunOptions:
+    """How a run's cells are run — the same for every group of the run."""
+
+    problems: Mapping[str, ProblemSpec]
+    """variant → problem"""
+    run_dir: Path
+    timeout_s: float
+    """A cell whose ranks make no progress for this long is `error`."""
+    search: tuple[str, ...] = ()
+    """Folders plugin modules are imported from."""
+    init_timeout_s: float = DEFAULT_INIT_TIMEOUT_S
+    isolate: bool = False
+    """One fresh process group per cell (what one launch per configuration costs)."""
+    launcher: str = "local"
+    """local (gaeq forks the ranks), torchrun or deepspeed (that launcher starts `gaeq worker`)."""
+    on_event: OnEvent = ignore
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    """The last lines of a log, headed by its name ('' for a missing or empty log)."""
+    text = path.read_text(errors="replace").rstrip().splitlines()[-lines:] if path.is_file() else []
+    return f"--- {path.name} (last {len(text)} lines) ---\n" + "\n".join(text) if text else ""
+
+
+def fail_cell(
+    cell_id: str,
+    why: str,
+    *,
+    run_dir: Path,
+    logs: Iterable[Path] = (),
+    seconds: float = 0.0,
+    world_size: int = 0,
+    on_event: OnEvent | None = None,
+) -> CellOutcome:
+    """The one way a cell fails: an `error` outcome whose reason is `why` followed by the tails of
+    `logs`, written to the cell's directory, announced as its `end` event."""
+    tails = "\n".join(t for t in map(log_tail, logs) if t)
+    outcome = CellOutcome(status="error", seconds=seconds, reason=f"{why}\n{tails}".rstrip())
+    write_outcome(cell_dir(run_dir, cell_id), outcome)
+    if on_event is not None:
+        on_event(Event(kind="end", world_size=world_size, cell_id=cell_id, outcome=outcome))
+    return outcome
+
+
+def resume_blocker(cell: Cell, *, source: CellOutcome | None, convert: Callable[[], str | None]) -> str | None:
+    """Why a resumed cell cannot start (None: it can): its source did not finish, or — for a
+    universal resume — `convert()` (ds_to_universal, once per source and step) failed."""
+    src, step = cell.resume.source, cell.resume.step
+    if source is None or source.status != "done":
+        return f"source cell {src} did not finish: no checkpoint to resume"
+    if cell.resume.universal and (failed := convert()):
+        return f"universal conversion of {src} at step {step} failed: {failed}"
+    return None
