@@ -47,6 +47,18 @@ def _caught(c: CellReport) -> str:
     return " ".join(f"{m}@{s}" for m, s in sorted(steps.items(), key=lambda kv: (kv[1], kv[0] != c.caught_by))) or "-"
 
 
+_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
+
+
+def _ran(c: CellReport) -> str:
+    """The dtype the forward pass really computed in (read back, gaeq.trainers.provenance); `*`:
+    emulated fp16 kernels."""
+    computed = (c.ran or {}).get("compute_dtype")
+    if computed is None:
+        return "-"
+    return _SHORT.get(computed, computed) + ("*" if "fp16_kernels" in c.ran else "")
+
+
 def _zero(c: CellReport) -> str:
     return "-" if c.zero_stage is None else str(c.zero_stage) + ("+cpu" if c.offload != "none" else "")
 
@@ -58,6 +70,7 @@ COLUMNS = (
     Column("GA", lambda c: "-" if c.grad_accum_steps is None else str(c.grad_accum_steps), "both", right=True),
     Column("ZeRO", _zero, "both", right=True),
     Column("dtype", lambda c: c.dtype),
+    Column("ran", _ran),
     Column("expect", lambda c: c.expect),
     Column("verdict", lambda c: c.verdict),
     Column("max |Δloss|", lambda c: _sci(c.max_abs_loss_diff)),

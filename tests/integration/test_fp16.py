@@ -47,6 +47,10 @@ def test_fp16_experiment(tmp_path, monkeypatch):
         if fp16_emulated():
             assert ran["fp16_kernels"].startswith("emulated")
 
+    # The report shows it too: the dtype each forward really computed in (`*`: emulated kernels).
+    computed = "fp16*" if fp16_emulated() else "fp16"
+    assert f"| ds_fp16 | {computed} |" in (out / "report.md").read_text() and f"│ fp16    │ {computed}" in proc.stdout
+
     # fp16 is not fp32 in disguise: its baseline's curve differs (measured 3.3e-5 here), by more
     # than the fp32 tolerance and less than the fp16 one.
     fp32, fp16 = losses(out, "torch-w1-mb16-ga1@fp32"), losses(out, "torch-w1-mb16-ga1-fp16")
