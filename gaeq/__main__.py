@@ -1,3 +1,3 @@
-from gaeq.cli import app
+from gaeq.cli import main
 
-app()
+main()

@@ -96,6 +96,7 @@ def test_a_rank_that_fails_under_torchrun_errors_its_cell_and_the_rest_still_run
     spec = small_spec(
         axes={"trainer": ["torch"], "world_size": [2], "micro_batch_size": [4, 8]},
         cells=[{"trainer": "deepspeed", "world_size": 2, "micro_batch_size": 2, "zero_stage": 2, "fault": {"rank": 1, "step": 3, "kind": "raise"}}],
+        baseline={"trainer": "torch", "world_size": 2, "micro_batch_size": 8},  # one launch: world 2 only
     )
     (tmp_path / "m.yaml").write_text(json.dumps(spec))
     proc, report, tag = gaeq_run(tmp_path / "m.yaml", tmp_path / "run", extra=["--launcher", "torchrun"])

@@ -20,6 +20,7 @@ from tests.helpers import gaeq_run, leftover_processes, small_spec, start_gaeq
 pytestmark = pytest.mark.integration
 
 TRAINING = ("step", "loss", "grad_norm", "lr", "samples")
+STEPS = 250
 
 
 def training(trace_path) -> list[dict]:
@@ -34,7 +35,7 @@ def test_an_interrupted_run_leaves_only_complete_files_and_resume_finishes_it(si
         axes={"trainer": ["torch"], "world_size": [1], "micro_batch_size": [4, 8]},
         cells=[{"trainer": "deepspeed", "world_size": 2, "micro_batch_size": 2, "zero_stage": 1}],
     )
-    spec["problem"]["steps"] = 400  # the DeepSpeed cell trains for seconds: the signal lands inside it
+    spec["problem"]["steps"] = STEPS  # the DeepSpeed cell trains for ~2 s: the signal lands inside it
     matrix, out = write_matrix(spec), tmp_path / "run"
     env = {**os.environ, "GAEQ_TEST_TAG": uuid.uuid4().hex}
     cmd = [sys.executable, "-m", "gaeq", "run", "--matrix", str(matrix), "--out", str(out)]
@@ -57,7 +58,7 @@ def test_an_interrupted_run_leaves_only_complete_files_and_resume_finishes_it(si
     for cell in (out / "cells").iterdir():
         trace = cell / "trace.jsonl"
         if trace.exists():
-            assert [r["step"] for r in training(trace)] == list(range(400)), cell.name
+            assert [r["step"] for r in training(trace)] == list(range(STEPS)), cell.name
             assert json.loads((cell / "outcome.json").read_text())["status"] == "done"
             finished[cell.name] = (trace.stat().st_ino, trace.stat().st_mtime_ns)
         assert not list(cell.glob("*.json.partial"))
@@ -72,7 +73,7 @@ def test_an_interrupted_run_leaves_only_complete_files_and_resume_finishes_it(si
     for name, stamp in finished.items():  # kept, not trained again
         trace = out / "cells" / name / "trace.jsonl"
         assert (trace.stat().st_ino, trace.stat().st_mtime_ns) == stamp, name
-    assert [r["step"] for r in training(long_cell / "trace.jsonl")] == list(range(400))
+    assert [r["step"] for r in training(long_cell / "trace.jsonl")] == list(range(STEPS))
 
 
 def test_resume_refuses_another_matrix(write_matrix, tmp_path):

@@ -21,6 +21,7 @@ def test_a_crashing_or_hanging_rank_errors_its_cell_and_the_rest_still_run(write
             {"trainer": "torch", "world_size": 2, "micro_batch_size": 1, "fault": {"rank": 1, "step": 2, "kind": "hang"}},
             {"trainer": "torch", "world_size": 2, "micro_batch_size": 1},
         ],
+        baseline={"trainer": "torch", "world_size": 2, "micro_batch_size": 4},  # every cell at world 2
         timeout_s=8,
     )
     started = time.monotonic()
@@ -36,7 +37,7 @@ def test_a_crashing_or_hanging_rank_errors_its_cell_and_the_rest_still_run(write
     assert (exited["verdict"], exited["reason"]) == ("error", "rank 0 exited with code 17 before the cell finished")
     hung = cells["torch-w2-mb1-ga8-fault_hang_r1_s2"]
     assert hung["verdict"] == "error" and hung["reason"].startswith("timed out: no progress for 8 s")
-    for ok in ("torch-w1-mb16-ga1", "torch-w2-mb2-ga4", "deepspeed-z2-w2-mb2-ga4", "torch-w2-mb1-ga8"):
+    for ok in ("torch-w2-mb4-ga2", "torch-w2-mb2-ga4", "deepspeed-z2-w2-mb2-ga4", "torch-w2-mb1-ga8"):
         assert cells[ok]["verdict"] == "match", cells[ok]
     assert report["summary"]["error"] == 3
     assert leftover_processes(tag) == []
