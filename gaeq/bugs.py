@@ -17,6 +17,8 @@ class PlantedBug:
     description: str
     dtypes: tuple[str, ...] = ()
     """Dtypes the bug exists in (empty: any)."""
+    needs_deepspeed_config: bool = False
+    """The bug exists only where the problem has a user's deepspeed_config."""
 
 
 BUGS: dict[str, PlantedBug] = {
@@ -65,6 +67,15 @@ BUGS: dict[str, PlantedBug] = {
             description=(
                 "fp16 with a GradScaler: the loop clips before scaler.unscale_(), so it clips (and measures) "
                 "the gradient × loss scale — the clip threshold acts 65536× too early"
+            ),
+        ),
+        PlantedBug(
+            name="unmirrored_default_clipping",
+            trainers=("torch",),
+            needs_deepspeed_config=True,
+            description=(
+                "the PyTorch reference of a DeepSpeed config without gradient_clipping does not clip — "
+                "but DeepSpeed clips at its default (1.0 in 0.19)"
             ),
         ),
         PlantedBug(

@@ -77,11 +77,68 @@ def validate(matrix: Annotated[Path, typer.Argument(help="Matrix YAML file.")]) 
         )
     console.print(table)
     p = m.problem
-    console.print(
-        f"train_batch_size {p.train_batch_size}, {p.steps} steps, {p.optimizer.name} lr {p.optimizer.lr:g}, "
-        f"schedule {p.schedule.name}, gradient_clipping {p.gradient_clipping:g}, seed {p.seed}",
-        highlight=False,
-    )
+    if p.mirror is None:
+        optimisation = f"{p.optimizer.name} lr {p.optimizer.lr:g}, schedule {p.schedule.name}, gradient_clipping {p.gradient_clipping:g}"
+    else:
+        optimisation = f"optimisation from deepspeed_config: {p.mirror.optimizer.type}, scheduler {p.mirror.schedule or 'none'}"
+    console.print(f"train_batch_size {p.train_batch_size}, {p.steps} steps, {optimisation}, seed {p.seed}", highlight=False)
+    from gaeq.audit import audit as audit_config
+
+    shown: set = set()
+    for where, config, cells in _deepspeed_configs(m):
+        findings = [f for f in audit_config(config) if f not in shown]  # variants: what differs from the first
+        console.print(f"\n[bold]deepspeed_config of {where}[/] (gaeq audit{', what differs' if shown else ''}):", highlight=False)
+        _print_findings(findings)
+        shown.update(findings)
+        for line in _overrides(config, cells):
+            console.print(f"  overridden: {line}", highlight=False)
+
+
+@app.command()
+def audit(config: Annotated[Path, typer.Argument(help="A DeepSpeed config file (JSON or YAML).")]) -> None:
+    """What a DeepSpeed config does to gradient-accumulation equivalence, one line per finding:
+    key, value, effect (breaks / risk / fine), why. Exit 0 when nothing breaks it, 1 otherwise, 2 unreadable."""
+    from gaeq.audit import audit as audit_config
+    from gaeq.audit import exit_code
+    from gaeq.problem.dsconfig import ConfigError, read_config
+
+    try:
+        data = read_config(config)
+    except ConfigError as exc:
+        _bad_input(str(exc))
+    findings = audit_config(data)
+    _print_findings(findings)
+    raise typer.Exit(exit_code(findings))
+
+
+def _print_findings(findings) -> None:
+    colour = {"breaks": "bold red", "risk": "yellow", "fine": "green"}
+    for f in findings:
+        shown = f" [dim](shown by {escape(f.evidence)})[/]" if f.evidence else ""
+        console.print(f"  {escape(f.key)} = {escape(f.value)}: [{colour[f.effect]}]{f.effect}[/] — {escape(f.why)}{shown}", highlight=False, soft_wrap=True)
+
+
+def _deepspeed_configs(m: Matrix):
+    """(variant names, config, their cells) per distinct deepspeed_config of the matrix's problems."""
+    distinct: list[tuple[list[str], dict, list]] = []
+    for name, problem in m.problems.items():
+        if problem.deepspeed_config is None:
+            continue
+        cells = [c for c in m.cells if c.variant == name]
+        for names, config, group in distinct:
+            if config == problem.deepspeed_config:
+                names.append(name)
+                group.extend(cells)
+                break
+        else:
+            distinct.append(([name], problem.deepspeed_config, cells))
+    return [(", ".join(names), config, cells) for names, config, cells in distinct]
+
+
+def _overrides(config: dict, cells) -> list[str]:
+    from gaeq.audit import overrides_of
+
+    return overrides_of(config, cells)
 
 
 @app.command()
@@ -115,6 +172,9 @@ def run(
         _bad_input("--resume needs --out: the run directory to resume")
     m = _load(matrix, check=False)  # the problems are checked by api.run, once the ranks' fork server is starting
     _stop_on_signals()
+    for where, config, cells in _deepspeed_configs(m):  # never replaced silently
+        for line in _overrides(config, cells):
+            console.print(f"deepspeed_config of {where}, overridden: {line}", highlight=False, soft_wrap=True)
     steps = m.problem.steps
     # The report's heavy imports (TensorBoard, matplotlib) load while the ranks train.
     threading.Thread(target=_import_report_modules, daemon=True).start()

@@ -59,7 +59,14 @@ class Expander:
         `given` overrides them; a missing dtype is the variant's."""
         fields = {a: getattr(spec, a) for a in SPLIT_AXES if hasattr(spec, a)} | given
         fields = {k: v for k, v in fields.items() if v is not None or k == "zero_stage"}
-        fields.setdefault("dtype", self.dtypes_of(fields.get("variant", BASE))[0])
+        variant = fields.get("variant", BASE)
+        fields.setdefault("dtype", self.dtypes_of(variant)[0])
+        mirror = self.problem(variant).mirror
+        if mirror is not None and fields.get("trainer") == "deepspeed":  # the file's stage and offload, unless given
+            if fields.get("zero_stage") is None:
+                fields["zero_stage"] = mirror.zero_stage
+            if "offload" not in getattr(spec, "model_fields_set", ()) and "offload" not in given:
+                fields["offload"] = mirror.offload
         return Split(**fields)
 
     def add_axes(self) -> None:
@@ -69,8 +76,8 @@ class Expander:
         for variant in axes.variant:
             for dtype in self.dtypes_of(variant):
                 self.ensure_baseline(dtype=dtype, variant=variant)
-                product = [getattr(axes, a) for a in SPLIT_AXES if a not in ("dtype", "variant")]
                 names = [a for a in SPLIT_AXES if a not in ("dtype", "variant")]
+                product = [self.axis_values(a, variant) for a in names]
                 splits = {}
                 for values in itertools.product(*product):
                     split = dict(zip(names, values), dtype=dtype, variant=variant)
@@ -79,6 +86,15 @@ class Expander:
                     splits.setdefault(tuple(split.items()), split)  # torch: one cell, not one per ZeRO stage
                 for split in splits.values():
                     self.add(Split(**split))
+
+    def axis_values(self, axis: str, variant: str) -> list:
+        """An axis's values. With a deepspeed_config, zero_stage and offload not written as axes
+        are the file's own."""
+        given = getattr(self.spec.axes, axis)
+        mirror = self.problem(variant).mirror
+        if mirror is None or axis not in ("zero_stage", "offload") or axis in self.spec.axes.model_fields_set:
+            return given
+        return [getattr(mirror, axis)]
 
     def ensure_baseline(self, *, dtype: str, variant: str) -> None:
         """The group's baseline (the matrix's, or its variant's), added once, before its cells."""
@@ -118,11 +134,15 @@ class Expander:
             )
         if dtype == "ds_fp16" and trainer != "deepspeed":
             raise MatrixError("dtype ds_fp16 is DeepSpeed's fp16 mixed precision: DeepSpeed cells only (torch: fp16)")
+        if problem.mirror is not None and trainer == "deepspeed":
+            _check_precision(problem.mirror.precision, dtype)
         if bug is not None:
             if bug not in BUGS:
                 raise MatrixError(f"unknown bug {bug!r}; known: {', '.join(sorted(BUGS))}")
             if trainer not in BUGS[bug].trainers:
                 raise MatrixError(f"bug {bug!r} exists only in the {'/'.join(BUGS[bug].trainers)} trainer")
+            if BUGS[bug].needs_deepspeed_config and problem.deepspeed_config is None:
+                raise MatrixError(f"bug {bug!r} exists only in a problem with a deepspeed_config")
             if BUGS[bug].dtypes and dtype not in BUGS[bug].dtypes:
                 raise MatrixError(f"bug {bug!r} exists only in {'/'.join(BUGS[bug].dtypes)} cells, not {dtype}")
         if fault is not None and fault.rank >= world:
@@ -185,6 +205,19 @@ def _deep_merge(base: dict, override: dict) -> dict:
 
 def _same_thing(base: dict, override: dict) -> bool:
     return all(override.get(k, base.get(k)) == base.get(k) for k in ("kind", "import", "import_"))
+
+
+def _check_precision(precision: str, dtype: str) -> None:
+    """A DeepSpeed cell of a deepspeed_config problem is labelled with the file's precision."""
+    if precision == "fp32" and dtype in ("ds_bf16", "ds_fp16"):
+        section = "bf16" if dtype == "ds_bf16" else "fp16"
+        raise MatrixError(f"dtype {dtype} is DeepSpeed's {section} section, which deepspeed_config does not enable")
+    if precision != "fp32" and dtype != precision:
+        section = "bf16" if precision == "ds_bf16" else "fp16"
+        raise MatrixError(
+            f"deepspeed_config enables {section} ({section}.enabled: true): its DeepSpeed cells are {precision}, "
+            f"not {dtype} — set dtype: {precision} (with a DeepSpeed baseline)"
+        )
 
 
 def _fp16_unsupported() -> str | None:

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from gaeq.matrix.cell import Matrix
 from gaeq.matrix.expand import expand
 from gaeq.matrix.schema import MatrixError, MatrixSpec, describe
+from gaeq.problem.dsconfig import ConfigError, read_config
 
 
 def load_matrix(path: str | Path) -> Matrix:
@@ -29,22 +30,41 @@ def load_matrix(path: str | Path) -> Matrix:
     except OSError as exc:
         raise MatrixError(f"{path}: cannot be read ({exc.strerror or exc})") from None
     try:
-        return matrix_from_dict(raw, plugin_dirs=(str(path.resolve().parent), str(Path.cwd())))
+        return matrix_from_dict(raw, plugin_dirs=(str(path.resolve().parent), str(Path.cwd())), base_dir=path.parent)
     except MatrixError as exc:
         raise MatrixError(f"{path}: {exc}") from None
 
 
-def matrix_from_dict(raw: object, *, plugin_dirs: tuple[str, ...] | None = None) -> Matrix:
+def matrix_from_dict(raw: object, *, plugin_dirs: tuple[str, ...] | None = None, base_dir: Path | None = None) -> Matrix:
     """Validate and expand a matrix given as data (what a YAML file parses to). Plugins are
-    imported from `plugin_dirs` (default: the working directory)."""
+    imported from `plugin_dirs` (default: the working directory); a `deepspeed_config` path is read
+    relative to `base_dir` (default: the working directory)."""
     if not isinstance(raw, dict):
         raise MatrixError("the top level must be a mapping of keys (name, problem, axes, ...)")
+    raw = _inline_deepspeed_configs(raw, base_dir or Path.cwd())
     try:
         spec = MatrixSpec.model_validate(raw)
         matrix = expand(spec, plugin_dirs=plugin_dirs if plugin_dirs is not None else (str(Path.cwd()),))
         return dataclasses.replace(matrix, source=copy.deepcopy(raw))
     except ValidationError as exc:
         raise MatrixError(describe(exc)) from None
+
+
+def _inline_deepspeed_configs(raw: dict, base_dir: Path) -> dict:
+    """Every `deepspeed_config: path` of the problem and its variants, read and written in place:
+    the run directory's copy of the matrix then holds the config that ran."""
+    raw = copy.deepcopy(raw)
+    places = [("problem", raw.get("problem"))]
+    variants = raw.get("variants")
+    if isinstance(variants, dict):
+        places += [(f"variants.{name}.problem", v.get("problem")) for name, v in variants.items() if isinstance(v, dict)]
+    for where, problem in places:
+        if isinstance(problem, dict) and isinstance(problem.get("deepspeed_config"), str):
+            try:
+                problem["deepspeed_config"] = read_config(base_dir / problem["deepspeed_config"])
+            except ConfigError as exc:
+                raise MatrixError(f"{where}.deepspeed_config: {exc}") from None
+    return raw
 
 
 def _first_line(exc: BaseException) -> str:

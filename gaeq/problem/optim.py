@@ -31,17 +31,40 @@ def lr_factor(schedule: ScheduleSpec, *, steps: int) -> Callable[[int], float]:
     return factor
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter], spec: OptimizerSpec) -> torch.optim.Optimizer:
-    """The torch trainer's optimizer: the same class and arguments DeepSpeed builds from :func:`deepspeed_optimizer`."""
+def build_optimizer(params: Iterable[torch.nn.Parameter], problem: ProblemSpec) -> torch.optim.Optimizer:
+    """The torch trainer's optimizer: the same class and arguments DeepSpeed builds from
+    :func:`deepspeed_optimizer` — or, with a deepspeed_config, the mirror of what DeepSpeed builds from it."""
+    if problem.mirror is not None:
+        from gaeq.problem.mirror import mirrored_optimizer
+
+        return mirrored_optimizer(params, problem.mirror.optimizer)
+    spec = problem.optimizer
     kwargs = _optimizer_kwargs(spec)
     if spec.name == "adamw":
         return torch.optim.AdamW(params, **kwargs)
     return torch.optim.SGD(params, **kwargs)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, problem: ProblemSpec) -> LambdaLR:
-    """Used by both trainers (DeepSpeed receives it as a client scheduler, stepped at each boundary)."""
+def build_scheduler(optimizer: torch.optim.Optimizer, problem: ProblemSpec):
+    """Used by both trainers (DeepSpeed receives it as a client scheduler, stepped at each boundary).
+    With a deepspeed_config: the torch trainer's mirror of the file's scheduler (DeepSpeed builds its own)."""
+    if problem.mirror is not None:
+        from gaeq.problem.mirror import DeepSpeedSchedule
+
+        return DeepSpeedSchedule(optimizer, problem.mirror.schedule, problem.mirror.schedule_params)
     return LambdaLR(optimizer, lr_factor(problem.schedule, steps=problem.steps))
+
+
+def gradient_clipping(problem: ProblemSpec) -> float:
+    """The max global grad norm (0: none). With a deepspeed_config, the file's — or, when it has no
+    `gradient_clipping` key, DeepSpeed's default, read from DeepSpeed."""
+    if problem.mirror is None:
+        return problem.gradient_clipping
+    if problem.mirror.gradient_clipping is not None:
+        return problem.mirror.gradient_clipping
+    from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
+
+    return float(GRADIENT_CLIPPING_DEFAULT)
 
 
 def deepspeed_optimizer(spec: OptimizerSpec) -> dict[str, Any]:

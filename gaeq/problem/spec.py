@@ -172,6 +172,12 @@ class ProblemSpec(Spec):
     gradient_clipping: float = Field(
         0.0, ge=0, description="Max global grad norm at the boundary; 0 disables. Set explicitly on both trainers."
     )
+    deepspeed_config: dict[str, Any] | None = Field(
+        None,
+        description="Your own DeepSpeed config (in the matrix file: a path relative to it, JSON or YAML, or a "
+        "mapping). DeepSpeed cells run it as it is, bar the split (README: Check your own setup); the "
+        "optimisation (optimizer, scheduler, gradient_clipping) then comes from it alone, mirrored on the torch side.",
+    )
     steps: int = Field(50, gt=0, le=1_000_000, description="Optimizer steps (not micro-steps).")
     seed: int = Field(0, ge=0, description="Seeds the model init and every sample (sample = f(seed, index)).")
     dtype: Dtype = Field("fp32", description="Compute dtype when the axes do not list dtypes.")
@@ -191,6 +197,29 @@ class ProblemSpec(Spec):
             if self.loss != want_loss:
                 raise ValueError(f"model {kind} needs loss {want_loss}, got {self.loss!r}")
         return self
+
+    @model_validator(mode="after")
+    def _check_deepspeed_config(self) -> ProblemSpec:
+        if self.deepspeed_config is None:
+            return self
+        from gaeq.problem.dsconfig import mirror
+
+        both = {"optimizer": "optimizer", "schedule": "scheduler", "gradient_clipping": "gradient_clipping"}
+        for mine, theirs in both.items():
+            if mine in self.model_fields_set:
+                raise ValueError(
+                    f"problem.{mine} and deepspeed_config.{theirs} both define the optimisation: with a "
+                    f"deepspeed_config it comes from the file alone — remove problem.{mine}"
+                )
+        mirror(self.deepspeed_config)  # ConfigError (a ValueError) names a key the torch side cannot mirror
+        return self
+
+    @property
+    def mirror(self):
+        """The optimisation of :attr:`deepspeed_config` (:class:`gaeq.problem.dsconfig.Mirror`), or None."""
+        from gaeq.problem.dsconfig import mirror
+
+        return None if self.deepspeed_config is None else mirror(self.deepspeed_config)
 
     @property
     def num_samples(self) -> int | None:

@@ -19,6 +19,7 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 from gaeq.accelerator import allow_emulated_fp16
 from gaeq.matrix import Cell
 from gaeq.problem.loss import mean_of_means_factor, share_of_global_mean
+from gaeq.problem.dsconfig import cell_config
 from gaeq.problem.optim import build_scheduler, deepspeed_optimizer
 from gaeq.problem.spec import ProblemSpec
 from gaeq.trainers.base import RunContext, StepRecorder, build_cell_problem, inject_fault
@@ -33,12 +34,13 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     plan = task.plan
     model = task.model.to(ctx.device)
     # ACCUMULATION: the engine owns data parallelism (and ZeRO partitioning), the optimizer it
-    # builds from the config, and the schedule we hand it, which it steps at each boundary.
+    # builds from the config, and the schedule — ours, or the user's config's own — which it
+    # steps at each boundary.
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=model.parameters(),
         config=deepspeed_config(cell, problem),
-        lr_scheduler=lambda optimizer: build_scheduler(optimizer, problem),
+        lr_scheduler=None if problem.deepspeed_config else (lambda optimizer: build_scheduler(optimizer, problem)),
     )
     net = engine
     recorder = StepRecorder(cell=cell, ctx=ctx, steps=problem.steps)
@@ -59,6 +61,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         grad_accum_dtype=_name(grad_accum_dtype),
         communication_dtype=_name(engine.communication_data_type),
         optimizer=type(engine.optimizer).__name__,
+        update_rule=type(engine.basic_optimizer).__name__,  # what the config built (FusedAdam, AdamW, ...)
     )
     start = load_deepspeed(engine, run_dir=ctx.run_dir, resume=cell.resume) if cell.resume else 0
 
@@ -119,7 +122,19 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
 
 
 def deepspeed_config(cell: Cell, problem: ProblemSpec) -> dict[str, Any]:
-    """Every knob that changes the optimisation, written out. Nothing is left to a default."""
+    """Every knob that changes the optimisation, written out. Nothing is left to a default.
+    With the user's own deepspeed_config: that file, with the cell's split written in."""
+    if problem.deepspeed_config is not None:
+        config, _ = cell_config(
+            problem.deepspeed_config,
+            train_batch_size=cell.train_batch_size,
+            micro_batch_size=cell.micro_batch_size,
+            grad_accum_steps=cell.grad_accum_steps,
+            zero_stage=cell.zero_stage,
+            offload=cell.offload,
+            load_universal=bool(cell.resume and cell.resume.universal),
+        )
+        return config
     config = {
         "train_batch_size": cell.train_batch_size,
         "train_micro_batch_size_per_gpu": cell.micro_batch_size,

@@ -19,6 +19,7 @@ import torch
 
 from gaeq.accelerator import fp16_emulated
 from gaeq.matrix import Cell
+from gaeq.problem.optim import gradient_clipping
 from gaeq.problem.spec import ProblemSpec
 
 COMPUTE_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "ds_bf16": "bfloat16", "ds_fp16": "float16"}
@@ -47,12 +48,14 @@ def label_of(cell: Cell, problem: ProblemSpec) -> dict[str, Any]:
         "fp16_enabled": cell.dtype == "ds_fp16",
         "bf16_enabled": cell.dtype == "ds_bf16",
     }
-    if cell.dtype == "ds_bf16":  # bf16 accumulation is a planted bug
+    if problem.deepspeed_config is not None:
+        pass  # the user's file decides the accumulation dtype; `ran` reports it
+    elif cell.dtype == "ds_bf16":  # bf16 accumulation is a planted bug
         label["grad_accum_dtype"] = "bfloat16" if cell.bug == "grad_accum_bf16" else "float32"
     elif cell.dtype == "ds_fp16":
         label["grad_accum_dtype"] = "float16"
     if cell.bug != "deepspeed_default_clipping":  # that bug is DeepSpeed's default clipping
-        label["gradient_clipping"] = problem.gradient_clipping
+        label["gradient_clipping"] = gradient_clipping(problem)
     return label
 
 

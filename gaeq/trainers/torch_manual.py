@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gaeq.matrix import Cell
 from gaeq.problem.loss import mean_of_means_factor, share_of_global_mean
-from gaeq.problem.optim import build_optimizer, build_scheduler
+from gaeq.problem.optim import build_optimizer, build_scheduler, gradient_clipping
 from gaeq.problem.spec import ProblemSpec
 from gaeq.trainers.base import RunContext, StepRecorder, build_cell_problem, inject_fault
 from gaeq.trainers.checkpoint import load_torch, save_torch
@@ -33,7 +33,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     # ACCUMULATION: we own the data-parallel wrapper; DDP averages gradients over ranks (÷ world).
     ddp = DDP(model) if ctx.world_size > 1 else None
     net = ddp or model
-    optimizer = build_optimizer(model.parameters(), problem.optimizer)
+    optimizer = build_optimizer(model.parameters(), problem)
     if cell.bug == "lr_zero":
         optimizer.param_groups[0]["lr"] = 0.0  # planted control: the compared side never moves
     scheduler = build_scheduler(optimizer, problem)
@@ -44,7 +44,9 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         ctx.device.type, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=1000, enabled=cell.dtype == "fp16"
     )
     # clip_grad_norm_ returns the pre-clipping norm; max_norm=inf measures without clipping.
-    max_norm = problem.gradient_clipping or math.inf
+    max_norm = gradient_clipping(problem) or math.inf
+    if cell.bug == "unmirrored_default_clipping":  # planted bug: no key in the file, so "no clipping"
+        max_norm = problem.mirror.gradient_clipping or math.inf
     last_param = list(model.parameters())[-1]
     recorder = StepRecorder(cell=cell, ctx=ctx, steps=problem.steps)
     recorder.count_collectives(ddp)
@@ -54,6 +56,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         world_size=dist.get_world_size() if dist.is_initialized() else 1,
         ddp=isinstance(net, DDP),
         grad_scaler=scaler.is_enabled(),
+        update_rule=type(optimizer).__name__,
     )
     start = load_torch(model, optimizer, scheduler, run_dir=ctx.run_dir, resume=cell.resume) if cell.resume else 0
 
