@@ -83,6 +83,7 @@ def validate(matrix: Annotated[Path, typer.Argument(help="Matrix YAML file.")]) 
         optimisation = f"optimisation from deepspeed_config: {p.mirror.optimizer.type}, scheduler {p.mirror.schedule or 'none'}"
     console.print(f"train_batch_size {p.train_batch_size}, {p.steps} steps, {optimisation}, seed {p.seed}", highlight=False)
     from gaeq.audit import audit as audit_config
+    from gaeq.audit import overrides_of
 
     shown: set = set()
     for where, config, cells in _deepspeed_configs(m):
@@ -90,7 +91,7 @@ def validate(matrix: Annotated[Path, typer.Argument(help="Matrix YAML file.")]) 
         console.print(f"\n[bold]deepspeed_config of {where}[/] (gaeq audit{', what differs' if shown else ''}):", highlight=False)
         _print_findings(findings)
         shown.update(findings)
-        for line in _overrides(config, cells):
+        for line in overrides_of(config, cells):
             console.print(f"  overridden: {line}", highlight=False)
 
 
@@ -135,11 +136,6 @@ def _deepspeed_configs(m: Matrix):
     return [(", ".join(names), config, cells) for names, config, cells in distinct]
 
 
-def _overrides(config: dict, cells) -> list[str]:
-    from gaeq.audit import overrides_of
-
-    return overrides_of(config, cells)
-
 
 @app.command()
 def run(
@@ -172,8 +168,10 @@ def run(
         _bad_input("--resume needs --out: the run directory to resume")
     m = _load(matrix, check=False)  # the problems are checked by api.run, once the ranks' fork server is starting
     _stop_on_signals()
+    from gaeq.audit import overrides_of  # (no torch: the parent starts the ranks' fork server first)
+
     for where, config, cells in _deepspeed_configs(m):  # never replaced silently
-        for line in _overrides(config, cells):
+        for line in overrides_of(config, cells):
             console.print(f"deepspeed_config of {where}, overridden: {line}", highlight=False, soft_wrap=True)
     steps = m.problem.steps
     # The report's heavy imports (TensorBoard, matplotlib) load while the ranks train.

@@ -11,7 +11,7 @@ The DeepSpeed side runs the file as it is; gaeq writes only
   axes or in a cell (otherwise the file's own stage and offload are the cells');
 - `checkpoint.load_universal` in resumed cells.
 
-Everything it overrides is listed by :func:`overrides` (and printed by `gaeq run` / `gaeq audit`).
+Everything it overrides is returned by :func:`cell_config` (and printed by `gaeq run` / `gaeq validate`).
 The torch side mirrors the optimisation — optimizer, LR schedule, clipping — and nothing else:
 the rest of the file (bucket sizes, overlap_comm, communication and accumulation dtypes, ...) is
 what the comparison tests. An optimisation key the torch side cannot mirror is bad input.
@@ -88,18 +88,17 @@ class Mirror:
 
 def mirror(config: dict[str, Any]) -> Mirror:
     """The optimisation of `config`, or ConfigError naming the first key the torch side cannot mirror."""
-    for key in ("amp",):
-        if _enabled(config.get(key)):
-            raise ConfigError(f"deepspeed_config.{key}: apex AMP has no torch-side counterpart gaeq can mirror")
+    if _enabled(config.get("amp")):
+        raise ConfigError("deepspeed_config.amp: apex AMP has no torch-side counterpart gaeq can mirror")
     opt = config.get("optimizer")
     if not isinstance(opt, dict) or "type" not in opt:
         raise ConfigError(
             "deepspeed_config.optimizer: absent — gaeq mirrors the optimizer DeepSpeed builds from the file, "
             "so the file must name one (a client optimizer is not part of a config)"
         )
-    kind = str(opt["type"])
-    params = dict(opt.get("params") or {})
-    allowed = ADAM_PARAMS if kind.lower() in ("adam", "adamw") else SGD_PARAMS if kind == "SGD" else None
+    optimizer = OptimizerMirror(type=str(opt["type"]), params=dict(opt.get("params") or {}))
+    kind, params = optimizer.type, optimizer.params
+    allowed = ADAM_PARAMS if optimizer.adam else SGD_PARAMS if kind == "SGD" else None
     if allowed is None:
         raise ConfigError(
             f"deepspeed_config.optimizer.type: {kind!r} — gaeq mirrors Adam, AdamW (DeepSpeed's FusedAdam / "
@@ -143,7 +142,7 @@ def mirror(config: dict[str, Any]) -> Mirror:
     if stage not in (0, 1, 2, 3):
         raise ConfigError(f"deepspeed_config.zero_optimization.stage: {stage!r} is not 0, 1, 2 or 3")
     return Mirror(
-        optimizer=OptimizerMirror(type=kind, params=params),
+        optimizer=optimizer,
         schedule=schedule,
         schedule_params=schedule_params,
         gradient_clipping=None if clipping is None else float(clipping),
@@ -170,8 +169,8 @@ def cell_config(
     out = copy.deepcopy(config)
     changed: list[Override] = []
 
-    def put(where: dict, key: str, value: Any, *, path: str, why: str, absent: Any = None) -> None:
-        old = where.get(key, absent)
+    def put(where: dict, key: str, value: Any, *, path: str, why: str) -> None:
+        old = where.get(key)
         if key in where and old != value and old != "auto":
             changed.append(Override(key=path, file_value=old, cell_value=value, why=why))
         where[key] = value

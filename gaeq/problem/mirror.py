@@ -28,8 +28,7 @@ def mirrored_optimizer(params: Iterable[torch.nn.Parameter], spec: OptimizerMirr
 
     given = dict(spec.params)
     torch_adam = given.pop("torch_adam", False)
-    adam_w_mode = spec.type.lower() == "adamw" or given.pop("adam_w_mode", ADAM_W_MODE_DEFAULT)
-    given.pop("adam_w_mode", None)
+    adam_w_mode = given.pop("adam_w_mode", ADAM_W_MODE_DEFAULT) or spec.type.lower() == "adamw"  # AdamW is always W
     given.pop("bias_correction", None)  # True (dsconfig refuses False): what torch's Adam does
     given.pop("amsgrad", None)  # False (likewise)
     cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam

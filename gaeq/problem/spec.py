@@ -7,6 +7,7 @@ may instead name a plugin, ``{import: "package.module:function", args: {...}}`` 
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
@@ -202,8 +203,6 @@ class ProblemSpec(Spec):
     def _check_deepspeed_config(self) -> ProblemSpec:
         if self.deepspeed_config is None:
             return self
-        from gaeq.problem.dsconfig import mirror
-
         both = {"optimizer": "optimizer", "schedule": "scheduler", "gradient_clipping": "gradient_clipping"}
         for mine, theirs in both.items():
             if mine in self.model_fields_set:
@@ -211,12 +210,13 @@ class ProblemSpec(Spec):
                     f"problem.{mine} and deepspeed_config.{theirs} both define the optimisation: with a "
                     f"deepspeed_config it comes from the file alone — remove problem.{mine}"
                 )
-        mirror(self.deepspeed_config)  # ConfigError (a ValueError) names a key the torch side cannot mirror
+        self.mirror  # noqa: B018 — parsed here: a ConfigError (a ValueError) names a key the torch side cannot mirror
         return self
 
-    @property
+    @cached_property
     def mirror(self):
-        """The optimisation of :attr:`deepspeed_config` (:class:`gaeq.problem.dsconfig.Mirror`), or None."""
+        """The optimisation of :attr:`deepspeed_config` (:class:`gaeq.problem.dsconfig.Mirror`), or None.
+        Parsed once per problem (the expander asks for it per cell, the trainers per object they build)."""
         from gaeq.problem.dsconfig import mirror
 
         return None if self.deepspeed_config is None else mirror(self.deepspeed_config)
