@@ -175,7 +175,7 @@ def run(
     check_world_sizes(m, gpus=False)  # without torch: its import would delay the fork server below
     lifeline.mark_parent()  # every process started from here on dies with this one
     if launcher == "local":
-        warm_up(isolate=isolate)  # the ranks' fork server imports torch/DeepSpeed while the problems are checked
+        warm_up(isolate=isolate, problems=m.problems)  # the ranks' fork server imports torch/DeepSpeed while the problems are checked
     check_problems(m)
     check_world_sizes(m, gpus=True)
     run_dir = Path(out) if out is not None else new_run_dir(m.spec.name)

@@ -19,6 +19,8 @@ class PlantedBug:
     """Dtypes the bug exists in (empty: any)."""
     needs_deepspeed_config: bool = False
     """The bug exists only where the problem has a user's deepspeed_config."""
+    loss: str | None = None
+    """The problem loss the bug exists in (None: any)."""
 
 
 BUGS: dict[str, PlantedBug] = {
@@ -76,6 +78,16 @@ BUGS: dict[str, PlantedBug] = {
             description=(
                 "the PyTorch reference of a DeepSpeed config without gradient_clipping does not clip — "
                 "but DeepSpeed clips at its default (1.0 in 0.19)"
+            ),
+        ),
+        PlantedBug(
+            name="hf_num_items_per_micro_batch",
+            trainers=("torch", "deepspeed"),
+            loss="hf",
+            description=(
+                "the transformers model's loss gets num_items_in_batch = the micro-batch's own valid-token count "
+                "(transformers before its accumulation fix, #34242): every micro-batch mean weighs the same, "
+                "and the accumulated gradient is GA × world too large"
             ),
         ),
         PlantedBug(

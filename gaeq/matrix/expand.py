@@ -143,6 +143,8 @@ class Expander:
                 raise MatrixError(f"bug {bug!r} exists only in the {'/'.join(BUGS[bug].trainers)} trainer")
             if BUGS[bug].needs_deepspeed_config and problem.deepspeed_config is None:
                 raise MatrixError(f"bug {bug!r} exists only in a problem with a deepspeed_config")
+            if BUGS[bug].loss is not None and problem.loss != BUGS[bug].loss:
+                raise MatrixError(f"bug {bug!r} exists only with loss {BUGS[bug].loss}, not {problem.loss!r}")
             if BUGS[bug].dtypes and dtype not in BUGS[bug].dtypes:
                 raise MatrixError(f"bug {bug!r} exists only in {'/'.join(BUGS[bug].dtypes)} cells, not {dtype}")
         if fault is not None and fault.rank >= world:
@@ -192,7 +194,7 @@ def _variant_problems(spec: MatrixSpec) -> dict[str, ProblemSpec]:
 
 def _deep_merge(base: dict, override: dict) -> dict:
     """`override` onto `base`, mapping by mapping — except where a mapping names another built-in
-    (`kind`) or another plugin (`import`): that one starts afresh, its old keys (`args`) belong to
+    (`kind`), another plugin (`import`) or another transformers class (`hf`): that one starts afresh, its old keys (`args`) belong to
     something else."""
     merged = dict(base)
     for key, value in override.items():
@@ -204,7 +206,7 @@ def _deep_merge(base: dict, override: dict) -> dict:
 
 
 def _same_thing(base: dict, override: dict) -> bool:
-    return all(override.get(k, base.get(k)) == base.get(k) for k in ("kind", "import", "import_"))
+    return all(override.get(k, base.get(k)) == base.get(k) for k in ("kind", "import", "import_", "hf"))
 
 
 def _check_precision(precision: str, dtype: str) -> None:

@@ -8,6 +8,9 @@ Plugin contract (README: Plugins), each named ``{import: "package.module:functio
 - loss:  ``function(outputs, targets)`` → scalar tensor, the **sum** of the per-element losses of
   the micro-batch (gaeq divides by the global batch's element count).
 
+A model may also be a transformers causal LM by class name (``model: {hf: ..., config: {...}}``,
+gaeq/problem/hf.py), and ``loss: hf`` its own loss.
+
 Modules are imported with the matrix file's folder and the working directory on ``sys.path``.
 """
 
@@ -20,10 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
+from gaeq.problem import hf
 from gaeq.problem.data import Dataset, RegressionData, TokenData
 from gaeq.problem.loss import LOSSES
 from gaeq.problem.models import GPT, MLP
-from gaeq.problem.spec import GPTSpec, MLPSpec, PluginSpec, ProblemSpec, RegressionSpec, TokensSpec
+from gaeq.problem.spec import GPTSpec, HFModelSpec, MLPSpec, PluginSpec, ProblemSpec, RegressionSpec, TokensSpec
 
 
 class PluginError(ValueError):
@@ -34,7 +38,15 @@ class PluginError(ValueError):
 class BuiltProblem:
     dataset: Dataset
     model: torch.nn.Module
-    loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
+    """The loss sum of a micro-batch from the model's outputs; None for ``loss: hf`` (the model's own)."""
+
+    def micro_loss(self, net: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, *, num_items: int) -> torch.Tensor:
+        """Forward `inputs` through `net` (the model or its wrapper): the micro-batch's loss sum ÷
+        `num_items` — with num_items the global batch's element count, its share of the global mean."""
+        if self.loss_sum is None:
+            return hf.model_loss(net, inputs, targets, num_items=num_items)  # transformers divides
+        return self.loss_sum(hf.logits(net(inputs)), targets) / num_items
 
     def loss_elements(self, index: int) -> int:
         counter = getattr(self.dataset, "loss_elements", None)
@@ -74,6 +86,8 @@ def build_problem(problem: ProblemSpec, *, search: Sequence[str] = ()) -> BuiltP
         model = _build_model(problem, dataset, search)
     if isinstance(problem.loss, PluginSpec):
         loss_sum = resolve(problem.loss, role="loss", search=search)
+    elif problem.loss == "hf":
+        loss_sum = None
     else:
         loss_sum = LOSSES[problem.loss]
     return BuiltProblem(dataset=dataset, model=model, loss_sum=loss_sum)
@@ -101,6 +115,8 @@ def _build_model(problem: ProblemSpec, dataset: Dataset, search: Sequence[str]) 
         return MLP(spec, in_features=dataset.in_features, out_features=dataset.out_features, seed=problem.seed)
     if isinstance(spec, GPTSpec):
         return GPT(spec, vocab_size=dataset.vocab_size, block_size=dataset.seq_len, seed=problem.seed)
+    if isinstance(spec, HFModelSpec):
+        return hf.build_hf_model(spec, vocab_size=dataset.vocab_size, seq_len=dataset.seq_len)
     fn = resolve(spec, role="model", search=search)
     try:
         model = fn(**spec.args)
@@ -134,7 +150,7 @@ def check_problem(problem: ProblemSpec, *, search: Sequence[str] = ()) -> None:
         raise PluginError(f"data {name('data')!r}: loss_elements() must be positive, got {counts}")
     try:
         with sample_keys([0, 1]):
-            loss = built.loss_sum(built.model(batch[0]), batch[1])
+            loss = built.micro_loss(built.model, *batch, num_items=sum(counts))
     except Exception as exc:  # noqa: BLE001
         raise PluginError(f"model/loss: a forward pass on two samples raised {type(exc).__name__}: {exc}") from None
     if not (isinstance(loss, torch.Tensor) and loss.ndim == 0 and loss.requires_grad):

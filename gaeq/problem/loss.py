@@ -2,8 +2,10 @@
 
 A loss function returns the **sum** of its per-element losses over a micro-batch (an element is a
 sample for MSE, a valid token for cross-entropy). Dividing by the number of elements of the whole
-global batch — known up front, because samples are pure functions of their index — makes every
-element weigh the same whatever the split. The trainers turn that into their backward scale.
+global batch (``num_items``) — known up front, because samples are pure functions of their index —
+makes every element weigh the same whatever the split: ÷ GA is included, and the trainers multiply
+by world size because data parallelism averages over ranks. ``loss: hf`` is the same division made
+by a transformers model (``num_items_in_batch``, gaeq/problem/hf.py).
 """
 
 from __future__ import annotations
@@ -27,17 +29,8 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
 LOSSES = {"mse": mse_sum, "cross_entropy": cross_entropy_sum}
 
 
-def share_of_global_mean(*, world_size: int, normaliser: int) -> float:
-    """The factor a rank applies to its micro-batch loss *sum* before backward.
-
-    Data parallelism averages gradients over ranks (÷ world) and accumulation sums them over
-    micro-steps, so with this factor every loss element of the global batch weighs exactly
-    1 / normaliser — whatever the split. For per-sample losses it is (micro-batch mean) ÷ GA.
-    """
-    return world_size / normaliser
-
-
-def mean_of_means_factor(*, micro_elements: int, grad_accum_steps: int) -> float:
-    """The naive normalisation (planted bug ``mean_of_means``): each micro-batch is averaged over
-    its own elements, then ÷ GA. Exact only when every micro-batch has as many elements."""
-    return 1.0 / (micro_elements * grad_accum_steps)
+def mean_of_means_count(*, micro_elements: int, grad_accum_steps: int, world_size: int) -> int:
+    """The count the planted bug ``mean_of_means`` divides by: as if every micro-batch of the global
+    batch held this one's elements. Each micro-batch then weighs the same, whatever its element
+    count — the mean of micro-batch means. Exact only when every micro-batch has as many elements."""
+    return micro_elements * grad_accum_steps * world_size

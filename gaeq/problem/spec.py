@@ -136,19 +136,56 @@ class ScheduleSpec(Spec):
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Cosine floor as a fraction of the peak lr.")
 
 
+HF_DATA_KEYS = ("vocab_size", "max_position_embeddings", "n_positions", "n_ctx")
+"""transformers config keys gaeq sets from the token data (GPT-2 spells positions n_positions/n_ctx)."""
+
+
+class HFModelSpec(Spec):
+    """A transformers causal LM by class name (``LlamaForCausalLM``, ``GPT2LMHeadModel``, … any class
+    of transformers' causal-LM auto mapping), randomly initialised from ``config`` — never a download.
+    Needs ``pip install 'gaeq[hf]'``."""
+
+    kind: Literal["hf"] = "hf"
+    hf: str = Field(pattern=r"^[A-Za-z_]\w*$", description="The transformers class, e.g. LlamaForCausalLM.")
+    config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments of the class's config (LlamaConfig, ...). Everything else is the "
+        "config's default — dropouts included, kept as given (a default dropout > 0 makes masks depend on "
+        "the split: such cells diverge, and the report says why). Vocabulary and positions come from the data.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> HFModelSpec:
+        given = sorted(set(self.config) & set(HF_DATA_KEYS))
+        if given:
+            raise ValueError(
+                f"model.config.{given[0]}: the vocabulary and positions come from the token data "
+                "(data.vocab_size, data.seq_len) — never written twice; remove it"
+            )
+        return self
+
+
 def _kind(default: str):
-    """Discriminator: `import` → plugin, else `kind` (absent: the default built-in)."""
+    """Discriminator: `import` → plugin, `hf` → a transformers model, else `kind` (absent: the
+    default built-in)."""
 
     def kind(value: Any) -> str:
         if isinstance(value, dict):
-            return "plugin" if "import" in value or "import_" in value else value.get("kind", default)
+            if "import" in value or "import_" in value:
+                return "plugin"
+            return "hf" if "hf" in value else value.get("kind", default)
         return "plugin" if isinstance(value, PluginSpec) else getattr(value, "kind", default)
 
     return kind
 
 
 ModelSpec = Annotated[
-    Union[Annotated[MLPSpec, Tag("mlp")], Annotated[GPTSpec, Tag("gpt")], Annotated[PluginSpec, Tag("plugin")]],
+    Union[
+        Annotated[MLPSpec, Tag("mlp")],
+        Annotated[GPTSpec, Tag("gpt")],
+        Annotated[HFModelSpec, Tag("hf")],
+        Annotated[PluginSpec, Tag("plugin")],
+    ],
     Discriminator(_kind("mlp")),
 ]
 DataSpec = Annotated[
@@ -159,14 +196,16 @@ DataSpec = Annotated[
     ],
     Discriminator(_kind("regression")),
 ]
-LossSpec = Union[Literal["mse", "cross_entropy"], PluginSpec]
+LossSpec = Union[Literal["mse", "cross_entropy", "hf"], PluginSpec]
 
 
 class ProblemSpec(Spec):
     model: ModelSpec = MLPSpec()
     data: DataSpec = RegressionSpec()
     loss: LossSpec = Field(
-        "mse", description="mse (per sample) or cross_entropy (per valid token); normalised over the global batch."
+        "mse",
+        description="mse (per sample) or cross_entropy (per valid token), normalised over the global batch; hf: "
+        "a transformers model's own loss, given the global batch's valid-token count as num_items_in_batch.",
     )
     optimizer: OptimizerSpec = OptimizerSpec()
     schedule: ScheduleSpec = ScheduleSpec()
@@ -188,15 +227,17 @@ class ProblemSpec(Spec):
     def _check(self) -> ProblemSpec:
         if self.schedule.warmup_steps > self.steps:
             raise ValueError(f"schedule.warmup_steps {self.schedule.warmup_steps} exceeds steps {self.steps}")
-        pairs = {"mlp": ("regression", "mse"), "gpt": ("tokens", "cross_entropy")}
+        pairs = {"mlp": ("regression", ("mse",)), "gpt": ("tokens", ("cross_entropy",)), "hf": ("tokens", ("cross_entropy", "hf"))}
         kind = getattr(self.model, "kind", None)
+        if self.loss == "hf" and kind in ("mlp", "gpt"):  # a model plugin may return a transformers model
+            raise ValueError(f"loss hf is a transformers model's own loss: model {kind} has none (model: {{hf: <class>, config: {{...}}}})")
         if kind in pairs:
             data_kind = getattr(self.data, "kind", None)
             want_data, want_loss = pairs[kind]
             if data_kind != want_data:
                 raise ValueError(f"model {kind} trains on data kind {want_data}, got {data_kind or 'a plugin'}")
-            if self.loss != want_loss:
-                raise ValueError(f"model {kind} needs loss {want_loss}, got {self.loss!r}")
+            if self.loss not in want_loss:
+                raise ValueError(f"model {kind} needs loss {' or '.join(want_loss)}, got {self.loss!r}")
         return self
 
     @model_validator(mode="after")

@@ -209,7 +209,21 @@ def _judge_cell(cell: Cell, *, base_id: str, outcomes, traces: TraceStore, toler
     except (OSError, ValueError, TypeError) as exc:
         return "error", f"unreadable or incomplete results: {exc}", None
     reason = "baseline" if cell.id == base_id else comparison.reason
+    if comparison.verdict == "diverge":
+        reason += _dropout_note((outcome.ran or {}).get("dropout"))
     return comparison.verdict, reason, comparison
+
+
+def _dropout_note(dropout: Mapping[str, float] | None) -> str:
+    """Why a transformers model with dropout diverges: its config's masks come from torch's global
+    RNG, which the split changes (gaeq keeps a config's dropouts as given)."""
+    if not dropout:
+        return ""
+    knobs = ", ".join(f"{key}={p:g}" for key, p in dropout.items())
+    return (
+        f" — the model's config has dropout ({knobs}): torch's global RNG draws its masks, so they depend on "
+        "the split; set them to 0 in model.config to compare accumulation"
+    )
 
 
 def _finite(value):

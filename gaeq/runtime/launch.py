@@ -19,6 +19,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from gaeq.matrix import Cell
+from gaeq.problem.spec import HFModelSpec, ProblemSpec
 from gaeq.results.outcome import CellOutcome, write_outcome
 from gaeq.results.trace import cell_dir
 from gaeq.runtime import shm, worker
@@ -140,7 +141,7 @@ class _GroupRun:
 
 
 def _run_group(*, world_size: int, cells: Sequence[Cell], opts: RunOptions) -> dict[str, CellOutcome]:
-    ctx = _context(isolate=opts.isolate)
+    ctx = _context(isolate=opts.isolate, problems=opts.problems)
     events = ctx.Queue()
     timeout_s, init_timeout_s = opts.timeout_s, opts.init_timeout_s
     job = worker.GroupJob(
@@ -192,25 +193,27 @@ def _run_group(*, world_size: int, cells: Sequence[Cell], opts: RunOptions) -> d
     return state.outcomes
 
 
-def warm_up(*, isolate: bool = False) -> None:
+def warm_up(*, isolate: bool = False, problems: Mapping[str, ProblemSpec] | None = None) -> None:
     """Start the fork server now (its imports take seconds), so that it is ready by the time the
     first process group is launched; call it before other start-up work."""
     if not isolate and sys.platform == "linux":
-        _context(isolate=False)
+        _context(isolate=False, problems=problems or {})
         from multiprocessing import forkserver
 
         forkserver.ensure_running()
 
 
-def _context(*, isolate: bool):
-    """Ranks fork from a server that has imported torch and DeepSpeed once (Linux); with
-    `isolate`, every group is a fresh interpreter — exactly what one launch per config costs."""
+def _context(*, isolate: bool, problems: Mapping[str, ProblemSpec]):
+    """Ranks fork from a server that has imported torch and DeepSpeed once (Linux) — and
+    transformers, when a problem has a transformers model; with `isolate`, every group is a fresh
+    interpreter — exactly what one launch per config costs."""
     if isolate or sys.platform != "linux":
         return mp.get_context("spawn")
     # DS_ACCELERATOR: set by the fork server's preload (and by a spawned rank) before DeepSpeed
     # is imported — not here, where asking torch about CUDA would import it before the server starts.
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["gaeq.runtime.preload"])
+    hf = any(isinstance(p.model, HFModelSpec) for p in problems.values())
+    ctx.set_forkserver_preload(["gaeq.runtime.preload"] + (["gaeq.runtime.preload_hf"] if hf else []))
     return ctx
 
 

@@ -21,6 +21,8 @@ from gaeq.problem.spec import ProblemSpec
 from gaeq.problem.build import BuiltProblem
 from gaeq.problem.build import build_problem as build
 from gaeq.problem.data import BatchPlan
+from gaeq.problem.hf import dropouts
+from gaeq.problem.loss import mean_of_means_count
 from gaeq.problem.models import sample_keys
 from gaeq.results.snapshots import SnapshotWriter, wanted
 from gaeq.results.trace import StepRecord, TraceWriter
@@ -66,8 +68,30 @@ class CellProblem:
     def model(self) -> torch.nn.Module:
         return self.built.model
 
-    def loss_sum(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.built.loss_sum(outputs, targets)
+    def num_items(self, cell: Cell, mb: MicroBatch, *, normaliser: int) -> int:
+        """What a micro-batch's loss sum is divided by: the global batch's element count
+        (`normaliser`), so that every element of the global batch weighs the same whatever the
+        split (÷ GA included). Counting is where the normalisation bugs are made."""
+        if cell.bug == "mean_of_means":  # planted bug: counts as if every micro-batch were this one
+            return mean_of_means_count(
+                micro_elements=mb.loss_elements, grad_accum_steps=self.plan.grad_accum_steps, world_size=self.plan.world_size
+            )
+        if cell.bug == "hf_num_items_per_micro_batch":
+            return mb.loss_elements  # planted bug: num_items_in_batch of the micro-batch, not the global batch
+        return normaliser
+
+    def micro_loss(self, net: torch.nn.Module, mb: MicroBatch, *, num_items: int) -> torch.Tensor:
+        """Forward the micro-batch through `net`: its loss sum ÷ `num_items` (``loss: hf``: the
+        model's own loss, given ``num_items_in_batch``)."""
+        return self.built.micro_loss(net, mb.inputs, mb.targets, num_items=num_items)
+
+    def model_facts(self) -> dict:
+        """What the model is, for the provenance: a transformers model's class and the non-zero
+        dropouts of its config (their masks come from torch's global RNG, so depend on the split)."""
+        config = getattr(self.model, "config", None)
+        if config is None:
+            return {}
+        return {"model": type(self.model).__name__, "dropout": dropouts(self.model)}
 
     def normaliser(self, step: int) -> int:
         """Loss elements in the whole global batch of `step` (samples, or valid tokens): the

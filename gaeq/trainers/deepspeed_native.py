@@ -18,7 +18,6 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
 from gaeq.accelerator import allow_emulated_fp16
 from gaeq.matrix import Cell
-from gaeq.problem.loss import mean_of_means_factor, share_of_global_mean
 from gaeq.problem.dsconfig import cell_config
 from gaeq.problem.optim import build_scheduler, deepspeed_optimizer
 from gaeq.problem.spec import ProblemSpec
@@ -49,6 +48,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     ran = Provenance(
         cell,
         problem,
+        **task.model_facts(),
         world_size=engine.world_size,
         zero_stage=engine.zero_optimization_stage(),
         grad_accum_steps=engine.gradient_accumulation_steps(),
@@ -79,17 +79,13 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
             # boundary; ours must be the same one.
             if engine.is_gradient_accumulation_boundary() != boundary:
                 raise RuntimeError(f"DeepSpeed's boundary disagrees with the plan at step {step}.{micro_step}")
+            num_items = task.num_items(cell, mb, normaliser=normaliser)  # what the loss sum is divided by
             with ran.forward(mb.inputs), task.forwarding(mb):
-                micro_loss_sum = task.loss_sum(net(mb.inputs), mb.targets)
-            # ACCUMULATION: DeepSpeed divides by GA itself inside engine.backward, so we hand it GA ×
-            # this micro-batch's share of the global-batch mean (× world: it averages over ranks).
-            # Its return value is that ÷ GA; the loss we log is the forward one.
-            loss = micro_loss_sum * share_of_global_mean(world_size=ctx.world_size, normaliser=normaliser)
-            loss = loss * plan.grad_accum_steps
-            if cell.bug == "mean_of_means":  # planted bug: normalises by its own micro-batch
-                loss = micro_loss_sum * mean_of_means_factor(
-                    micro_elements=mb.loss_elements, grad_accum_steps=plan.grad_accum_steps
-                ) * plan.grad_accum_steps
+                micro_loss = task.micro_loss(net, mb, num_items=num_items)
+            # ACCUMULATION: DeepSpeed divides by GA itself inside engine.backward, and num_items
+            # already did, so we hand it GA × our share (× world: it averages over ranks). Its
+            # return value is that ÷ GA; the loss we log is the forward one.
+            loss = micro_loss * ctx.world_size * plan.grad_accum_steps
             engine.backward(loss)
             if boundary:
                 grad_norm = _norm_before_step(engine)
@@ -99,7 +95,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
             # steps the schedule and zeroes gradients only when it is at the boundary — and on an
             # fp16 overflow skips the update and the schedule, and lowers its loss scale.
             engine.step()
-            local_loss_sum += micro_loss_sum.item()
+            local_loss_sum += micro_loss.item() * num_items
         skipped = engine.skipped_steps > skipped_before
         grad_norm = _norm_after_step(engine, grad_norm)
         ran.step_done()

@@ -17,7 +17,6 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gaeq.matrix import Cell
-from gaeq.problem.loss import mean_of_means_factor, share_of_global_mean
 from gaeq.problem.optim import build_optimizer, build_scheduler, gradient_clipping
 from gaeq.problem.spec import ProblemSpec
 from gaeq.trainers.base import RunContext, StepRecorder, build_cell_problem, inject_fault
@@ -53,6 +52,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     ran = Provenance(
         cell,
         problem,
+        **task.model_facts(),
         world_size=dist.get_world_size() if dist.is_initialized() else 1,
         ddp=isinstance(net, DDP),
         grad_scaler=scaler.is_enabled(),
@@ -72,24 +72,21 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
             # ACCUMULATION: gradients are all-reduced only on the boundary micro-step; before it,
             # no_sync() lets them pile up locally in .grad.
             sync = contextlib.nullcontext() if ddp is None or boundary else ddp.no_sync()
+            num_items = task.num_items(cell, mb, normaliser=normaliser)  # what the loss sum is divided by
             with sync:
                 with ran.forward(mb.inputs), task.forwarding(mb):
-                    micro_loss_sum = task.loss_sum(net(mb.inputs), mb.targets)
-                # ACCUMULATION: we divide. This micro-batch's share of the global-batch mean (× world,
-                # because DDP averages over ranks); for per-sample losses, (micro-batch mean) ÷ GA.
-                loss = micro_loss_sum * share_of_global_mean(world_size=ctx.world_size, normaliser=normaliser)
+                    micro_loss = task.micro_loss(net, mb, num_items=num_items)
+                # ACCUMULATION: we divide — num_items counts the whole global batch, so ÷ GA is in it —
+                # and multiply by world, because DDP averages over ranks.
+                loss = micro_loss * ctx.world_size
                 if cell.bug == "no_loss_division":
                     loss = loss * plan.grad_accum_steps  # planted bug: forgets ÷ GA
-                elif cell.bug == "mean_of_means":  # planted bug: normalises by its own micro-batch
-                    loss = micro_loss_sum * mean_of_means_factor(
-                        micro_elements=mb.loss_elements, grad_accum_steps=plan.grad_accum_steps
-                    )
                 scaler.scale(loss).backward()
             if cell.bug == "clip_every_micro_step":
                 torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=max_norm)  # planted bug
             if cell.bug == "scheduler_every_micro_step" and not boundary:
                 scheduler.step()  # planted bug: the schedule runs GA× too fast
-            local_loss_sum += micro_loss_sum.item()
+            local_loss_sum += micro_loss.item() * num_items
         if cell.bug == "one_grad_scaled":
             last_param.grad.mul_(4.0)  # planted bug: one tensor's gradient 4× (AdamW hardly notices)
         # ACCUMULATION: at the boundary we unscale (fp16), clip, step the optimizer, step the

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gaeq.problem.data import IGNORE_INDEX, BatchPlan, TokenData
-from gaeq.problem.loss import cross_entropy_sum, mean_of_means_factor, share_of_global_mean
+from gaeq.problem.loss import cross_entropy_sum, mean_of_means_count
 from gaeq.problem.models import GPT, IndexedDropout, sample_keys
 from gaeq.problem.spec import GPTSpec, TokensSpec
 
@@ -29,12 +29,12 @@ def token_weights(plan: BatchPlan, *, step: int, naive: bool) -> list[float]:
     for k, r in itertools.product(range(plan.grad_accum_steps), range(plan.world_size)):
         indices = plan.sample_indices(step=step, micro_step=k, rank=r)
         micro_elements = sum(DATA.loss_elements(i) for i in indices)
+        num_items = normaliser
         if naive:
-            factor = mean_of_means_factor(micro_elements=micro_elements, grad_accum_steps=plan.grad_accum_steps)
-        else:
-            factor = share_of_global_mean(world_size=plan.world_size, normaliser=normaliser)
-        # Accumulation sums micro-steps (weight × 1); data parallelism averages ranks (÷ world).
-        weights += [factor / plan.world_size] * micro_elements
+            num_items = mean_of_means_count(micro_elements=micro_elements, grad_accum_steps=plan.grad_accum_steps, world_size=plan.world_size)
+        # The trainers backpropagate loss sum ÷ num_items × world; accumulation sums micro-steps
+        # (weight × 1); data parallelism averages ranks (÷ world).
+        weights += [plan.world_size / num_items / plan.world_size] * micro_elements
     return weights
 
 

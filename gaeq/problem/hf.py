@@ -1,0 +1,99 @@
+"""transformers models by name: a causal LM class, randomly initialised from its config.
+
+Never a download: the class's config is built from the matrix's keyword arguments, the vocabulary
+and positions from the token data, and the weights from the class's own initialisation under the
+problem's seed. Everything else is the config's default, dropouts included — a model trains as its
+config says, and a default dropout is something the lab must show, not hide.
+
+``loss: hf`` is the model's own loss (transformers' ``ForCausalLMLoss``) given
+``num_items_in_batch``: the loss sum of the micro-batch ÷ that count. Given the *global* batch's
+valid-token count, every token weighs the same whatever the split — transformers' accumulation fix
+(huggingface/transformers#34242). transformers is an optional extra: ``pip install 'gaeq[hf]'``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+
+from gaeq.problem.spec import HFModelSpec
+
+INSTALL_HINT = "transformers models need the hf extra: pip install 'gaeq[hf]'"
+
+
+class HFModelError(ValueError):
+    """A transformers model that cannot be built. The message says why in one line."""
+
+
+def transformers_module():
+    try:
+        return importlib.import_module("transformers")
+    except ImportError:
+        raise HFModelError(INSTALL_HINT) from None
+
+
+def causal_lm_classes() -> set[str]:
+    """Names of every causal-LM class transformers knows (its AutoModelForCausalLM mapping)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    names: set[str] = set()
+    for value in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        names.update((value,) if isinstance(value, str) else value)
+    return names
+
+
+def build_hf_model(spec: HFModelSpec, *, vocab_size: int, seq_len: int) -> torch.nn.Module:
+    """The model, randomly initialised (call it under the problem's seed), in float32."""
+    transformers = transformers_module()
+    if spec.hf not in causal_lm_classes():
+        raise HFModelError(
+            f"model.hf {spec.hf!r} is not a transformers causal-LM class (e.g. LlamaForCausalLM, GPT2LMHeadModel; "
+            f"transformers {transformers.__version__})"
+        )
+    cls = getattr(transformers, spec.hf)
+    # gaeq shrinks the vocabulary to the data's, which makes transformers warn about the config's
+    # special token ids (GPT-2's 50256): noise about knobs training never reads.
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        config = cls.config_class(**spec.config, vocab_size=vocab_size, max_position_embeddings=seq_len, use_cache=False)
+        model = cls(config).float()
+    except Exception as exc:  # noqa: BLE001 - any failure here is the config's
+        raise HFModelError(f"model.hf {spec.hf}: cannot build from model.config ({type(exc).__name__}: {exc})") from None
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    if not getattr(config, "return_dict", True):
+        raise HFModelError(f"model.hf {spec.hf}: return_dict must stay true (gaeq reads outputs by name)")
+    return model
+
+
+def dropouts(model: torch.nn.Module) -> dict[str, float]:
+    """The model config's non-zero dropout knobs (``attention_dropout``, GPT-2's ``resid_pdrop``,
+    …). torch's global RNG draws their masks, so the masks depend on the split. Knobs of heads a
+    causal LM does not have (GPT-2's ``summary_*``, ``classifier_dropout``) are left out."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return {}
+    return {
+        key: float(value)
+        for key, value in sorted(config.to_dict().items())
+        if ("dropout" in key or "pdrop" in key)
+        and not key.startswith(("summary_", "classifier_"))
+        and isinstance(value, float)
+        and value > 0
+    }
+
+
+def model_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, *, num_items: int) -> torch.Tensor:
+    """The model's own loss over the micro-batch, as a transformers training loop computes it:
+    the sum over its valid tokens ÷ ``num_items`` (``num_items_in_batch``). ``targets`` are already
+    the next tokens (the data shifts them), so they go in as ``shift_labels``."""
+    outputs = model(input_ids=inputs, labels=targets, shift_labels=targets, num_items_in_batch=num_items)
+    return outputs.loss
+
+
+def logits(outputs: Any) -> torch.Tensor:
+    """A transformers output's logits; any other model's output as it is."""
+    return outputs.logits if hasattr(outputs, "logits") and isinstance(outputs.logits, torch.Tensor) else outputs
