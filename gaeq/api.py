@@ -13,8 +13,10 @@ Nothing here prints: progress goes to `on_event`, problems are raised (`MatrixEr
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -196,8 +198,35 @@ def run(
         launcher=launcher,
         on_event=on_event or ignore,
     )
+    _import_report_libraries_meanwhile()
     outcomes = kept | run_all([c for c in m.runnable() if c.id not in kept], opts, done=kept)
     return judge_run(m, run_dir, outcomes)
+
+
+REPORT_LIBRARIES = (
+    "matplotlib.figure",
+    "matplotlib.colormaps",
+    "matplotlib.backends.backend_agg",
+    "tensorboard.compat.proto.event_pb2",
+    "tensorboard.summary.writer.record_writer",
+    "torch.utils.tensorboard.summary",
+)
+"""What judging a run imports (~2 s): the figure's matplotlib, TensorBoard's event writer."""
+
+
+def _import_report_libraries_meanwhile() -> None:
+    """Import the report's libraries in a background thread while the ranks train: the parent
+    only waits on their queue then, and the report no longer starts with ~2 s of imports. (Python's
+    import lock makes a module that judging needs before the thread is done wait for it.)"""
+
+    def load() -> None:
+        for name in REPORT_LIBRARIES:
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001 - judging imports it again and reports a real failure
+                return
+
+    threading.Thread(target=load, name="gaeq-report-imports", daemon=True).start()
 
 
 def new_run_dir(name: str, *, root: Path = Path("runs")) -> Path:
