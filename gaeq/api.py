@@ -30,7 +30,7 @@ from gaeq.results.outcome import CellOutcome, read_outcome
 from gaeq.results.overlay import OVERLAY_FILE, overlay_figure, plot_overlay
 from gaeq.files import atomic_write
 from gaeq.results.render import write_report
-from gaeq.results.report import CellReport, Report, judge, resolve_tolerances
+from gaeq.results.report import CellReport, Report, judge, record_versions, resolve_tolerances, run_versions
 from gaeq.results.tensorboard import TB_DIR, write_tensorboard
 from gaeq.results.trace import StepRecord, TraceStore, cell_dir
 
@@ -177,12 +177,13 @@ def run(
     check_world_sizes(m, gpus=False)  # without torch: its import would delay the fork server below
     lifeline.mark_parent()  # every process started from here on dies with this one
     if launcher == "local":
-        warm_up(isolate=isolate, problems=m.problems)  # the ranks' fork server imports torch/DeepSpeed while the problems are checked
+        warm_up(m.runnable(), m.problems, isolate=isolate)  # the ranks' fork server imports torch/DeepSpeed while the problems are checked
     check_problems(m)
     check_world_sizes(m, gpus=True)
     run_dir = Path(out) if out is not None else new_run_dir(m.spec.name)
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write(run_dir / MATRIX_FILE, yaml.safe_dump(m.source, sort_keys=False, allow_unicode=True))
+    record_versions(run_dir)
     freed = shm.free_orphans()  # what runs that were killed left in /dev/shm
     if freed.segments:
         (on_event or ignore)(Event(kind="shm_freed", world_size=0, freed_bytes=freed.bytes, step=freed.segments))
@@ -215,9 +216,10 @@ REPORT_LIBRARIES = (
 
 
 def _import_report_libraries_meanwhile() -> None:
-    """Import the report's libraries in a background thread while the ranks train: the parent
-    only waits on their queue then, and the report no longer starts with ~2 s of imports. (Python's
-    import lock makes a module that judging needs before the thread is done wait for it.)"""
+    """Import the report's libraries in a background thread while the ranks train (for `gaeq run`
+    and every API caller): the parent only waits on their queue then, and the report no longer
+    starts with ~2 s of imports. (Python's import lock makes a module that judging needs before
+    the thread is done wait for it.)"""
 
     def load() -> None:
         for name in REPORT_LIBRARIES:
@@ -282,7 +284,7 @@ def judge_run(
 ) -> RunResult:
     """Judge every cell against its baseline and (re)write report.json/.md, TensorBoard and the figure."""
     traces = TraceStore(run_dir)
-    report = judge(m, outcomes, traces, resolve_tolerances(m, overrides))
+    report = judge(m, outcomes, traces, resolve_tolerances(m, overrides), versions=run_versions(run_dir))
     write_tensorboard(run_dir, report, traces)
     plot_overlay(run_dir / OVERLAY_FILE, report, traces)
     write_report(run_dir, report, figure=OVERLAY_FILE)

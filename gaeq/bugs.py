@@ -21,6 +21,10 @@ class PlantedBug:
     """The bug exists only where the problem has a user's deepspeed_config."""
     loss: str | None = None
     """The problem loss the bug exists in (None: any)."""
+    min_world_size: int = 1
+    """The bug exists only from this many ranks on (a per-process mistake needs several processes)."""
+    reported: str = ""
+    """Where the mistake was seen in the wild (an issue of the library's tracker), if anywhere."""
 
 
 BUGS: dict[str, PlantedBug] = {
@@ -36,7 +40,7 @@ BUGS: dict[str, PlantedBug] = {
         ),
         PlantedBug(
             name="mean_of_means",
-            trainers=("torch", "deepspeed"),
+            trainers=("torch", "deepspeed", "accelerate"),
             description=(
                 "each micro-batch is normalised by its own element count, then ÷ GA: the mean of "
                 "micro-batch means, not the global mean — tokens of short micro-batches weigh more"
@@ -82,12 +86,32 @@ BUGS: dict[str, PlantedBug] = {
         ),
         PlantedBug(
             name="hf_num_items_per_micro_batch",
-            trainers=("torch", "deepspeed"),
+            trainers=("torch", "deepspeed", "accelerate"),
             loss="hf",
+            reported="huggingface/transformers#34242",
             description=(
                 "the transformers model's loss gets num_items_in_batch = the micro-batch's own valid-token count "
                 "(transformers before its accumulation fix, #34242): every micro-batch mean weighs the same, "
                 "and the accumulated gradient is GA × world too large"
+            ),
+        ),
+        PlantedBug(
+            name="accelerate_scheduler_per_process",
+            trainers=("accelerate",),
+            min_world_size=2,
+            reported="accelerate's AcceleratedScheduler (step_scheduler_with_optimizer=True, the default)",
+            description=(
+                "accelerate's default scheduler stepping: a prepared scheduler steps num_processes times per "
+                "optimizer step, so a schedule written in optimizer steps runs world× too fast"
+            ),
+        ),
+        PlantedBug(
+            name="accelerate_loss_divided_twice",
+            trainers=("accelerate",),
+            reported="huggingface/accelerate#3533 (÷ GA twice, there with DeepSpeed)",
+            description=(
+                "the loop divides the loss by GA as a manual loop must, then accelerator.backward divides by GA "
+                "again: the accumulated gradient is GA× too small"
             ),
         ),
         PlantedBug(

@@ -9,7 +9,6 @@ import contextlib
 import os
 import signal
 import sys
-import threading
 from pathlib import Path
 from typing import Annotated, NoReturn
 
@@ -22,7 +21,7 @@ from rich.table import Table
 from gaeq import api
 from gaeq.matrix import Matrix, MatrixError
 from gaeq.files import atomic_write
-from gaeq.results.render import cost_table, verdict_table
+from gaeq.results.render import cost_table, verdict_table, versions_line
 from gaeq.results.report import EXIT_BAD_INPUT
 from gaeq.results.tensorboard import TB_DIR
 
@@ -174,8 +173,6 @@ def run(
         for line in overrides_of(config, cells):
             console.print(f"deepspeed_config of {where}, overridden: {line}", highlight=False, soft_wrap=True)
     steps = m.problem.steps
-    # The report's heavy imports (TensorBoard, matplotlib) load while the ranks train.
-    threading.Thread(target=_import_report_modules, daemon=True).start()
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -263,6 +260,7 @@ def worker(
     import dataclasses
 
     from gaeq.matrix import MATRIX_FILE
+    from gaeq.results.report import record_versions
     from gaeq.runtime import dist
     from gaeq.runtime import lifeline, worker
     from gaeq.runtime.external import cells_for_launch, launched_main
@@ -281,6 +279,7 @@ def worker(
     out.mkdir(parents=True, exist_ok=True)
     if me.rank == 0 and not (out / MATRIX_FILE).exists():
         atomic_write(out / MATRIX_FILE, matrix.read_text())  # other ranks may read it: never half-written
+        record_versions(out)
     code = launched_main(matrix=m, run_dir=out, only=cell)
     # Every outcome is written: leave without the interpreter's and C++'s teardown, where a
     # native thread still alive at exit (gloo's, the shm op's) can abort a finished rank with
@@ -321,11 +320,6 @@ def _bad_input(message: str) -> NoReturn:
     raise typer.Exit(EXIT_BAD_INPUT)
 
 
-def _import_report_modules() -> None:
-    import matplotlib.figure  # noqa: F401
-    import torch.utils.tensorboard  # noqa: F401
-
-
 def _print_result(result: api.RunResult) -> int:
     """The cost and verdict tables, each unexpected reason, the summary line; the exit code."""
     report = result.report
@@ -334,6 +328,7 @@ def _print_result(result: api.RunResult) -> int:
     for c in report.cells:
         if c.reason and c.reason != "baseline" and c.verdict != "skipped":
             console.print(f"[bold]{c.id}[/] ({c.verdict}): {escape(c.reason)}", highlight=False, soft_wrap=True)
+    console.print(versions_line(report), highlight=False)
     s = report.summary
     status = "[bold green]OK[/]" if report.ok else "[bold red]NOT OK[/]"
     console.print(

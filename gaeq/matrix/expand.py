@@ -7,6 +7,7 @@ cells (the axes product, explicit cells, baselines, resume sources and targets) 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import itertools
 
 from pydantic import ValidationError
@@ -121,17 +122,21 @@ class Expander:
         """The one place a split is checked and becomes a cell (or a skipped cell, with the reason)."""
         problem = self.problem(split.variant)
         trainer, world, micro, dtype = split.trainer, split.world_size, split.micro_batch_size, split.dtype
-        if trainer == "torch" and split.zero_stage is not None:
-            raise MatrixError(f"zero_stage is a DeepSpeed setting; the torch cell w{world} mb{micro} sets it")
+        if trainer != "deepspeed" and split.zero_stage is not None:
+            raise MatrixError(f"zero_stage is a DeepSpeed setting; the {trainer} cell w{world} mb{micro} sets it")
         if trainer == "deepspeed" and split.zero_stage is None:
             split = dataclasses.replace(split, zero_stage=0)
-        if trainer == "torch" and split.offload != "none":
-            raise MatrixError(f"offload is a DeepSpeed setting; the torch cell w{world} mb{micro} sets it")
+        if trainer != "deepspeed" and split.offload != "none":
+            raise MatrixError(f"offload is a DeepSpeed setting; the {trainer} cell w{world} mb{micro} sets it")
         if dtype == "ds_bf16" and not (trainer == "deepspeed" and split.zero_stage >= 1):
             raise MatrixError(
                 "dtype ds_bf16 is DeepSpeed's bf16 mixed precision: DeepSpeed cells at ZeRO ≥ 1 only "
                 "(at ZeRO-0 DeepSpeed 0.19 cannot accumulate bf16 gradients in fp32)"
             )
+        if trainer in LIBRARY_TRAINERS and importlib.util.find_spec(LIBRARY_TRAINERS[trainer]) is None:
+            raise MatrixError(f"trainer {trainer} needs {LIBRARY_TRAINERS[trainer]}: pip install 'gaeq[hf]'")
+        if trainer == "accelerate" and dtype not in ("fp32", "bf16"):
+            raise MatrixError(f"the accelerate trainer runs fp32 and bf16 (accelerate's CPU autocast), not {dtype}")
         if dtype == "ds_fp16" and trainer != "deepspeed":
             raise MatrixError("dtype ds_fp16 is DeepSpeed's fp16 mixed precision: DeepSpeed cells only (torch: fp16)")
         if problem.mirror is not None and trainer == "deepspeed":
@@ -143,6 +148,8 @@ class Expander:
                 raise MatrixError(f"bug {bug!r} exists only in the {'/'.join(BUGS[bug].trainers)} trainer")
             if BUGS[bug].needs_deepspeed_config and problem.deepspeed_config is None:
                 raise MatrixError(f"bug {bug!r} exists only in a problem with a deepspeed_config")
+            if world < BUGS[bug].min_world_size:
+                raise MatrixError(f"bug {bug!r} needs world_size ≥ {BUGS[bug].min_world_size}, the cell has {world}")
             if BUGS[bug].loss is not None and problem.loss != BUGS[bug].loss:
                 raise MatrixError(f"bug {bug!r} exists only with loss {BUGS[bug].loss}, not {problem.loss!r}")
             if BUGS[bug].dtypes and dtype not in BUGS[bug].dtypes:
@@ -220,6 +227,10 @@ def _check_precision(precision: str, dtype: str) -> None:
             f"deepspeed_config enables {section} ({section}.enabled: true): its DeepSpeed cells are {precision}, "
             f"not {dtype} — set dtype: {precision} (with a DeepSpeed baseline)"
         )
+
+
+LIBRARY_TRAINERS = {"accelerate": "accelerate"}
+"""Trainers that are a library's own loop → the package they need (the hf extra installs it)."""
 
 
 def _fp16_unsupported() -> str | None:

@@ -121,6 +121,11 @@ def cost_table(report: Report) -> Table:
     return table
 
 
+def versions_line(report: Report) -> str:
+    """The libraries the verdicts certify, e.g. `Versions: torch 2.13.0, deepspeed 0.19.8`."""
+    return "Versions: " + ", ".join(f"{name} {version}" for name, version in report.versions.items())
+
+
 def render_markdown(report: Report, *, figure: str | None = None) -> str:
     s = report.summary
     cols = columns(report)
@@ -131,6 +136,8 @@ def render_markdown(report: Report, *, figure: str | None = None) -> str:
         + ", ".join(f"{n} {v}" for v, n in s.items())
         + f"; baseline{'s' if len(report.baselines) > 1 else ''}: "
         + ", ".join(f"`{b}` ({d})" for d, b in report.baselines.items()),
+        "",
+        versions_line(report),
         "",
         *([f"![loss of every cell, and |Δloss| vs baseline]({figure})", ""] if figure else []),
         "Tolerances: "

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
+from importlib import metadata
+from pathlib import Path
 
+from gaeq.files import atomic_write
 from gaeq.matrix import Cell, Matrix, group_key
 from gaeq.results.compare import Comparison, Tolerance, compare_traces, tolerance_for
 from gaeq.results.outcome import CellOutcome
@@ -110,6 +114,8 @@ class Report:
     tolerances: dict[str, Tolerance]
     """dtype → the tolerances the cells were judged with."""
     cells: list[CellReport]
+    versions: dict[str, str] = field(default_factory=dict)
+    """The libraries a verdict certifies (installed versions of LIBRARIES), in the report's header."""
 
     @property
     def ok(self) -> bool:
@@ -137,6 +143,7 @@ class Report:
             "tolerances": {dtype: asdict(tol) for dtype, tol in self.tolerances.items()},
             "cells": [c.to_json() for c in self.cells],
             "summary": self.summary,
+            "versions": self.versions,
         }
 
 
@@ -155,6 +162,8 @@ def judge(
     outcomes: Mapping[str, CellOutcome],
     traces: TraceStore,
     tolerances: Mapping[str, Tolerance] | None = None,
+    *,
+    versions: Mapping[str, str] | None = None,
 ) -> Report:
     """Compare every cell's trace with the baseline of its dtype group."""
     tolerances = dict(tolerances or resolve_tolerances(matrix))
@@ -179,7 +188,39 @@ def judge(
                 cost=Cost.of(traces.usable(cell.id) if verdict in ("match", "diverge") else None),
             )
         )
-    return Report(baselines=dict(matrix.baselines), tolerances=tolerances, cells=cells)
+    return Report(baselines=dict(matrix.baselines), tolerances=tolerances, cells=cells, versions=dict(versions or installed_versions()))
+
+
+LIBRARIES = ("torch", "deepspeed", "transformers", "accelerate")
+"""What trains the cells: a verdict holds for these versions."""
+
+
+VERSIONS_FILE = "versions.json"
+"""Written into the run directory when it is created: re-judging it later names what trained it."""
+
+
+def run_versions(run_dir: Path) -> dict[str, str]:
+    """The versions the run directory recorded when it was created (else those installed now)."""
+    try:
+        return json.loads((run_dir / VERSIONS_FILE).read_text())
+    except (OSError, ValueError):
+        return installed_versions()
+
+
+def record_versions(run_dir: Path) -> None:
+    if not (run_dir / VERSIONS_FILE).exists():
+        atomic_write(run_dir / VERSIONS_FILE, json.dumps(installed_versions()) + "\n")
+
+
+def installed_versions() -> dict[str, str]:
+    """Versions of LIBRARIES installed here (the ranks run this interpreter's), without importing them."""
+    versions = {}
+    for name in LIBRARIES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return versions
 
 
 def _judge_cell(cell: Cell, *, base_id: str, outcomes, traces: TraceStore, tolerance: Tolerance, tracked: tuple[str, ...]):

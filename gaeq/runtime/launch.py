@@ -141,7 +141,8 @@ class _GroupRun:
 
 
 def _run_group(*, world_size: int, cells: Sequence[Cell], opts: RunOptions) -> dict[str, CellOutcome]:
-    ctx = _context(isolate=opts.isolate, problems=opts.problems)
+    # The server already runs when api.run warmed it up (then its preload list stands).
+    ctx = _context(isolate=opts.isolate, preload=preload_modules(cells, opts.problems))
     events = ctx.Queue()
     timeout_s, init_timeout_s = opts.timeout_s, opts.init_timeout_s
     job = worker.GroupJob(
@@ -193,27 +194,41 @@ def _run_group(*, world_size: int, cells: Sequence[Cell], opts: RunOptions) -> d
     return state.outcomes
 
 
-def warm_up(*, isolate: bool = False, problems: Mapping[str, ProblemSpec] | None = None) -> None:
+def warm_up(cells: Sequence[Cell], problems: Mapping[str, ProblemSpec], *, isolate: bool = False) -> None:
     """Start the fork server now (its imports take seconds), so that it is ready by the time the
     first process group is launched; call it before other start-up work."""
     if not isolate and sys.platform == "linux":
-        _context(isolate=False, problems=problems or {})
+        _context(isolate=False, preload=preload_modules(cells, problems))
         from multiprocessing import forkserver
 
         forkserver.ensure_running()
 
 
-def _context(*, isolate: bool, problems: Mapping[str, ProblemSpec]):
-    """Ranks fork from a server that has imported torch and DeepSpeed once (Linux) — and
-    transformers, when a problem has a transformers model; with `isolate`, every group is a fresh
-    interpreter — exactly what one launch per config costs."""
+def preload_modules(cells: Sequence[Cell], problems: Mapping[str, ProblemSpec]) -> list[str]:
+    """What the fork server imports before it forks a rank: torch and the manual trainer always;
+    DeepSpeed, accelerate, transformers only when a cell needs them (the server's imports are on
+    the critical path of every run: the first group cannot start before they are done)."""
+    trainers = {c.trainer for c in cells}
+    modules = ["gaeq.runtime.preload"]
+    if "deepspeed" in trainers:
+        modules.append("gaeq.runtime.preload_deepspeed")
+    if "accelerate" in trainers:
+        modules.append("gaeq.runtime.preload_accelerate")
+    if any(isinstance(problems[c.variant].model, HFModelSpec) for c in cells):
+        modules.append("gaeq.runtime.preload_hf")
+    return modules
+
+
+def _context(*, isolate: bool, preload: Sequence[str]):
+    """Ranks fork from a server that has imported torch (and what the cells need, `preload`) once
+    (Linux); with `isolate`, every group is a fresh interpreter — exactly what one launch per config
+    costs."""
     if isolate or sys.platform != "linux":
         return mp.get_context("spawn")
     # DS_ACCELERATOR: set by the fork server's preload (and by a spawned rank) before DeepSpeed
     # is imported — not here, where asking torch about CUDA would import it before the server starts.
     ctx = mp.get_context("forkserver")
-    hf = any(isinstance(p.model, HFModelSpec) for p in problems.values())
-    ctx.set_forkserver_preload(["gaeq.runtime.preload"] + (["gaeq.runtime.preload_hf"] if hf else []))
+    ctx.set_forkserver_preload(list(preload))
     return ctx
 
 

@@ -1,20 +1,19 @@
 """Imported once by the fork server (`gaeq run` without --isolate), so that every rank it forks
-starts with torch, DeepSpeed and the trainers already loaded: a process group then starts in a
-fraction of a second instead of paying ~2 s of imports per rank, and the first cell of a group no
-longer pays the lazy imports (torch._dynamo on the first optimizer, ~1.7 s; DeepSpeed's ZeRO stages).
+starts with torch and the trainers already loaded: a process group then starts in a fraction of a
+second instead of paying ~2 s of imports per rank, and the first cell of a group no longer pays the
+lazy imports (torch._dynamo, which torch's optimizer constructors pull in, ~1.5 s).
+
+What else the server imports depends on the matrix (`launch.preload_modules`): DeepSpeed
+(preload_deepspeed.py), accelerate (preload_accelerate.py), transformers (preload_hf.py) — each only
+when a cell needs it, since the ranks cannot start before the server has finished.
 """
 
 from gaeq.runtime import lifeline
 from gaeq.runtime.dist import set_accelerator_env
 
 lifeline.bind_to_parent()  # the fork server exits the moment `gaeq` does, however it ends
-set_accelerator_env()  # before DeepSpeed is imported
+set_accelerator_env()  # before DeepSpeed is imported (here or later)
 
-import deepspeed  # noqa: E402,F401
-import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: E402,F401  (ZeRO's optimizer check: torch.compile, ~1.4 s)
-import deepspeed.runtime.zero.stage3  # noqa: E402,F401
-import deepspeed.runtime.zero.stage_1_and_2  # noqa: E402,F401
 import torch._dynamo  # noqa: E402,F401
 
-import gaeq.trainers.deepspeed_native  # noqa: E402,F401
 import gaeq.trainers.torch_manual  # noqa: E402,F401

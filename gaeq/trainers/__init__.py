@@ -1,4 +1,5 @@
-"""HOW gradients are accumulated: the pair of trainers the lab exists to compare."""
+"""HOW gradients are accumulated: the pair of trainers the lab exists to compare (manual PyTorch,
+DeepSpeed), and the libraries people train with (accelerate)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ def trainer_for(name: str) -> Callable[..., None]:
         from gaeq.trainers.torch_manual import train
     elif name == "deepspeed":
         from gaeq.trainers.deepspeed_native import train
+    elif name == "accelerate":
+        from gaeq.trainers.accelerate_native import train
     else:
         raise ValueError(f"unknown trainer {name!r}")
     return train

@@ -12,6 +12,7 @@ reason that names both values.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -40,6 +41,15 @@ def label_of(cell: Cell, problem: ProblemSpec) -> dict[str, Any]:
     }
     if cell.trainer == "torch":
         return label | {"ddp": cell.world_size > 1, "grad_scaler": cell.dtype == "fp16"}
+    if cell.trainer == "accelerate":
+        return label | {
+            # gaeq's ranks run as a launcher starts them (LOCAL_RANK set): accelerate then wraps DDP
+            # at world 1 too, as under `accelerate launch` or torchrun — a 1-rank all-reduce, a no-op.
+            "ddp": cell.world_size > 1 or "LOCAL_RANK" in os.environ,
+            "grad_accum_steps": cell.grad_accum_steps,
+            "mixed_precision": {"fp32": "no", "bf16": "bf16"}[cell.dtype],
+            "scheduler_steps_with_optimizer": cell.bug == "accelerate_scheduler_per_process",
+        }
     label |= {
         "zero_stage": cell.zero_stage,
         "micro_batch_size": cell.micro_batch_size,

@@ -1,0 +1,52 @@
+"""The accelerate trainer at world size 1, in this process: accelerate's own accumulation
+(accumulate(), backward() dividing by GA, clip_grad_norm_ on sync steps) matches the full batch and
+the manual trainer; dividing by GA by hand as well is caught; accelerate's process-wide state is
+reset between cells (a second cell with another GA runs its own GA)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gaeq.matrix import MatrixError, load_matrix, matrix_from_dict
+from gaeq.results.report import judge
+from gaeq.results.trace import TraceStore
+from tests.helpers import run_in_process, small_spec
+
+pytest.importorskip("accelerate")
+
+
+def test_accelerate_accumulation_matches_and_the_double_division_is_caught(write_matrix, tmp_path):
+    spec = small_spec(
+        axes={"trainer": ["torch", "accelerate"], "world_size": [1], "micro_batch_size": [2, 8]},
+        cells=[
+            {"trainer": "accelerate", "micro_batch_size": 2, "bug": "accelerate_loss_divided_twice"},
+            {"trainer": "accelerate", "micro_batch_size": 4, "dtype": "bf16"},
+            {"trainer": "torch", "micro_batch_size": 16, "dtype": "bf16"},
+        ],
+    )
+    spec["problem"]["gradient_clipping"] = 0.5  # acts on every step: clip_grad_norm_ must see the whole sum
+    matrix = load_matrix(write_matrix(spec))
+    report = judge(matrix, run_in_process(matrix, tmp_path), TraceStore(tmp_path))
+    by_id = {c.id: c for c in report.cells}
+    for cell_id in ("accelerate-w1-mb2-ga8", "accelerate-w1-mb8-ga2", "torch-w1-mb2-ga8"):
+        cell = by_id[cell_id]
+        assert cell.verdict == "match", (cell_id, cell.reason)
+        assert 0 < cell.max_abs_loss_diff < 1e-6
+        if cell.trainer == "accelerate":
+            assert cell.ran["grad_accum_steps"] == cell.grad_accum_steps and cell.ran["micro_steps"] == cell.grad_accum_steps
+            assert (cell.ran["mixed_precision"], cell.ran["scheduler_steps_with_optimizer"]) == ("no", False)
+    bf16 = by_id["accelerate-w1-mb4-ga4-bf16"]  # accelerate's own autocast: bf16 really ran
+    assert bf16.verdict == "match" and (bf16.ran["mixed_precision"], bf16.ran["compute_dtype"]) == ("bf16", "bfloat16")
+    control = by_id["accelerate-w1-mb2-ga8-bug_accelerate_loss_divided_twice"]
+    # ÷ GA twice: the gradient is GA = 8 times too small, so rel Δ grad norm = 1 - 1/8 at step 0.
+    assert (control.verdict, control.caught_by, control.first_divergent_step) == ("diverge", "grad_norm", 0)
+    assert control.reason.startswith("grad norm diverged at step 0: rel 8.75e-01"), control.reason
+
+
+def test_accelerate_cells_are_fp32_or_bf16_and_its_scheduler_trap_needs_two_ranks():
+    with pytest.raises(MatrixError, match="the accelerate trainer runs fp32 and bf16 .*not fp16"):
+        matrix_from_dict(small_spec(cells=[{"trainer": "accelerate", "micro_batch_size": 4, "dtype": "fp16"}]))
+    with pytest.raises(MatrixError, match="zero_stage is a DeepSpeed setting; the accelerate cell w1 mb4 sets it"):
+        matrix_from_dict(small_spec(cells=[{"trainer": "accelerate", "micro_batch_size": 4, "zero_stage": 1}]))
+    with pytest.raises(MatrixError, match="bug 'accelerate_scheduler_per_process' needs world_size ≥ 2, the cell has 1"):
+        matrix_from_dict(small_spec(cells=[{"trainer": "accelerate", "micro_batch_size": 4, "bug": "accelerate_scheduler_per_process"}]))
