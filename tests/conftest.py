@@ -24,10 +24,10 @@ def write_matrix(tmp_path):
 def pitfalls_run(tmp_path_factory):
     """`gaeq run experiments/pitfalls.yaml`, once per session: tests/integration/test_pitfalls.py
     checks it, notebook 04 re-judges it (GAEQ_PITFALLS_RUN) instead of training it again."""
-    from tests.helpers import gaeq_run
+    from tests.helpers import gaeq_run_here
 
     out = tmp_path_factory.mktemp("pitfalls") / "run"
-    proc, report, tag = gaeq_run(REPO / "experiments" / "pitfalls.yaml", out)
+    proc, report, tag = gaeq_run_here(REPO / "experiments" / "pitfalls.yaml", out)
     return proc, report, tag, out
 
 
@@ -48,8 +48,8 @@ def default_run(tmp_path_factory):
 def universal_run(tmp_path_factory):
     """`gaeq run experiments/universal.yaml`, once per session: tests/integration/test_universal.py
     checks it, notebook 3 (whose resize experiment is a part of it) re-judges it (GAEQ_UNIVERSAL_RUN)."""
-    from tests.helpers import gaeq_run
+    from tests.helpers import gaeq_run_here
 
     out = tmp_path_factory.mktemp("universal") / "run"
-    proc, report, tag = gaeq_run(REPO / "experiments" / "universal.yaml", out)
+    proc, report, tag = gaeq_run_here(REPO / "experiments" / "universal.yaml", out)
     return proc, report, tag, out

@@ -96,6 +96,52 @@ def gaeq_run(matrix: Path, out: Path, *, timeout: float = 600, extra: list[str] 
     return proc, report, tag
 
 
+PRELOAD_EVERYTHING = (
+    "gaeq.runtime.preload",
+    "gaeq.runtime.preload_deepspeed",
+    "gaeq.runtime.preload_accelerate",
+    "gaeq.runtime.preload_hf",
+)
+
+
+def gaeq_run_here(matrix: Path, out: Path, *, extra: list[str] = ()) -> tuple[subprocess.CompletedProcess, dict, str]:
+    """`gaeq run` through the CLI in this process (typer's CliRunner): the same code path, exit code
+    and output as :func:`gaeq_run`, but the ranks fork from this session's fork server — started
+    once, with every preload — instead of a new one per run (3-5 s of imports each time).
+
+    For tests of a run's results and output. Tests about processes (signals, launchers, the README's
+    own command) or that set environment variables for the ranks (they inherit the server's
+    environment, not the test's) run `gaeq` as a child with :func:`gaeq_run`. Returns no tag: nothing
+    this run starts carries an environment tag, so the returned tag names the fork server instead:
+    :func:`leftover_processes` then lists its children still alive (every rank is one). The CLI's
+    signal handlers are put back afterwards."""
+    from multiprocessing import forkserver
+
+    from typer.testing import CliRunner
+
+    from gaeq.cli import app
+    from gaeq.runtime import launch, lifeline
+
+    lifeline.mark_parent()  # the session's fork server and its ranks die with pytest
+    launch._context(isolate=False, preload=PRELOAD_EVERYTHING)
+    forkserver.ensure_running()
+    shm_before = deepspeed_shm()
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        result = CliRunner().invoke(app, ["run", "--matrix", str(matrix), "--out", str(out), *extra], catch_exceptions=False)
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+    report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else {}
+    assert deepspeed_shm() <= shm_before, f"left in /dev/shm: {sorted(deepspeed_shm() - shm_before)}"
+    proc = subprocess.CompletedProcess(["gaeq", "run"], result.exit_code, result.stdout, result.stderr)
+    return proc, report, f"{CHILDREN_OF}{forkserver._forkserver._forkserver_pid}"
+
+
+CHILDREN_OF = "children-of:"
+"""A tag of :func:`gaeq_run_here`: the processes it started are the children of this pid."""
+
+
 def start_gaeq(args: list[str], *, tag: str, sigint=signal.SIG_DFL, **popen) -> subprocess.Popen:
     """Start ``python -m gaeq ARGS`` tagged, with SIGINT's disposition set explicitly: a child
     inherits an ignored SIGINT from a background job or CI runner (and then keeps it ignored, see
@@ -113,7 +159,10 @@ def start_gaeq(args: list[str], *, tag: str, sigint=signal.SIG_DFL, **popen) -> 
 
 
 def leftover_processes(tag: str, *, grace: float = 5.0) -> list[int]:
-    """PIDs of live processes that inherited the tag (every rank gaeq started would have)."""
+    """PIDs of live processes that inherited the tag (every rank gaeq started would have) — or,
+    for a tag of :func:`gaeq_run_here`, the fork server's live children."""
+    if tag.startswith(CHILDREN_OF):
+        return _children_left(int(tag.removeprefix(CHILDREN_OF)), grace=grace)
     deadline = time.monotonic() + grace
     while True:
         pids = []
@@ -125,6 +174,25 @@ def leftover_processes(tag: str, *, grace: float = 5.0) -> list[int]:
                     pids.append(int(entry.name))
             except OSError:
                 continue
+        if not pids or time.monotonic() > deadline:
+            return pids
+        time.sleep(0.2)
+
+
+def _children_left(parent: int, *, grace: float) -> list[int]:
+    deadline = time.monotonic() + grace
+    while True:
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state, ppid, ...
+            if int(fields[1]) == parent and fields[0] != "Z":
+                pids.append(int(entry.name))
         if not pids or time.monotonic() > deadline:
             return pids
         time.sleep(0.2)

@@ -9,22 +9,37 @@ import json
 from importlib import metadata
 
 import pytest
+import yaml
 
 from tests.conftest import REPO
-from tests.helpers import cells_by_id, gaeq_run
+from tests.helpers import cells_by_id, gaeq_run_here
 
 pytestmark = pytest.mark.integration
 
 
+# The experiment's accelerate cells at GA 6 and 1..3, both problems, and all its traps (the whole file,
+# 30 cells, runs in the README; here its corners, to keep the suite's time).
+CELLS = [
+    {"trainer": "accelerate", "world_size": 1, "micro_batch_size": 4},
+    {"trainer": "accelerate", "world_size": 2, "micro_batch_size": 4},
+    {"trainer": "accelerate", "world_size": 2, "micro_batch_size": 12},
+    {"trainer": "accelerate", "world_size": 2, "micro_batch_size": 4, "variant": "llama"},
+]
+
+
 def test_libraries_experiment(tmp_path):
-    out = tmp_path / "run"
-    proc, report, _ = gaeq_run(REPO / "experiments" / "libraries.yaml", out)
+    spec = yaml.safe_load((REPO / "experiments" / "libraries.yaml").read_text())
+    spec.pop("axes")
+    spec["cells"] = CELLS + spec["cells"]
+    matrix, out = tmp_path / "libraries.yaml", tmp_path / "run"
+    matrix.write_text(yaml.safe_dump(spec))
+    proc, report, _ = gaeq_run_here(matrix, out)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     cells = cells_by_id(report)
     twins = [c for c in cells.values() if c["bug"] is None]
-    assert len(twins) == 26 and all(c["verdict"] == "match" for c in twins)
+    assert len(twins) == 6 and all(c["verdict"] == "match" for c in twins)  # with the two baselines
     accelerate = [c for c in twins if c["trainer"] == "accelerate"]
-    assert {(c["world_size"], c["grad_accum_steps"]) for c in accelerate} == {(1, 6), (1, 4), (1, 2), (2, 3), (2, 2), (2, 1)}
+    assert {(c["world_size"], c["grad_accum_steps"]) for c in accelerate} == {(1, 6), (2, 3), (2, 1)}
     for c in accelerate:
         assert c["max_abs_loss_diff"] < 1e-5, c  # measured ≤ 7.2e-7
         ran = c["ran"]  # what accelerate really ran: its GA, DDP, its scheduler stepped by us once per step

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.helpers import cells_by_id, gaeq_run, leftover_processes, small_spec
+from tests.helpers import cells_by_id, gaeq_run_here, leftover_processes, small_spec
 
 pytestmark = pytest.mark.integration
 
@@ -25,7 +25,7 @@ def test_a_crashing_or_hanging_rank_errors_its_cell_and_the_rest_still_run(write
         timeout_s=8,
     )
     started = time.monotonic()
-    proc, report, tag = gaeq_run(write_matrix(spec), tmp_path / "run")
+    proc, report, tag = gaeq_run_here(write_matrix(spec), tmp_path / "run")
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert time.monotonic() - started < 240
     cells = cells_by_id(report)

@@ -12,7 +12,7 @@ import json
 import pytest
 import yaml
 
-from tests.helpers import REPO_ROOT, gaeq_run
+from tests.helpers import REPO_ROOT, gaeq_run_here
 
 pytestmark = pytest.mark.integration
 
@@ -43,7 +43,7 @@ def test_your_config_runs_as_written_and_matches_the_torch_mirror(tmp_path):
     spec["variants"] = {k: v for k, v in spec["variants"].items() if k in ("clipped", "comm_bf16", "llama", "gpt2_dropout")}
     matrix = tmp_path / "your_config.yaml"
     matrix.write_text(yaml.safe_dump(spec))
-    proc, report, _ = gaeq_run(matrix, tmp_path / "run")
+    proc, report, _ = gaeq_run_here(matrix, tmp_path / "run")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "overridden: train_batch_size: the file's 64 → 16 per cell" in proc.stdout
 

@@ -8,14 +8,14 @@ from gaeq.accelerator import fp16_unsupported_reason
 from gaeq.results.compare import DEFAULT_TOLERANCES
 from gaeq.results.snapshots import compare_snapshots, read_snapshots
 from tests.conftest import REPO
-from tests.helpers import cells_by_id, gaeq_run, leftover_processes
+from tests.helpers import cells_by_id, gaeq_run_here, leftover_processes
 
 pytestmark = pytest.mark.integration
 
 
 def test_zero_experiment(tmp_path):
     out = tmp_path / "run"
-    proc, report, tag = gaeq_run(REPO / "experiments" / "zero.yaml", out)
+    proc, report, tag = gaeq_run_here(REPO / "experiments" / "zero.yaml", out)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     cells = cells_by_id(report)
 
