@@ -115,6 +115,25 @@ BUGS: dict[str, PlantedBug] = {
             ),
         ),
         PlantedBug(
+            name="hf_loss_per_micro_batch",
+            trainers=("hf",),
+            reported="huggingface/transformers#34242",
+            description=(
+                "the Trainer with a model it passes no num_items_in_batch to (model_accepts_loss_kwargs false): each "
+                "micro-batch's mean loss ÷ GA — the mean of micro-batch means, transformers before its fix"
+            ),
+        ),
+        PlantedBug(
+            name="hf_tokens_per_device",
+            trainers=("hf",),
+            min_world_size=2,
+            reported="huggingface/transformers#34373",
+            description=(
+                "average_tokens_across_devices=False: each rank divides by its own token count, and the ranks' means "
+                "are averaged — ranks with fewer tokens weigh more"
+            ),
+        ),
+        PlantedBug(
             name="one_grad_scaled",
             trainers=("torch",),
             description="the last parameter's accumulated gradient is 4× too large (a hook that forgets a division)",

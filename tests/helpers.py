@@ -101,6 +101,7 @@ PRELOAD_EVERYTHING = (
     "gaeq.runtime.preload_deepspeed",
     "gaeq.runtime.preload_accelerate",
     "gaeq.runtime.preload_hf",
+    "gaeq.trainers.hf_trainer",
 )
 
 

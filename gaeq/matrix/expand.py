@@ -135,8 +135,10 @@ class Expander:
             )
         if trainer in LIBRARY_TRAINERS and importlib.util.find_spec(LIBRARY_TRAINERS[trainer]) is None:
             raise MatrixError(f"trainer {trainer} needs {LIBRARY_TRAINERS[trainer]}: pip install 'gaeq[hf]'")
-        if trainer == "accelerate" and dtype not in ("fp32", "bf16"):
-            raise MatrixError(f"the accelerate trainer runs fp32 and bf16 (accelerate's CPU autocast), not {dtype}")
+        if trainer in ("accelerate", "hf") and dtype not in ("fp32", "bf16"):
+            raise MatrixError(f"the {trainer} trainer runs fp32 and bf16 (accelerate's CPU autocast), not {dtype}")
+        if trainer == "hf":
+            _check_hf_trainer(problem, self.spec)
         if dtype == "ds_fp16" and trainer != "deepspeed":
             raise MatrixError("dtype ds_fp16 is DeepSpeed's fp16 mixed precision: DeepSpeed cells only (torch: fp16)")
         if problem.mirror is not None and trainer == "deepspeed":
@@ -229,8 +231,25 @@ def _check_precision(precision: str, dtype: str) -> None:
         )
 
 
-LIBRARY_TRAINERS = {"accelerate": "accelerate"}
+LIBRARY_TRAINERS = {"accelerate": "accelerate", "hf": "transformers"}
 """Trainers that are a library's own loop → the package they need (the hf extra installs it)."""
+
+
+def _check_hf_trainer(problem: ProblemSpec, spec: MatrixSpec) -> None:
+    """What the transformers Trainer can be set to from the problem, exactly — else bad input, why."""
+    why = None
+    if getattr(problem.data, "kind", None) != "tokens":
+        why = "it counts num_items_in_batch as the labels that are not -100: token data only"
+    elif problem.deepspeed_config is not None:
+        why = "a deepspeed_config goes to the Trainer through TrainingArguments(deepspeed=...), not offered yet"
+    elif problem.optimizer.name != "adamw":
+        why = f"its optimizer is AdamW (optim=adamw_torch), the problem's is {problem.optimizer.name}"
+    elif problem.schedule.warmup_steps:
+        why = "transformers' linear warmup starts at lr 0 at step 0, gaeq's at lr / warmup_steps: no lr_scheduler_type gives this schedule (use warmup_steps: 0)"
+    elif "grads" in spec.track:
+        why = "the Trainer clips before a callback sees the gradients: track params, not grads"
+    if why:
+        raise MatrixError(f"trainer hf: {why}")
 
 
 def _fp16_unsupported() -> str | None:

@@ -212,10 +212,12 @@ def preload_modules(cells: Sequence[Cell], problems: Mapping[str, ProblemSpec]) 
     modules = ["gaeq.runtime.preload"]
     if "deepspeed" in trainers:
         modules.append("gaeq.runtime.preload_deepspeed")
-    if "accelerate" in trainers:
+    if trainers & {"accelerate", "hf"}:
         modules.append("gaeq.runtime.preload_accelerate")
-    if any(isinstance(problems[c.variant].model, HFModelSpec) for c in cells):
+    if "hf" in trainers or any(isinstance(problems[c.variant].model, HFModelSpec) for c in cells):
         modules.append("gaeq.runtime.preload_hf")
+    if "hf" in trainers:
+        modules.append("gaeq.trainers.hf_trainer")  # transformers.Trainer
     return modules
 
 

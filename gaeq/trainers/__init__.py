@@ -1,5 +1,5 @@
 """HOW gradients are accumulated: the pair of trainers the lab exists to compare (manual PyTorch,
-DeepSpeed), and the libraries people train with (accelerate)."""
+DeepSpeed), and the libraries people train with (accelerate, the transformers Trainer)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ def trainer_for(name: str) -> Callable[..., None]:
         from gaeq.trainers.deepspeed_native import train
     elif name == "accelerate":
         from gaeq.trainers.accelerate_native import train
+    elif name == "hf":
+        from gaeq.trainers.hf_trainer import train
     else:
         raise ValueError(f"unknown trainer {name!r}")
     return train

@@ -41,6 +41,12 @@ def label_of(cell: Cell, problem: ProblemSpec) -> dict[str, Any]:
     }
     if cell.trainer == "torch":
         return label | {"ddp": cell.world_size > 1, "grad_scaler": cell.dtype == "fp16"}
+    if cell.trainer == "hf":
+        return label | {
+            "grad_accum_steps": cell.grad_accum_steps,
+            "model_accepts_loss_kwargs": cell.bug != "hf_loss_per_micro_batch",
+            "average_tokens_across_devices": cell.bug != "hf_tokens_per_device",
+        }
     if cell.trainer == "accelerate":
         return label | {
             # gaeq's ranks run as a launcher starts them (LOCAL_RANK set): accelerate then wraps DDP

@@ -1,6 +1,6 @@
 """experiments/libraries.yaml: the libraries people train with against plain full-batch training.
-accelerate's own loop matches the manual one at world 1 and 2, GA 1–6, on the GPT and on a
-transformers Llama with its own loss; each library trap is caught where the note says, and the
+accelerate's own loop and the transformers Trainer match at world 1 and 2, GA 1–6, on the GPT and on
+a transformers Llama with its own loss; each library trap is caught where the note says, and the
 report names the library versions it certifies."""
 
 from __future__ import annotations
@@ -17,13 +17,12 @@ from tests.helpers import cells_by_id, gaeq_run_here
 pytestmark = pytest.mark.integration
 
 
-# The experiment's accelerate cells at GA 6 and 1..3, both problems, and all its traps (the whole file,
-# 30 cells, runs in the README; here its corners, to keep the suite's time).
+# The experiment's library cells at GA 6, 3 and 1, both problems, and all its traps (the whole file,
+# 45 cells, runs in the README; here its corners, to keep the suite's time).
 CELLS = [
-    {"trainer": "accelerate", "world_size": 1, "micro_batch_size": 4},
-    {"trainer": "accelerate", "world_size": 2, "micro_batch_size": 4},
-    {"trainer": "accelerate", "world_size": 2, "micro_batch_size": 12},
-    {"trainer": "accelerate", "world_size": 2, "micro_batch_size": 4, "variant": "llama"},
+    {"trainer": trainer, "world_size": world, "micro_batch_size": micro, "variant": variant}
+    for trainer in ("accelerate", "hf")
+    for world, micro, variant in ((1, 4, "base"), (2, 4, "base"), (2, 12, "base"), (2, 4, "llama"))
 ]
 
 
@@ -37,14 +36,18 @@ def test_libraries_experiment(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     cells = cells_by_id(report)
     twins = [c for c in cells.values() if c["bug"] is None]
-    assert len(twins) == 6 and all(c["verdict"] == "match" for c in twins)  # with the two baselines
-    accelerate = [c for c in twins if c["trainer"] == "accelerate"]
-    assert {(c["world_size"], c["grad_accum_steps"]) for c in accelerate} == {(1, 6), (2, 3), (2, 1)}
-    for c in accelerate:
-        assert c["max_abs_loss_diff"] < 1e-5, c  # measured ≤ 7.2e-7
-        ran = c["ran"]  # what accelerate really ran: its GA, DDP, its scheduler stepped by us once per step
-        assert (ran["grad_accum_steps"], ran["ddp"], ran["scheduler_steps_with_optimizer"]) == (c["grad_accum_steps"], True, False), ran
-    assert cells["accelerate-w2-mb4-ga3@llama"]["ran"]["model"] == "LlamaForCausalLM"
+    assert len(twins) == 10 and all(c["verdict"] == "match" for c in twins)  # with the two baselines
+    for trainer in ("accelerate", "hf"):
+        mine = [c for c in twins if c["trainer"] == trainer]
+        assert {(c["world_size"], c["grad_accum_steps"]) for c in mine} == {(1, 6), (2, 3), (2, 1)}
+        assert max(c["max_abs_loss_diff"] for c in mine) < 1e-5  # measured ≤ 6.0e-7
+        assert cells[f"{trainer}-w2-mb4-ga3@llama"]["ran"]["model"] == "LlamaForCausalLM"
+    for c in twins:
+        ran = c["ran"]
+        if c["trainer"] == "accelerate":  # its GA, DDP, its scheduler stepped by us once per step
+            assert (ran["grad_accum_steps"], ran["ddp"], ran["scheduler_steps_with_optimizer"]) == (c["grad_accum_steps"], True, False), ran
+        if c["trainer"] == "hf":  # the Trainer's GA, num_items_in_batch to the model, tokens counted over ranks
+            assert (ran["grad_accum_steps"], ran["model_accepts_loss_kwargs"], ran["average_tokens_across_devices"]) == (c["grad_accum_steps"], True, True), ran
 
     def caught(cell_id):
         c = cells[cell_id]
@@ -57,7 +60,13 @@ def test_libraries_experiment(tmp_path):
     c = cells["accelerate-w1-mb4-ga6-bug_accelerate_loss_divided_twice"]
     assert (c["caught_by"], c["first_divergent_step"]) == ("grad_norm", 0)
     assert c["max_rel_grad_norm_diff"] == pytest.approx(5 / 6, rel=1e-3)
-    for cell_id in ("accelerate-w2-mb4-ga3-bug_mean_of_means", "accelerate-w2-mb4-ga3-bug_hf_num_items_per_micro_batch@llama"):
+    for cell_id in (
+        "accelerate-w2-mb4-ga3-bug_mean_of_means",
+        "accelerate-w2-mb4-ga3-bug_hf_num_items_per_micro_batch@llama",
+        "hf-w1-mb4-ga6-bug_hf_loss_per_micro_batch",  # the Trainer before num_items_in_batch: mean of micro means
+        "hf-w2-mb4-ga3-bug_hf_loss_per_micro_batch@llama",
+        "hf-w2-mb4-ga3-bug_hf_tokens_per_device",  # each rank's own token count
+    ):
         c = cells[cell_id]
         assert (c["verdict"], c["caught_by"], c["first_divergent_step"]) == ("diverge", "grad_norm", 0), c
 

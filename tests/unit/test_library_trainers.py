@@ -1,7 +1,8 @@
-"""The accelerate trainer at world size 1, in this process: accelerate's own accumulation
-(accumulate(), backward() dividing by GA, clip_grad_norm_ on sync steps) matches the full batch and
-the manual trainer; dividing by GA by hand as well is caught; accelerate's process-wide state is
-reset between cells (a second cell with another GA runs its own GA)."""
+"""The library trainers at world size 1, in this process. accelerate's own accumulation
+(accumulate(), backward() dividing by GA, clip_grad_norm_ on sync steps) and the transformers Trainer
+(num_items_in_batch) match the full batch and the manual trainer; dividing by GA by hand as well, and
+the Trainer without num_items_in_batch, are caught; the libraries' process-wide state is reset
+between cells (each cell runs its own GA); what the Trainer cannot be set to exactly is bad input."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from gaeq.results.trace import TraceStore
 from tests.helpers import run_in_process, small_spec
 
 pytest.importorskip("accelerate")
+pytest.importorskip("transformers")
 
 
 def test_accelerate_accumulation_matches_and_the_double_division_is_caught(write_matrix, tmp_path):
@@ -50,3 +52,43 @@ def test_accelerate_cells_are_fp32_or_bf16_and_its_scheduler_trap_needs_two_rank
         matrix_from_dict(small_spec(cells=[{"trainer": "accelerate", "micro_batch_size": 4, "zero_stage": 1}]))
     with pytest.raises(MatrixError, match="bug 'accelerate_scheduler_per_process' needs world_size ≥ 2, the cell has 1"):
         matrix_from_dict(small_spec(cells=[{"trainer": "accelerate", "micro_batch_size": 4, "bug": "accelerate_scheduler_per_process"}]))
+
+
+def test_the_transformers_trainer_matches_and_without_num_items_it_is_the_mean_of_micro_means(write_matrix, tmp_path):
+    spec = small_spec(
+        axes={"trainer": ["torch", "hf"], "world_size": [1], "micro_batch_size": [2, 8]},
+        cells=[{"trainer": "hf", "micro_batch_size": 2, "bug": "hf_loss_per_micro_batch"}],
+    )
+    spec["problem"] |= {
+        "model": {"kind": "gpt", "n_layer": 1, "n_head": 2, "n_embd": 16},
+        "data": {"kind": "tokens", "vocab_size": 16, "seq_len": 12},
+        "loss": "cross_entropy",
+        "schedule": {"name": "warmup_cosine", "warmup_steps": 0, "min_lr_ratio": 0.1},
+    }  # weight decay 0.01 on every parameter: the Trainer's default would spare biases and norms
+    matrix = load_matrix(write_matrix(spec))
+    report = judge(matrix, run_in_process(matrix, tmp_path), TraceStore(tmp_path))
+    by_id = {c.id: c for c in report.cells}
+    for cell_id in ("hf-w1-mb2-ga8", "hf-w1-mb8-ga2"):
+        cell = by_id[cell_id]
+        assert cell.verdict == "match", (cell_id, cell.reason)
+        assert 0 < cell.max_abs_loss_diff < 1e-6
+        assert (cell.ran["model_accepts_loss_kwargs"], cell.ran["micro_steps"]) == (True, cell.grad_accum_steps)
+    control = by_id["hf-w1-mb2-ga8-bug_hf_loss_per_micro_batch"]
+    assert (control.verdict, control.caught_by, control.first_divergent_step) == ("diverge", "grad_norm", 0), control.reason
+    assert control.ran["model_accepts_loss_kwargs"] is False
+
+
+@pytest.mark.parametrize(
+    ("problem", "why"),
+    [
+        ({}, "token data only"),
+        ({"schedule": {"name": "warmup_cosine", "warmup_steps": 3}, "model": {"kind": "gpt"}, "data": {"kind": "tokens"}, "loss": "cross_entropy"}, "linear warmup starts at lr 0"),
+        ({"optimizer": {"name": "sgd", "lr": 0.1}, "model": {"kind": "gpt"}, "data": {"kind": "tokens"}, "loss": "cross_entropy"}, "its optimizer is AdamW"),
+    ],
+)
+def test_what_the_trainer_cannot_be_set_to_exactly_is_bad_input(problem, why):
+    spec = small_spec(cells=[{"trainer": "hf", "micro_batch_size": 4}])
+    spec["problem"] |= problem
+    spec["problem"]["schedule"] = problem.get("schedule", {"name": "constant"})
+    with pytest.raises(MatrixError, match=f"trainer hf: .*{why}"):
+        matrix_from_dict(spec)

@@ -1,0 +1,210 @@
+"""transformers' ``Trainer`` as people use it: ``TrainingArguments`` set from the shared problem, the
+loss through ``num_items_in_batch``, the trace written by a ``TrainerCallback``.
+
+The Trainer owns the loop, so this module is not the pair's skeleton but what configures it; the
+accumulation is the Trainer's own (its ``training_step``: the model's loss given the global batch's
+token count, × num_processes with ``average_tokens_across_devices``, then accelerate's ``backward``,
+which divides by GA). ``cell.bug`` lines plant the mistakes of gaeq/bugs.py where they are made.
+
+Data: gaeq's plan. The dataset is the run's global positions in order and the sampler sequential;
+the Trainer's (accelerate's) sharding hands rank r batch k·world + r of each step — exactly the
+micro-batch the plan gives it (gaeq/problem/data.py), which Provenance checks by its rows.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+from accelerate.state import AcceleratorState, GradientState
+from torch.nn.parallel import DistributedDataParallel as DDP
+from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_callback import PrinterCallback
+
+from gaeq.matrix import Cell
+from gaeq.problem.data import IGNORE_INDEX
+from gaeq.problem.models import sample_keys
+from gaeq.problem.spec import ProblemSpec
+from gaeq.trainers.base import RunContext, StepRecorder, build_cell_problem, inject_fault
+from gaeq.trainers.provenance import Provenance
+
+SCHEDULES = {"constant": "constant", "warmup_cosine": "cosine_with_min_lr"}
+"""gaeq's schedule → transformers' lr_scheduler_type (the same lr at every step without warmup:
+transformers' linear warmup starts at lr 0, gaeq's at lr / warmup_steps — the expander refuses it)."""
+
+
+def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
+    """Train the cell on this rank; returns what really ran (:mod:`gaeq.trainers.provenance`)."""
+    task = build_cell_problem(cell, problem, ctx)
+    plan = task.plan
+    # accelerate's process-wide state belongs to the previous cell (cells share the process); the
+    # distributed part is the process group gaeq joined.
+    AcceleratorState._reset_state(reset_partial_state=False)
+    GradientState._reset_state()
+    own_loss = getattr(task.model, "config", None) is not None  # a transformers model: its own loss kwargs
+    model = task.model if own_loss else LossKwargsModel(task.model, task.built.loss_sum)
+    spec, schedule = problem.optimizer, problem.schedule
+    args = TrainingArguments(
+        output_dir=str(ctx.cell_dir / "hf_trainer"),
+        per_device_train_batch_size=plan.micro_batch_size,
+        gradient_accumulation_steps=plan.grad_accum_steps,
+        max_steps=problem.steps,
+        learning_rate=spec.lr,
+        optim="adamw_torch",  # torch.optim.AdamW, the torch trainer's update
+        adam_beta1=spec.betas[0],
+        adam_beta2=spec.betas[1],
+        adam_epsilon=spec.eps,
+        weight_decay=spec.weight_decay,
+        lr_scheduler_type=SCHEDULES[schedule.name],
+        lr_scheduler_kwargs={"min_lr_rate": schedule.min_lr_ratio} if schedule.name == "warmup_cosine" else {},
+        warmup_steps=0,
+        # 0 would skip clip_grad_norm_ — and with it the grad norm; inf measures without clipping.
+        max_grad_norm=problem.gradient_clipping or math.inf,
+        # The global batch's token count, gathered over ranks; False counts each rank's own.
+        average_tokens_across_devices=cell.bug != "hf_tokens_per_device",  # planted bug: per device
+        bf16=cell.dtype == "bf16",
+        seed=problem.seed,
+        use_cpu=ctx.device.type == "cpu",
+        logging_steps=1,  # the grad norm of every step reaches on_log
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+    )
+    dataset = PositionDataset(task, steps=problem.steps, with_positions=not own_loss)
+    trainer = PlanTrainer(model=model, args=args, train_dataset=dataset)
+    trainer.remove_callback(PrinterCallback)  # the rank's log, not its stdout
+    if cell.bug == "hf_loss_per_micro_batch":
+        trainer.model_accepts_loss_kwargs = False  # planted bug: no num_items_in_batch — each micro-batch's mean ÷ GA
+    recorder = StepRecorder(cell=cell, ctx=ctx, steps=problem.steps)
+    ran = Provenance(
+        cell,
+        problem,
+        **task.model_facts(),
+        world_size=trainer.accelerator.num_processes,
+        grad_accum_steps=args.gradient_accumulation_steps,
+        model_accepts_loss_kwargs=trainer.model_accepts_loss_kwargs,
+        average_tokens_across_devices=args.average_tokens_across_devices,
+        update_rule="AdamW",
+    )
+    recording = Recording(task=task, recorder=recorder, ran=ran, cell=cell, rank=ctx.rank)
+    trainer.add_callback(recording)
+    hooks = recording.watch(model)
+    try:
+        trainer.train()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    ran.ran["ddp"] = isinstance(trainer.model_wrapped, DDP)  # for the record (accelerate wraps under a launcher)
+    recorder.close()
+    trainer.accelerator.free_memory()
+    return ran.ran
+
+
+class LossKwargsModel(torch.nn.Module):
+    """gaeq's own model as the Trainer wants a causal LM: ``forward(input_ids, labels,
+    num_items_in_batch=None)`` → ``{"loss": loss sum ÷ num_items_in_batch}`` — or, without a count,
+    the micro-batch's mean (what a model without loss kwargs returns). ``positions`` keys gaeq's
+    split-invariant dropout."""
+
+    def __init__(self, model: torch.nn.Module, loss_sum) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_sum = loss_sum
+
+    def forward(self, input_ids, labels, positions=None, num_items_in_batch=None, **kwargs) -> dict[str, torch.Tensor]:
+        with sample_keys(positions.tolist() if positions is not None else range(len(input_ids))):
+            total = self.loss_sum(self.model(input_ids), labels)
+        count = num_items_in_batch if num_items_in_batch is not None else (labels != IGNORE_INDEX).sum()
+        return {"loss": total / count}
+
+
+class PositionDataset(torch.utils.data.Dataset):
+    """Item p = the sample at global position p of the run (gaeq's BatchPlan), as the Trainer's
+    collator wants it: input_ids, labels (already the next tokens, so also shift_labels)."""
+
+    def __init__(self, task, *, steps: int, with_positions: bool) -> None:
+        self.task = task
+        self.steps = steps
+        self.with_positions = with_positions
+
+    def __len__(self) -> int:
+        return self.task.plan.train_batch_size * self.steps
+
+    def __getitem__(self, position: int) -> dict[str, torch.Tensor]:
+        inputs, targets = self.task.built.dataset.batch([self.task.plan.sample_at(position)])
+        item = {"input_ids": inputs[0], "labels": targets[0]}
+        if self.with_positions:
+            item["positions"] = torch.tensor(position)
+        else:
+            item["shift_labels"] = targets[0]
+        return item
+
+
+class PlanTrainer(Trainer):
+    """The Trainer with gaeq's order of samples, and gaeq's optimisation where the defaults differ."""
+
+    def _get_train_sampler(self, train_dataset=None):
+        return torch.utils.data.SequentialSampler(train_dataset or self.train_dataset)
+
+    def get_decay_parameter_names(self, model) -> list[str]:
+        # The Trainer exempts biases and norm weights from weight decay; gaeq's problem (like
+        # DeepSpeed's optimizer and the torch trainer) decays every parameter.
+        return [name for name, _ in model.named_parameters()]
+
+
+class Recording(TrainerCallback):
+    """The trace, written as the Trainer goes: the lr and the clock at each step's start, the loss of
+    every forward (read by hooks on the model), the grad norm from the Trainer's own log of the step
+    (its clip_grad_norm_, before clipping), Provenance after the first step, parameter snapshots."""
+
+    def __init__(self, *, task, recorder: StepRecorder, ran: Provenance, cell: Cell, rank: int) -> None:
+        self.task, self.recorder, self.ran, self.cell, self.rank = task, recorder, ran, cell, rank
+        self.step, self.lr, self.started, self.local_loss_sum = 0, 0.0, 0.0, 0.0
+
+    def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
+        self.step = state.global_step
+        inject_fault(self.cell, rank=self.rank, step=self.step)
+        self.started = time.perf_counter()
+        self.lr = optimizer.param_groups[0]["lr"]
+        self.local_loss_sum = 0.0
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.ran.step_done()
+        if self.recorder.wants("params", self.step):
+            self.recorder.snapshot(step=self.step, kind="params", gather=lambda: dict(self.task.model.named_parameters()))
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not logs or "grad_norm" not in logs:
+            return  # the run's closing summary
+        self.recorder.record(
+            step=self.step,
+            local_loss_sum=self.local_loss_sum,
+            normaliser=self.task.normaliser(self.step),
+            grad_norm=float(logs["grad_norm"]),
+            lr=self.lr,
+            seconds=time.perf_counter() - self.started,
+        )
+
+    def watch(self, model: torch.nn.Module) -> list:
+        """Hooks around each forward the Trainer makes (it owns the call): Provenance (the first
+        one's rows and module dtypes), and the micro-batch's loss sum = its loss × the count it was
+        divided by (num_items_in_batch, or its own valid tokens for a mean)."""
+        open_: list = []
+
+        def before(module, args, kwargs):
+            context = self.ran.forward(kwargs["input_ids"])
+            context.__enter__()
+            open_.append(context)
+
+        def after(module, args, kwargs, output):
+            open_.pop().__exit__(None, None, None)
+            loss = output["loss"] if isinstance(output, dict) else output.loss
+            count = kwargs.get("num_items_in_batch")
+            if count is None:
+                count = (kwargs["labels"] != IGNORE_INDEX).sum()
+            self.local_loss_sum += loss.item() * float(count)
+
+        return [model.register_forward_pre_hook(before, with_kwargs=True), model.register_forward_hook(after, with_kwargs=True)]
