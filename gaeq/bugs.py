@@ -116,7 +116,7 @@ BUGS: dict[str, PlantedBug] = {
         ),
         PlantedBug(
             name="hf_loss_per_micro_batch",
-            trainers=("hf",),
+            trainers=("hf", "hf_deepspeed"),
             reported="huggingface/transformers#34242",
             description=(
                 "the Trainer with a model it passes no num_items_in_batch to (model_accepts_loss_kwargs false): each "
@@ -125,7 +125,7 @@ BUGS: dict[str, PlantedBug] = {
         ),
         PlantedBug(
             name="hf_tokens_per_device",
-            trainers=("hf",),
+            trainers=("hf", "hf_deepspeed"),
             min_world_size=2,
             reported="huggingface/transformers#34373",
             description=(

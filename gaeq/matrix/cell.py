@@ -43,6 +43,9 @@ is a field here, in :class:`Split`, in the schema (AxesSpec, CellSpec) and in :a
 DEEPSPEED_ONLY = {"zero_stage": None, "offload": "none"}
 """Axes only DeepSpeed cells have, and what a torch cell has instead."""
 
+DEEPSPEED_TRAINERS = frozenset({"deepspeed", "hf_deepspeed"})
+"""Trainers whose ranks run a DeepSpeed engine (a ZeRO stage, DeepSpeed's process group)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class Split:

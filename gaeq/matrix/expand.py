@@ -13,7 +13,7 @@ import itertools
 from pydantic import ValidationError
 
 from gaeq.bugs import BUGS
-from gaeq.matrix.cell import DEEPSPEED_ONLY, SPLIT_AXES, Cell, Fault, Matrix, Split, group_key
+from gaeq.matrix.cell import DEEPSPEED_ONLY, DEEPSPEED_TRAINERS, SPLIT_AXES, Cell, Fault, Matrix, Split, group_key
 from gaeq.matrix.schema import BASE, TENSOR_METRICS, FaultSpec, MatrixError, MatrixSpec, describe
 from gaeq.problem.spec import ProblemSpec
 
@@ -82,7 +82,7 @@ class Expander:
                 splits = {}
                 for values in itertools.product(*product):
                     split = dict(zip(names, values), dtype=dtype, variant=variant)
-                    if split["trainer"] != "deepspeed":
+                    if split["trainer"] not in DEEPSPEED_TRAINERS:
                         split |= DEEPSPEED_ONLY
                     splits.setdefault(tuple(split.items()), split)  # torch: one cell, not one per ZeRO stage
                 for split in splits.values():
@@ -122,11 +122,11 @@ class Expander:
         """The one place a split is checked and becomes a cell (or a skipped cell, with the reason)."""
         problem = self.problem(split.variant)
         trainer, world, micro, dtype = split.trainer, split.world_size, split.micro_batch_size, split.dtype
-        if trainer != "deepspeed" and split.zero_stage is not None:
+        if trainer not in DEEPSPEED_TRAINERS and split.zero_stage is not None:
             raise MatrixError(f"zero_stage is a DeepSpeed setting; the {trainer} cell w{world} mb{micro} sets it")
-        if trainer == "deepspeed" and split.zero_stage is None:
+        if trainer in DEEPSPEED_TRAINERS and split.zero_stage is None:
             split = dataclasses.replace(split, zero_stage=0)
-        if trainer != "deepspeed" and split.offload != "none":
+        if trainer not in DEEPSPEED_TRAINERS and split.offload != "none":
             raise MatrixError(f"offload is a DeepSpeed setting; the {trainer} cell w{world} mb{micro} sets it")
         if dtype == "ds_bf16" and not (trainer == "deepspeed" and split.zero_stage >= 1):
             raise MatrixError(
@@ -137,7 +137,14 @@ class Expander:
             raise MatrixError(f"trainer {trainer} needs {LIBRARY_TRAINERS[trainer]}: pip install 'gaeq[hf]'")
         if trainer in ("accelerate", "hf") and dtype not in ("fp32", "bf16"):
             raise MatrixError(f"the {trainer} trainer runs fp32 and bf16 (accelerate's CPU autocast), not {dtype}")
-        if trainer == "hf":
+        if trainer == "hf_deepspeed" and (dtype != "fp32" or split.offload != "none"):
+            raise MatrixError("the hf_deepspeed trainer runs fp32 without offload (the Trainer's DeepSpeed config: ZeRO stage only)")
+        if trainer == "hf_deepspeed" and split.zero_stage == 0:
+            raise MatrixError(
+                "the hf_deepspeed trainer needs ZeRO ≥ 1: at ZeRO-0 DeepSpeed's engine reports no global grad norm, "
+                "so the Trainer logs none and the cell could not be compared"
+            )
+        if trainer in ("hf", "hf_deepspeed"):
             _check_hf_trainer(problem, self.spec)
         if dtype == "ds_fp16" and trainer != "deepspeed":
             raise MatrixError("dtype ds_fp16 is DeepSpeed's fp16 mixed precision: DeepSpeed cells only (torch: fp16)")
@@ -231,7 +238,7 @@ def _check_precision(precision: str, dtype: str) -> None:
         )
 
 
-LIBRARY_TRAINERS = {"accelerate": "accelerate", "hf": "transformers"}
+LIBRARY_TRAINERS = {"accelerate": "accelerate", "hf": "transformers", "hf_deepspeed": "transformers"}
 """Trainers that are a library's own loop → the package they need (the hf extra installs it)."""
 
 
@@ -249,7 +256,7 @@ def _check_hf_trainer(problem: ProblemSpec, spec: MatrixSpec) -> None:
     elif "grads" in spec.track:
         why = "the Trainer clips before a callback sees the gradients: track params, not grads"
     if why:
-        raise MatrixError(f"trainer hf: {why}")
+        raise MatrixError(f"trainer hf / hf_deepspeed: {why}")
 
 
 def _fp16_unsupported() -> str | None:

@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 
-from gaeq.matrix import Cell
+from gaeq.matrix import DEEPSPEED_TRAINERS, Cell
 from gaeq.problem.spec import HFModelSpec, ProblemSpec
 from gaeq.results.outcome import CellOutcome, write_outcome
 from gaeq.results.trace import cell_dir
@@ -210,13 +210,13 @@ def preload_modules(cells: Sequence[Cell], problems: Mapping[str, ProblemSpec]) 
     the critical path of every run: the first group cannot start before they are done)."""
     trainers = {c.trainer for c in cells}
     modules = ["gaeq.runtime.preload"]
-    if "deepspeed" in trainers:
+    if trainers & DEEPSPEED_TRAINERS:
         modules.append("gaeq.runtime.preload_deepspeed")
-    if trainers & {"accelerate", "hf"}:
+    if trainers & {"accelerate", "hf", "hf_deepspeed"}:
         modules.append("gaeq.runtime.preload_accelerate")
-    if "hf" in trainers or any(isinstance(problems[c.variant].model, HFModelSpec) for c in cells):
+    if trainers & {"hf", "hf_deepspeed"} or any(isinstance(problems[c.variant].model, HFModelSpec) for c in cells):
         modules.append("gaeq.runtime.preload_hf")
-    if "hf" in trainers:
+    if trainers & {"hf", "hf_deepspeed"}:
         modules.append("gaeq.trainers.hf_trainer")  # transformers.Trainer
     return modules
 

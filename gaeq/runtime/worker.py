@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from gaeq.matrix import Cell
+from gaeq.matrix import DEEPSPEED_TRAINERS, Cell
 from gaeq.problem.spec import ProblemSpec
 from gaeq.results.outcome import CellOutcome
 from gaeq.results.trace import cell_dir
@@ -80,7 +80,7 @@ def worker_main(rank: int, job: GroupJob, events: Any) -> None:
         rank=rank,
         world_size=job.world_size,
         port=job.port,
-        with_deepspeed=any(c.trainer == "deepspeed" for c in job.cells),
+        with_deepspeed=any(c.trainer in DEEPSPEED_TRAINERS for c in job.cells),
         timeout_s=job.init_timeout_s,
     )
     group_ready()

@@ -25,7 +25,7 @@ def trainer_for(name: str) -> Callable[..., None]:
         from gaeq.trainers.deepspeed_native import train
     elif name == "accelerate":
         from gaeq.trainers.accelerate_native import train
-    elif name == "hf":
+    elif name in ("hf", "hf_deepspeed"):
         from gaeq.trainers.hf_trainer import train
     else:
         raise ValueError(f"unknown trainer {name!r}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Any
 
 import torch
 from accelerate.state import AcceleratorState, GradientState
@@ -72,6 +73,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         disable_tqdm=True,
         remove_unused_columns=False,
         dataloader_num_workers=0,
+        deepspeed=trainer_deepspeed_config(cell, problem) if cell.trainer == "hf_deepspeed" else None,
     )
     dataset = PositionDataset(task, steps=problem.steps, with_positions=not own_loss)
     trainer = PlanTrainer(model=model, args=args, train_dataset=dataset)
@@ -89,7 +91,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         average_tokens_across_devices=args.average_tokens_across_devices,
         update_rule="AdamW",
     )
-    recording = Recording(task=task, recorder=recorder, ran=ran, cell=cell, rank=ctx.rank)
+    recording = Recording(task=task, recorder=recorder, ran=ran, cell=cell, rank=ctx.rank, trainer=trainer)
     trainer.add_callback(recording)
     hooks = recording.watch(model)
     try:
@@ -101,6 +103,20 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     recorder.close()
     trainer.accelerator.free_memory()
     return ran.ran
+
+
+def trainer_deepspeed_config(cell: Cell, problem: ProblemSpec) -> dict[str, Any]:
+    """What `TrainingArguments(deepspeed=...)` gets: the config gaeq's own DeepSpeed trainer writes
+    (every knob explicit: AdamW as torch_adam, clipping, ZeRO stage), with what the Trainer owns left
+    to it as "auto": the batch triple and the clipping it derives from its arguments (it refuses an
+    explicit value that differs), and no scheduler section (the Trainer's lr_scheduler_type then
+    drives DeepSpeed's engine)."""
+    from gaeq.trainers.deepspeed_native import deepspeed_config
+
+    config = deepspeed_config(cell, problem)
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping"):
+        config[key] = "auto"
+    return config
 
 
 class LossKwargsModel(torch.nn.Module):
@@ -160,12 +176,17 @@ class Recording(TrainerCallback):
     every forward (read by hooks on the model), the grad norm from the Trainer's own log of the step
     (its clip_grad_norm_, before clipping), Provenance after the first step, parameter snapshots."""
 
-    def __init__(self, *, task, recorder: StepRecorder, ran: Provenance, cell: Cell, rank: int) -> None:
-        self.task, self.recorder, self.ran, self.cell, self.rank = task, recorder, ran, cell, rank
+    def __init__(self, *, task, recorder: StepRecorder, ran: Provenance, cell: Cell, rank: int, trainer: Trainer) -> None:
+        self.task, self.recorder, self.ran, self.cell, self.rank, self.trainer = task, recorder, ran, cell, rank, trainer
         self.step, self.lr, self.started, self.local_loss_sum = 0, 0.0, 0.0, 0.0
 
     def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
         self.step = state.global_step
+        if self.step == 0:  # what the Trainer built in train(): the model's wrapper, DeepSpeed's engine
+            wrapped = self.trainer.model_wrapped
+            self.ran.ran["engine"] = type(wrapped).__name__
+            if self.trainer.is_deepspeed_enabled:
+                self.ran.ran["zero_stage"] = wrapped.zero_optimization_stage()
         inject_fault(self.cell, rank=self.rank, step=self.step)
         self.started = time.perf_counter()
         self.lr = optimizer.param_groups[0]["lr"]

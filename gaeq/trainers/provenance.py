@@ -41,7 +41,9 @@ def label_of(cell: Cell, problem: ProblemSpec) -> dict[str, Any]:
     }
     if cell.trainer == "torch":
         return label | {"ddp": cell.world_size > 1, "grad_scaler": cell.dtype == "fp16"}
-    if cell.trainer == "hf":
+    if cell.trainer in ("hf", "hf_deepspeed"):
+        if cell.trainer == "hf_deepspeed":
+            label["zero_stage"] = cell.zero_stage
         return label | {
             "grad_accum_steps": cell.grad_accum_steps,
             "model_accepts_loss_kwargs": cell.bug != "hf_loss_per_micro_batch",

@@ -29,14 +29,14 @@ CELLS = [
 def test_libraries_experiment(tmp_path):
     spec = yaml.safe_load((REPO / "experiments" / "libraries.yaml").read_text())
     spec.pop("axes")
-    spec["cells"] = CELLS + spec["cells"]
+    spec["cells"] = CELLS + spec["cells"]  # its traps and its hf_deepspeed cells included
     matrix, out = tmp_path / "libraries.yaml", tmp_path / "run"
     matrix.write_text(yaml.safe_dump(spec))
     proc, report, _ = gaeq_run_here(matrix, out)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     cells = cells_by_id(report)
     twins = [c for c in cells.values() if c["bug"] is None]
-    assert len(twins) == 10 and all(c["verdict"] == "match" for c in twins)  # with the two baselines
+    assert len(twins) == 14 and all(c["verdict"] == "match" for c in twins)  # with the two baselines
     for trainer in ("accelerate", "hf"):
         mine = [c for c in twins if c["trainer"] == trainer]
         assert {(c["world_size"], c["grad_accum_steps"]) for c in mine} == {(1, 6), (2, 3), (2, 1)}
@@ -46,8 +46,11 @@ def test_libraries_experiment(tmp_path):
         ran = c["ran"]
         if c["trainer"] == "accelerate":  # its GA, DDP, its scheduler stepped by us once per step
             assert (ran["grad_accum_steps"], ran["ddp"], ran["scheduler_steps_with_optimizer"]) == (c["grad_accum_steps"], True, False), ran
-        if c["trainer"] == "hf":  # the Trainer's GA, num_items_in_batch to the model, tokens counted over ranks
+        if c["trainer"] in ("hf", "hf_deepspeed"):  # the Trainer's GA, num_items_in_batch to the model, tokens over ranks
             assert (ran["grad_accum_steps"], ran["model_accepts_loss_kwargs"], ran["average_tokens_across_devices"]) == (c["grad_accum_steps"], True, True), ran
+        if c["trainer"] == "hf_deepspeed":  # DeepSpeed's engine really ran, at the cell's stage
+            assert (ran["engine"], ran["zero_stage"], c["max_abs_loss_diff"] < 1e-5) == ("DeepSpeedEngine", c["zero_stage"], True), c
+    assert {c["zero_stage"] for c in twins if c["trainer"] == "hf_deepspeed"} == {1, 2, 3}
 
     def caught(cell_id):
         c = cells[cell_id]
@@ -66,6 +69,7 @@ def test_libraries_experiment(tmp_path):
         "hf-w1-mb4-ga6-bug_hf_loss_per_micro_batch",  # the Trainer before num_items_in_batch: mean of micro means
         "hf-w2-mb4-ga3-bug_hf_loss_per_micro_batch@llama",
         "hf-w2-mb4-ga3-bug_hf_tokens_per_device",  # each rank's own token count
+        "hf_deepspeed-z2-w2-mb4-ga3-bug_hf_tokens_per_device",
     ):
         c = cells[cell_id]
         assert (c["verdict"], c["caught_by"], c["first_divergent_step"]) == ("diverge", "grad_norm", 0), c

@@ -90,5 +90,12 @@ def test_what_the_trainer_cannot_be_set_to_exactly_is_bad_input(problem, why):
     spec = small_spec(cells=[{"trainer": "hf", "micro_batch_size": 4}])
     spec["problem"] |= problem
     spec["problem"]["schedule"] = problem.get("schedule", {"name": "constant"})
-    with pytest.raises(MatrixError, match=f"trainer hf: .*{why}"):
+    with pytest.raises(MatrixError, match=f"trainer hf / hf_deepspeed: .*{why}"):
+        matrix_from_dict(spec)
+
+
+def test_the_trainer_with_deepspeed_needs_zero_1_or_more():
+    spec = small_spec(cells=[{"trainer": "hf_deepspeed", "micro_batch_size": 4, "zero_stage": 0}])
+    spec["problem"] |= {"model": {"kind": "gpt"}, "data": {"kind": "tokens"}, "loss": "cross_entropy", "schedule": {"name": "constant"}}
+    with pytest.raises(MatrixError, match="hf_deepspeed trainer needs ZeRO ≥ 1: at ZeRO-0 DeepSpeed's engine reports no global grad norm"):
         matrix_from_dict(spec)
