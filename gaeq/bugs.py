@@ -108,7 +108,7 @@ BUGS: dict[str, PlantedBug] = {
         PlantedBug(
             name="accelerate_loss_divided_twice",
             trainers=("accelerate",),
-            reported="huggingface/accelerate#3533 (÷ GA twice, there with DeepSpeed)",
+            reported="",
             description=(
                 "the loop divides the loss by GA as a manual loop must, then accelerator.backward divides by GA "
                 "again: the accumulated gradient is GA× too small"
@@ -131,6 +131,15 @@ BUGS: dict[str, PlantedBug] = {
             description=(
                 "average_tokens_across_devices=False: each rank divides by its own token count, and the ranks' means "
                 "are averaged — ranks with fewer tokens weigh more"
+            ),
+        ),
+        PlantedBug(
+            name="hf_deepspeed_loss_divided_twice",
+            trainers=("hf_deepspeed",),
+            reported="huggingface/accelerate#3533, fixed by huggingface/transformers#35808",
+            description=(
+                "the Trainer with DeepSpeed lets the engine divide by GA (scale_wrt_gas) a loss already normalised "
+                "by the global batch's token count: the gradient is GA× too small"
             ),
         ),
         PlantedBug(

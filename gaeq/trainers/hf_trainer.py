@@ -78,6 +78,9 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     dataset = PositionDataset(task, steps=problem.steps, with_positions=not own_loss)
     trainer = PlanTrainer(model=model, args=args, train_dataset=dataset)
     trainer.remove_callback(PrinterCallback)  # the rank's log, not its stdout
+    if cell.bug == "hf_deepspeed_loss_divided_twice":  # planted bug: transformers before #35808 let DeepSpeed ÷ GA too
+        backward = trainer.accelerator.backward
+        trainer.accelerator.backward = lambda loss, **kwargs: backward(loss, **{**kwargs, "scale_wrt_gas": True})
     if cell.bug == "hf_loss_per_micro_batch":
         trainer.model_accepts_loss_kwargs = False  # planted bug: no num_items_in_batch — each micro-batch's mean ÷ GA
     recorder = StepRecorder(cell=cell, ctx=ctx, steps=problem.steps)
