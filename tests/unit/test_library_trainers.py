@@ -99,3 +99,13 @@ def test_the_trainer_with_deepspeed_needs_zero_1_or_more():
     spec["problem"] |= {"model": {"kind": "gpt"}, "data": {"kind": "tokens"}, "loss": "cross_entropy", "schedule": {"name": "constant"}}
     with pytest.raises(MatrixError, match="hf_deepspeed trainer needs ZeRO ≥ 1: at ZeRO-0 DeepSpeed's engine reports no global grad norm"):
         matrix_from_dict(spec)
+
+
+def test_without_the_hf_extra_a_library_trainer_says_how_to_install_it(monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("accelerate", "transformers") else find_spec(name, *a))
+    for trainer, package in (("accelerate", "accelerate"), ("hf", "transformers")):
+        with pytest.raises(MatrixError, match=f"trainer {trainer} needs {package}: pip install 'gaeq\\[hf\\]'"):
+            matrix_from_dict(small_spec(cells=[{"trainer": trainer, "micro_batch_size": 4}]))
