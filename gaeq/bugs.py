@@ -40,7 +40,7 @@ BUGS: dict[str, PlantedBug] = {
         ),
         PlantedBug(
             name="mean_of_means",
-            trainers=("torch", "deepspeed", "accelerate"),
+            trainers=("torch", "deepspeed", "fsdp", "accelerate"),
             description=(
                 "each micro-batch is normalised by its own element count, then ÷ GA: the mean of "
                 "micro-batch means, not the global mean — tokens of short micro-batches weigh more"
@@ -144,7 +144,7 @@ BUGS: dict[str, PlantedBug] = {
         ),
         PlantedBug(
             name="one_grad_scaled",
-            trainers=("torch",),
+            trainers=("torch", "fsdp"),
             description="the last parameter's accumulated gradient is 4× too large (a hook that forgets a division)",
         ),
         PlantedBug(

@@ -135,8 +135,8 @@ class Expander:
             )
         if trainer in LIBRARY_TRAINERS and importlib.util.find_spec(LIBRARY_TRAINERS[trainer]) is None:
             raise MatrixError(f"trainer {trainer} needs {LIBRARY_TRAINERS[trainer]}: pip install 'gaeq[hf]'")
-        if trainer in ("accelerate", "hf") and dtype not in ("fp32", "bf16"):
-            raise MatrixError(f"the {trainer} trainer runs fp32 and bf16 (accelerate's CPU autocast), not {dtype}")
+        if trainer in ("fsdp", "accelerate", "hf") and dtype not in ("fp32", "bf16"):
+            raise MatrixError(f"the {trainer} trainer runs fp32 and bf16 (autocast over fp32 weights), not {dtype}")
         if trainer == "hf_deepspeed" and (dtype != "fp32" or split.offload != "none"):
             raise MatrixError("the hf_deepspeed trainer runs fp32 without offload (the Trainer's DeepSpeed config: ZeRO stage only)")
         if trainer == "hf_deepspeed" and split.zero_stage == 0:

@@ -21,6 +21,8 @@ def add_resume(ex: Expander, r: ResumeSpec) -> None:
         raise MatrixError(f"resume at_step {r.at_step} must lie between 1 and steps - 1 = {steps - 1}")
     ex.ensure_baseline(dtype=split.dtype, variant=src.variant)
     source = ex.cell(split)
+    if source.trainer not in ("torch", "deepspeed"):
+        raise MatrixError(f"checkpoints are written and resumed by the torch and deepspeed trainers; source {source.id} is {source.trainer}")
     if source.skip_reason:
         raise MatrixError(f"the resume source {source.id} cannot run: {source.skip_reason}")
     if r.universal and (source.trainer != "deepspeed" or source.zero_stage == 0):

@@ -15,7 +15,7 @@ from gaeq.problem.spec import Spec as _Spec
 
 WorldSize = Annotated[int, Field(gt=0, le=4096)]
 
-Trainer = Literal["torch", "deepspeed", "accelerate", "hf", "hf_deepspeed"]
+Trainer = Literal["torch", "deepspeed", "fsdp", "accelerate", "hf", "hf_deepspeed"]
 Expect = Literal["match", "diverge"]
 ZeroStage = Literal[0, 1, 2, 3]
 Offload = Literal["none", "cpu"]

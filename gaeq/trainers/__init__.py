@@ -23,6 +23,8 @@ def trainer_for(name: str) -> Callable[..., None]:
         from gaeq.trainers.torch_manual import train
     elif name == "deepspeed":
         from gaeq.trainers.deepspeed_native import train
+    elif name == "fsdp":
+        from gaeq.trainers.fsdp import train
     elif name == "accelerate":
         from gaeq.trainers.accelerate_native import train
     elif name in ("hf", "hf_deepspeed"):

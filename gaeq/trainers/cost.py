@@ -42,6 +42,14 @@ _DEEPSPEED_SIZES: dict[str, Callable] = {
 }
 
 
+# torch.distributed function FSDP2 calls → size of one call (the full tensor: as ZeRO-3's all-gather
+# of the parameters and reduce-scatter of the gradients are counted)
+_FSDP_SIZES: dict[str, Callable] = {
+    "all_gather_single": lambda a, k: _nbytes(_arg(a, k, 0, "output_tensor")),
+    "reduce_scatter_single": lambda a, k: _nbytes(_arg(a, k, 1, "input")),
+}
+
+
 class CommCounter:
     """Bytes this rank put through collectives since the last :meth:`take`."""
 
@@ -77,6 +85,8 @@ class CommCounter:
             self._attach_ddp(wrapper)
         elif wrapper is not None and hasattr(wrapper, "zero_optimization_stage"):
             self._attach_deepspeed()
+        elif wrapper is not None and hasattr(wrapper, "set_requires_gradient_sync"):  # FSDP2's FSDPModule
+            self._patch(torch.distributed, _FSDP_SIZES)
 
     def detach(self) -> None:
         self._restore()
@@ -94,10 +104,14 @@ class CommCounter:
     def _attach_deepspeed(self) -> None:
         from deepspeed.comm import comm as ds_comm
 
-        backend = ds_comm.cdb
-        patched = []
-        for name, size in _DEEPSPEED_SIZES.items():
-            method = getattr(backend, name, None)
+        self._patch(ds_comm.cdb, _DEEPSPEED_SIZES)
+
+    def _patch(self, owner, sizes: dict[str, Callable]) -> None:
+        """Wrap `owner`'s collectives (a DeepSpeed backend's methods, torch.distributed's functions)
+        so that each call adds its size; :meth:`detach` puts the originals back."""
+        originals = {}
+        for name, size in sizes.items():
+            method = getattr(owner, name, None)
             if method is None:
                 continue
 
@@ -105,12 +119,12 @@ class CommCounter:
                 self.add(_size(args, kwargs))
                 return _method(*args, **kwargs)
 
-            setattr(backend, name, counting)  # an instance attribute shadows the method
-            patched.append(name)
+            originals[name] = method
+            setattr(owner, name, counting)
 
         def restore() -> None:
-            for name in patched:
-                delattr(backend, name)
+            for name, method in originals.items():
+                setattr(owner, name, method)
 
         self._restore = restore
 

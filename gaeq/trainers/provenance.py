@@ -41,6 +41,8 @@ def label_of(cell: Cell, problem: ProblemSpec) -> dict[str, Any]:
     }
     if cell.trainer == "torch":
         return label | {"ddp": cell.world_size > 1, "grad_scaler": cell.dtype == "fp16"}
+    if cell.trainer == "fsdp":
+        return label | {"fsdp": True, "sharded_parameters": True}
     if cell.trainer in ("hf", "hf_deepspeed"):
         if cell.trainer == "hf_deepspeed":
             label["zero_stage"] = cell.zero_stage

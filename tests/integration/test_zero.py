@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from gaeq.accelerator import fp16_unsupported_reason
@@ -22,11 +24,13 @@ def test_zero_experiment(tmp_path):
     # fp16 runs where DeepSpeed's accelerator has it (or GAEQ_FP16_EMULATION=1): ask it, as gaeq does.
     fp16_missing = fp16_unsupported_reason()
     ran = [c for c in cells.values() if c["verdict"] != "skipped" and c["bug"] is None]
-    assert len(ran) == (34 if fp16_missing else 51) and all(c["verdict"] == "match" for c in ran)
+    assert len(ran) == (37 if fp16_missing else 54) and all(c["verdict"] == "match" for c in ran)
     for c in ran:  # every label is what ran, read back from the live objects
         assert c["ran"]["compute_dtype"] == {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[c["dtype"]], c
         if c["trainer"] == "deepspeed":
             assert (c["ran"]["zero_stage"], c["ran"]["cpu_offload"]) == (c["zero_stage"], c["offload"] == "cpu"), c
+        if c["trainer"] == "fsdp":  # FSDP2 really sharded: DTensor parameters under an FSDPModule
+            assert (c["ran"]["fsdp"], c["ran"]["sharded_parameters"]) == (True, True), c
     fp32 = [c for c in ran if c["dtype"] == "fp32" and c["id"] != report["baseline"]]
     assert {(c["zero_stage"], c["offload"]) for c in fp32 if c["trainer"] == "deepspeed"} == {
         (0, "none"), (1, "none"), (1, "cpu"), (2, "none"), (2, "cpu"), (3, "none"), (3, "cpu")
@@ -60,5 +64,18 @@ def test_zero_experiment(tmp_path):
     frozen = cells["torch-w1-mb2-ga8-bug_lr_zero"]
     assert (frozen["caught_by"], frozen["first_divergent_step"]) == ("params", 0)
     assert frozen["reason"].startswith("diverged at step 0: params of hidden.0.weight")
+    # FSDP2, ZeRO-3's counterpart in PyTorch: tensor by tensor equal to full-batch training (measured
+    # ≤ 3.0e-8), and its traffic per step = one all-gather of the parameters per micro-step (the root
+    # stays gathered between forward and backward) + one reduce-scatter of the gradients (GA 4: 5 P),
+    # P with each tensor's dim 0 padded to a multiple of the world size (the head's 3 rows → 4).
+    fsdp = cells["fsdp-w2-mb2-ga4"]
+    assert 0 < fsdp["max_abs_param_diff"] < 1e-6 and 0 < fsdp["max_abs_grad_diff"] < 1e-6, fsdp
+    padded = [(48, 12), (48,), (48, 48), (48,), (4, 48), (4,)]  # hidden.0, hidden.1, head: weight, bias
+    param_bytes = 4 * sum(math.prod(shape) for shape in padded)
+    assert fsdp["comm_bytes_per_step"] == 5 * param_bytes, fsdp["comm_bytes_per_step"]
+    assert cells["fsdp-w2-mb2-ga4-bf16"]["verdict"] == "match"
+    scaled = cells["fsdp-w2-mb2-ga4-bug_one_grad_scaled"]  # a sharded gradient 4×, gathered and localised
+    assert (scaled["caught_by"], scaled["first_divergent_step"]) == ("grads", 0)
+    assert scaled["reason"].startswith("diverged at step 0: grads of head.bias"), scaled["reason"]
     assert "max |Δparam|" in proc.stdout
     assert leftover_processes(tag) == []

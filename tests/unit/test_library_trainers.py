@@ -109,3 +109,11 @@ def test_without_the_hf_extra_a_library_trainer_says_how_to_install_it(monkeypat
     for trainer, package in (("accelerate", "accelerate"), ("hf", "transformers")):
         with pytest.raises(MatrixError, match=f"trainer {trainer} needs {package}: pip install 'gaeq\\[hf\\]'"):
             matrix_from_dict(small_spec(cells=[{"trainer": trainer, "micro_batch_size": 4}]))
+
+
+def test_fsdp_and_library_cells_are_fp32_or_bf16_and_write_no_checkpoints():
+    with pytest.raises(MatrixError, match="the fsdp trainer runs fp32 and bf16 .*not fp16"):
+        matrix_from_dict(small_spec(cells=[{"trainer": "fsdp", "micro_batch_size": 4, "dtype": "fp16"}]))
+    spec = small_spec(resume=[{"from": {"trainer": "fsdp", "micro_batch_size": 4}, "at_step": 4, "universal": False, "to": [{"world_size": 1, "micro_batch_size": 8}]}])
+    with pytest.raises(MatrixError, match="checkpoints are written and resumed by the torch and deepspeed trainers; source fsdp-w1-mb4-ga4 is fsdp"):
+        matrix_from_dict(spec)

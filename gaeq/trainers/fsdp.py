@@ -1,0 +1,115 @@
+"""Manual gradient accumulation with torch FSDP2 (``fully_shard``): parameters, gradients and
+optimizer state sharded over the ranks — the comparison people make when they move between
+DeepSpeed ZeRO-3 and FSDP.
+
+Read it side by side with torch_manual.py: same skeleton, same names. The differences are marked
+``# ACCUMULATION:`` — who shards, when gradients are reduced — and ``cell.bug`` lines plant the
+mistakes of gaeq/bugs.py where they would really be made.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+from gaeq.matrix import Cell
+from gaeq.problem.optim import build_optimizer, build_scheduler, gradient_clipping
+from gaeq.problem.spec import ProblemSpec
+from gaeq.trainers.base import RunContext, StepRecorder, build_cell_problem, inject_fault
+from gaeq.trainers.provenance import Provenance
+
+
+def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
+    """Train the cell on this rank; returns what really ran (:mod:`gaeq.trainers.provenance`)."""
+    task = build_cell_problem(cell, problem, ctx)
+    plan = task.plan
+    model = task.model.to(ctx.device)
+    # ACCUMULATION: FSDP2 shards every block, then the rest (the root), over all ranks; its
+    # reduce-scatter averages gradients over ranks (÷ world), as DDP's all-reduce does.
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+    for block in shard_units(model):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = build_optimizer(model.parameters(), problem)  # over the shards (DTensors)
+    scheduler = build_scheduler(optimizer, problem)
+    last_param = list(model.parameters())[-1]
+    # clip_grad_norm_ returns the pre-clipping norm; max_norm=inf measures without clipping.
+    max_norm = gradient_clipping(problem) or math.inf
+    recorder = StepRecorder(cell=cell, ctx=ctx, steps=problem.steps)
+    recorder.count_collectives(model if ctx.world_size > 1 else None)
+    ran = Provenance(
+        cell,
+        problem,
+        **task.model_facts(),
+        world_size=dist.get_world_size() if dist.is_initialized() else 1,
+        fsdp=isinstance(model, FSDPModule),
+        sharded_parameters=all(isinstance(p, DTensor) for p in model.parameters()),
+        update_rule=type(optimizer).__name__,
+    )
+
+    for step in range(problem.steps):
+        inject_fault(cell, rank=ctx.rank, step=step)
+        started = time.perf_counter()
+        lr = scheduler.get_last_lr()[0]
+        normaliser = task.normaliser(step)  # loss elements (samples or valid tokens) in the global batch
+        local_loss_sum = 0.0  # this rank's part of the global loss sum, float64 on the host
+        for micro_step in range(plan.grad_accum_steps):
+            mb = task.micro_batch(step=step, micro_step=micro_step, rank=ctx.rank)
+            boundary = micro_step == plan.grad_accum_steps - 1
+            # ACCUMULATION: gradients are reduce-scattered only on the boundary micro-step; before
+            # it, FSDP2 keeps them unsharded and sums them locally.
+            model.set_requires_gradient_sync(boundary)
+            num_items = task.num_items(cell, mb, normaliser=normaliser)  # what the loss sum is divided by
+            with ran.forward(mb.inputs), task.forwarding(mb):
+                micro_loss = task.micro_loss(model, mb, num_items=num_items)
+            # ACCUMULATION: we divide — num_items counts the whole global batch, so ÷ GA is in it —
+            # and multiply by world, because FSDP2 averages over ranks.
+            loss = micro_loss * ctx.world_size
+            loss.backward()
+            local_loss_sum += micro_loss.item() * num_items
+        if cell.bug == "one_grad_scaled":
+            last_param.grad.mul_(4.0)  # planted bug: one tensor's gradient 4× (AdamW hardly notices)
+        # ACCUMULATION: at the boundary the gradients are sharded; the grad norm and clipping
+        # reduce over the shards (a DTensor norm), then step, schedule, zero — as torch_manual.
+        if recorder.wants("grads", step):  # full tensors, gathered from every shard: all ranks call it
+            recorder.snapshot(step=step, kind="grads", gather=lambda: {n: full(p.grad) for n, p in model.named_parameters()})
+        grad_norm = full(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=max_norm)).item()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        ran.step_done()
+        if recorder.wants("params", step):
+            recorder.snapshot(step=step, kind="params", gather=lambda: {n: full(p) for n, p in model.named_parameters()})
+        recorder.record(
+            step=step,
+            local_loss_sum=local_loss_sum,
+            normaliser=normaliser,
+            grad_norm=grad_norm,
+            lr=lr,
+            seconds=time.perf_counter() - started,
+        )
+    recorder.close()
+    return ran.ran
+
+
+def shard_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The blocks FSDP2 shards one by one (each all-gathered just before its forward): gaeq's
+    GPT's blocks, a transformers model's decoder layers; none for the MLP (one unit, the root)."""
+    for path in ("blocks", "model.layers", "transformer.h"):
+        owner = model
+        for name in path.split("."):
+            owner = getattr(owner, name, None)
+        if isinstance(owner, torch.nn.ModuleList):
+            return list(owner)
+    return []
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a shard (a collective), or the tensor itself."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
