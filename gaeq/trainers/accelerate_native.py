@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 import time
 
-import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gaeq.matrix import Cell
