@@ -163,7 +163,20 @@ def leftover_processes(tag: str, *, grace: float = 5.0) -> list[int]:
     """PIDs of live processes that inherited the tag (every rank gaeq started would have) — or,
     for a tag of :func:`gaeq_run_here`, the fork server's live children."""
     if tag.startswith(CHILDREN_OF):
-        return _children_left(int(tag.removeprefix(CHILDREN_OF)), grace=grace)
+        parent = int(tag.removeprefix(CHILDREN_OF))
+        return _live_processes(lambda proc: _child_of(proc, parent), grace=grace)
+    marker = f"GAEQ_TEST_TAG={tag}".encode()
+    return _live_processes(lambda proc: marker in (proc / "environ").read_bytes(), grace=grace)
+
+
+def _child_of(proc: Path, parent: int) -> bool:
+    stat = (proc / "stat").read_text()
+    state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]  # after "pid (comm) "
+    return int(ppid) == parent and state != "Z"
+
+
+def _live_processes(matches, *, grace: float) -> list[int]:
+    """PIDs of /proc entries that `matches`, polled until none is left or `grace` seconds pass."""
     deadline = time.monotonic() + grace
     while True:
         pids = []
@@ -171,29 +184,10 @@ def leftover_processes(tag: str, *, grace: float = 5.0) -> list[int]:
             if not entry.name.isdigit():
                 continue
             try:
-                if f"GAEQ_TEST_TAG={tag}".encode() in (entry / "environ").read_bytes():
+                if matches(entry):
                     pids.append(int(entry.name))
-            except OSError:
+            except OSError:  # the process ended while we looked
                 continue
-        if not pids or time.monotonic() > deadline:
-            return pids
-        time.sleep(0.2)
-
-
-def _children_left(parent: int, *, grace: float) -> list[int]:
-    deadline = time.monotonic() + grace
-    while True:
-        pids = []
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state, ppid, ...
-            if int(fields[1]) == parent and fields[0] != "Z":
-                pids.append(int(entry.name))
         if not pids or time.monotonic() > deadline:
             return pids
         time.sleep(0.2)
