@@ -106,15 +106,22 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     return ran.ran
 
 
-def new_accelerator(cell: Cell, grad_accum_steps: int, *, cpu: bool):
-    """A fresh Accelerator for the cell. accelerate keeps process-wide singletons (its state,
-    the accumulation counter): cells share the process, so the previous cell's are reset first —
-    except the distributed state, which is the process group gaeq already joined."""
-    from accelerate import Accelerator
+def reset_accelerate_state() -> None:
+    """accelerate keeps process-wide singletons (its state, the accumulation counter): cells share
+    the process, so the previous cell's are reset before a cell builds its Accelerator (here, or
+    inside the transformers Trainer) — except the distributed state, which is the process group gaeq
+    already joined."""
     from accelerate.state import AcceleratorState, GradientState
 
     AcceleratorState._reset_state(reset_partial_state=False)
     GradientState._reset_state()
+
+
+def new_accelerator(cell: Cell, grad_accum_steps: int, *, cpu: bool):
+    """A fresh Accelerator for the cell (:func:`reset_accelerate_state` first)."""
+    from accelerate import Accelerator
+
+    reset_accelerate_state()
     return Accelerator(
         gradient_accumulation_steps=grad_accum_steps,
         mixed_precision=MIXED_PRECISION[cell.dtype],

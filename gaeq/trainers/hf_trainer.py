@@ -18,7 +18,6 @@ import time
 from typing import Any
 
 import torch
-from accelerate.state import AcceleratorState, GradientState
 from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import PrinterCallback
@@ -27,6 +26,7 @@ from gaeq.matrix import Cell
 from gaeq.problem.data import IGNORE_INDEX
 from gaeq.problem.models import sample_keys
 from gaeq.problem.spec import ProblemSpec
+from gaeq.trainers.accelerate_native import reset_accelerate_state
 from gaeq.trainers.base import RunContext, StepRecorder, build_cell_problem, inject_fault
 from gaeq.trainers.provenance import Provenance
 
@@ -39,10 +39,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     """Train the cell on this rank; returns what really ran (:mod:`gaeq.trainers.provenance`)."""
     task = build_cell_problem(cell, problem, ctx)
     plan = task.plan
-    # accelerate's process-wide state belongs to the previous cell (cells share the process); the
-    # distributed part is the process group gaeq joined.
-    AcceleratorState._reset_state(reset_partial_state=False)
-    GradientState._reset_state()
+    reset_accelerate_state()  # the Trainer builds its own Accelerator
     own_loss = getattr(task.model, "config", None) is not None  # a transformers model: its own loss kwargs
     model = task.model if own_loss else LossKwargsModel(task.model, task.built.loss_sum)
     spec, schedule = problem.optimizer, problem.schedule
