@@ -23,6 +23,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import PrinterCallback
 
 from gaeq.matrix import Cell
+from gaeq.problem.build import BuiltProblem
 from gaeq.problem.data import IGNORE_INDEX
 from gaeq.problem.models import sample_keys
 from gaeq.problem.spec import ProblemSpec
@@ -40,8 +41,10 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     task = build_cell_problem(cell, problem, ctx)
     plan = task.plan
     reset_accelerate_state()  # the Trainer builds its own Accelerator
-    own_loss = getattr(task.model, "config", None) is not None  # a transformers model: its own loss kwargs
-    model = task.model if own_loss else LossKwargsModel(task.model, task.built.loss_sum)
+    # loss: hf — the transformers model's own loss takes num_items_in_batch; any other loss (a
+    # transformers model's logits under cross_entropy, gaeq's models) goes through a wrapper.
+    own_loss = problem.loss == "hf"
+    model = task.model if own_loss else LossKwargsModel(task.model, task.built)
     spec, schedule = problem.optimizer, problem.schedule
     args = TrainingArguments(
         output_dir=str(ctx.cell_dir / "hf_trainer"),
@@ -120,21 +123,20 @@ def trainer_deepspeed_config(cell: Cell, problem: ProblemSpec) -> dict[str, Any]
 
 
 class LossKwargsModel(torch.nn.Module):
-    """gaeq's own model as the Trainer wants a causal LM: ``forward(input_ids, labels,
-    num_items_in_batch=None)`` → ``{"loss": loss sum ÷ num_items_in_batch}`` — or, without a count,
-    the micro-batch's mean (what a model without loss kwargs returns). ``positions`` keys gaeq's
-    split-invariant dropout."""
+    """A model under the problem's own loss, as the Trainer wants a causal LM: ``forward(input_ids,
+    labels, num_items_in_batch=None)`` → ``{"loss": loss sum ÷ num_items_in_batch}``
+    (``BuiltProblem.micro_loss``) — or, without a count, the micro-batch's mean (what a model
+    without loss kwargs returns). ``positions`` keys gaeq's split-invariant dropout."""
 
-    def __init__(self, model: torch.nn.Module, loss_sum) -> None:
+    def __init__(self, model: torch.nn.Module, built: BuiltProblem) -> None:
         super().__init__()
         self.model = model
-        self.loss_sum = loss_sum
+        self.built = built  # not a submodule: the model is registered once, above
 
     def forward(self, input_ids, labels, positions=None, num_items_in_batch=None, **kwargs) -> dict[str, torch.Tensor]:
-        with sample_keys(positions.tolist() if positions is not None else range(len(input_ids))):
-            total = self.loss_sum(self.model(input_ids), labels)
         count = num_items_in_batch if num_items_in_batch is not None else (labels != IGNORE_INDEX).sum()
-        return {"loss": total / count}
+        with sample_keys(positions.tolist() if positions is not None else range(len(input_ids))):
+            return {"loss": self.built.micro_loss(self.model, input_ids, labels, num_items=count)}
 
 
 class PositionDataset(torch.utils.data.Dataset):
