@@ -209,15 +209,16 @@ def preload_modules(cells: Sequence[Cell], problems: Mapping[str, ProblemSpec]) 
     DeepSpeed, accelerate, transformers only when a cell needs them (the server's imports are on
     the critical path of every run: the first group cannot start before they are done)."""
     trainers = {c.trainer for c in cells}
+    hf_trainer = bool(trainers & {"hf", "hf_deepspeed"})  # the transformers Trainer (on accelerate)
     modules = ["gaeq.runtime.preload"]
     if trainers & DEEPSPEED_TRAINERS:
         modules.append("gaeq.runtime.preload_deepspeed")
-    if trainers & {"accelerate", "hf", "hf_deepspeed"}:
+    if hf_trainer or "accelerate" in trainers:
         modules.append("gaeq.runtime.preload_accelerate")
-    if trainers & {"hf", "hf_deepspeed"} or any(isinstance(problems[c.variant].model, HFModelSpec) for c in cells):
+    if hf_trainer or any(isinstance(problems[c.variant].model, HFModelSpec) for c in cells):
         modules.append("gaeq.runtime.preload_hf")
-    if trainers & {"hf", "hf_deepspeed"}:
-        modules.append("gaeq.trainers.hf_trainer")  # transformers.Trainer
+    if hf_trainer:
+        modules.append("gaeq.trainers.hf_trainer")
     return modules
 
 
