@@ -79,18 +79,22 @@ class MLP(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with one fused q/k/v projection in Megatron's layout: each
+    head's q, k and v rows sit together (``qkv.weight`` = [q₀ k₀ v₀ q₁ k₁ v₁ …]), so a column-wise
+    tensor-parallel shard of ``qkv`` holds whole heads and the forward works on any number of them."""
+
     def __init__(self, spec: GPTSpec) -> None:
         super().__init__()
-        self.n_head = spec.n_head
+        self.head_dim = spec.n_embd // spec.n_head
         self.qkv = nn.Linear(spec.n_embd, 3 * spec.n_embd)
         self.proj = nn.Linear(spec.n_embd, spec.n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(x).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        b, t, _ = x.shape
+        # -1: the heads this rank holds (all of them without tensor parallelism)
+        q, k, v = self.qkv(x).view(b, t, -1, 3, self.head_dim).transpose(1, 2).unbind(3)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class Block(nn.Module):
@@ -114,6 +118,13 @@ class GPT(nn.Module):
     The head is not tied to the token embedding: shared parameters would add a ZeRO-3 corner case
     that has nothing to do with gradient accumulation.
     """
+
+    tp_plan = {  # Megatron's split (gaeq/problem/tp.py): one all-reduce per attention and per MLP
+        "blocks.*.attn.qkv": "colwise",
+        "blocks.*.attn.proj": "rowwise",
+        "blocks.*.mlp.0": "colwise",
+        "blocks.*.mlp.2": "rowwise",
+    }
 
     def __init__(self, spec: GPTSpec, *, vocab_size: int, block_size: int, seed: int) -> None:
         super().__init__()
