@@ -23,6 +23,8 @@ class PlantedBug:
     """The problem loss the bug exists in (None: any)."""
     min_world_size: int = 1
     """The bug exists only from this many ranks on (a per-process mistake needs several processes)."""
+    min_tensor_parallel: int = 1
+    """The bug exists only where layers are split over this many ranks or more."""
     reported: str = ""
     """Where the mistake was seen in the wild (an issue of the library's tracker), if anywhere."""
 
@@ -146,6 +148,15 @@ BUGS: dict[str, PlantedBug] = {
             name="one_grad_scaled",
             trainers=("torch", "fsdp"),
             description="the last parameter's accumulated gradient is 4× too large (a hook that forgets a division)",
+        ),
+        PlantedBug(
+            name="tp_grad_norm_per_shard",
+            trainers=("torch", "fsdp"),
+            min_tensor_parallel=2,
+            description=(
+                "with tensor parallelism each rank measures the grad norm of the slices it holds, not of the "
+                "whole gradient: every rank a different, smaller norm, each clipping by its own"
+            ),
         ),
         PlantedBug(
             name="lr_zero",

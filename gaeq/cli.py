@@ -53,8 +53,9 @@ def validate(matrix: Annotated[Path, typer.Argument(help="Matrix YAML file.")]) 
     """Validate a matrix and print its expanded cells, without training."""
     m = _load(matrix)
     table = Table(title=f"{m.spec.name}: {len(m.cells)} cells", title_justify="left")
-    for name in ("cell", "trainer", "world", "micro", "GA", "ZeRO", "dtype", "expect", "note"):
-        table.add_column(name, justify="right" if name in {"world", "micro", "GA", "ZeRO"} else "left", no_wrap=name == "cell")
+    tp = any(c.tensor_parallel > 1 for c in m.cells)
+    for name in ("cell", "trainer", "world", *(("TP",) if tp else ()), "micro", "GA", "ZeRO", "dtype", "expect", "note"):
+        table.add_column(name, justify="right" if name in {"world", "TP", "micro", "GA", "ZeRO"} else "left", no_wrap=name == "cell")
     baselines = set(m.baselines.values())
     for c in m.cells:
         if c.skip_reason:
@@ -67,6 +68,7 @@ def validate(matrix: Annotated[Path, typer.Argument(help="Matrix YAML file.")]) 
             c.id,
             c.trainer,
             str(c.world_size),
+            *((str(c.tensor_parallel),) if tp else ()),
             str(c.micro_batch_size),
             str(c.grad_accum_steps) if c.divisible else "-",
             "-" if c.zero_stage is None else str(c.zero_stage),

@@ -3,7 +3,8 @@
 Frozen dataclasses that cross process boundaries (ranks receive their cells pickled). Gradient
 accumulation is never chosen, always derived::
 
-    grad_accum_steps = train_batch_size // (micro_batch_size * world_size)
+    data_parallel    = world_size // tensor_parallel     (ranks that see different samples)
+    grad_accum_steps = train_batch_size // (micro_batch_size * data_parallel)
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def group_key(*, dtype: str, variant: str) -> str:
     return dtype if variant == BASE else f"{dtype}@{variant}"
 
 
-SPLIT_AXES = ("trainer", "world_size", "micro_batch_size", "zero_stage", "offload", "dtype", "variant")
+SPLIT_AXES = ("trainer", "world_size", "tensor_parallel", "micro_batch_size", "zero_stage", "offload", "dtype", "variant")
 """The matrix's axes: the fields of a :class:`Split`, in the order the axes are expanded. A new axis
 is a field here, in :class:`Split`, in the schema (AxesSpec, CellSpec) and in :attr:`Cell.id`."""
 
@@ -54,6 +55,9 @@ class Split:
 
     trainer: Trainer
     world_size: int
+    """Ranks in all: data-parallel × tensor-parallel."""
+    tensor_parallel: int = 1
+    """Ranks each layer is split over; the ranks of one tensor-parallel group share micro-batches."""
     micro_batch_size: int
     zero_stage: int | None = None
     """ZeRO stage for DeepSpeed cells; None for the torch trainer."""
@@ -80,14 +84,21 @@ class Cell(Split):
     skip_reason: str | None = field(default=None, compare=False)
 
     @property
+    def data_parallel(self) -> int:
+        """Ranks that see different samples (world_size ÷ tensor_parallel)."""
+        if self.world_size % self.tensor_parallel:
+            raise MatrixError(f"world_size {self.world_size} is not divisible by tensor_parallel {self.tensor_parallel}")
+        return self.world_size // self.tensor_parallel
+
+    @property
     def divisible(self) -> bool:
-        return self.train_batch_size % (self.micro_batch_size * self.world_size) == 0
+        return self.train_batch_size % (self.micro_batch_size * self.data_parallel) == 0
 
     @property
     def grad_accum_steps(self) -> int:
         if not self.divisible:
             raise MatrixError(self._indivisible())
-        return self.train_batch_size // (self.micro_batch_size * self.world_size)
+        return self.train_batch_size // (self.micro_batch_size * self.data_parallel)
 
     @property
     def id(self) -> str:
@@ -97,7 +108,10 @@ class Cell(Split):
         if self.offload != "none":
             parts.append(f"{self.offload}off")
         ga = self.grad_accum_steps if self.divisible else "NA"
-        parts += [f"w{self.world_size}", f"mb{self.micro_batch_size}", f"ga{ga}"]
+        parts.append(f"w{self.world_size}")
+        if self.tensor_parallel > 1:
+            parts.append(f"tp{self.tensor_parallel}")
+        parts += [f"mb{self.micro_batch_size}", f"ga{ga}"]
         if self.dtype != "fp32":
             parts.append(self.dtype)
         if self.bug:
@@ -120,8 +134,13 @@ class Cell(Split):
         return self.resume.step if self.resume else 0
 
     def _indivisible(self) -> str:
-        return indivisible_message(
-            train_batch_size=self.train_batch_size, micro_batch_size=self.micro_batch_size, world_size=self.world_size
+        if self.tensor_parallel == 1:
+            return indivisible_message(
+                train_batch_size=self.train_batch_size, micro_batch_size=self.micro_batch_size, world_size=self.world_size
+            )
+        return (
+            f"train_batch_size {self.train_batch_size} is not divisible by micro_batch_size {self.micro_batch_size} × "
+            f"data-parallel ranks {self.data_parallel} (world_size {self.world_size} ÷ tensor_parallel {self.tensor_parallel})"
         )
 
 

@@ -84,6 +84,10 @@ class Expander:
                     split = dict(zip(names, values), dtype=dtype, variant=variant)
                     if split["trainer"] not in DEEPSPEED_TRAINERS:
                         split |= DEEPSPEED_ONLY
+                    if split["trainer"] not in TENSOR_PARALLEL_TRAINERS:
+                        split["tensor_parallel"] = 1
+                    if split["world_size"] % split["tensor_parallel"]:
+                        continue  # no such split: tensor-parallel groups of that size do not fit the world
                     splits.setdefault(tuple(split.items()), split)  # torch: one cell, not one per ZeRO stage
                 for split in splits.values():
                     self.add(Split(**split))
@@ -128,6 +132,8 @@ class Expander:
             split = dataclasses.replace(split, zero_stage=0)
         if trainer not in DEEPSPEED_TRAINERS and split.offload != "none":
             raise MatrixError(f"offload is a DeepSpeed setting; the {trainer} cell w{world} mb{micro} sets it")
+        if split.tensor_parallel > 1:
+            _check_tensor_parallel(split, problem)
         if dtype == "ds_bf16" and not (trainer == "deepspeed" and split.zero_stage >= 1):
             raise MatrixError(
                 "dtype ds_bf16 is DeepSpeed's bf16 mixed precision: DeepSpeed cells at ZeRO ≥ 1 only "
@@ -159,6 +165,8 @@ class Expander:
                 raise MatrixError(f"bug {bug!r} exists only in a problem with a deepspeed_config")
             if world < BUGS[bug].min_world_size:
                 raise MatrixError(f"bug {bug!r} needs world_size ≥ {BUGS[bug].min_world_size}, the cell has {world}")
+            if split.tensor_parallel < BUGS[bug].min_tensor_parallel:
+                raise MatrixError(f"bug {bug!r} needs tensor_parallel ≥ {BUGS[bug].min_tensor_parallel}, the cell has {split.tensor_parallel}")
             if BUGS[bug].loss is not None and problem.loss != BUGS[bug].loss:
                 raise MatrixError(f"bug {bug!r} exists only with loss {BUGS[bug].loss}, not {problem.loss!r}")
             if BUGS[bug].dtypes and dtype not in BUGS[bug].dtypes:
@@ -236,6 +244,27 @@ def _check_precision(precision: str, dtype: str) -> None:
             f"deepspeed_config enables {section} ({section}.enabled: true): its DeepSpeed cells are {precision}, "
             f"not {dtype} — set dtype: {precision} (with a DeepSpeed baseline)"
         )
+
+
+TENSOR_PARALLEL_TRAINERS = frozenset({"torch", "fsdp", "deepspeed"})
+"""Trainers that split layers over ranks (DTensor in torch and FSDP2, AutoTP in DeepSpeed)."""
+
+
+def _check_tensor_parallel(split: Split, problem: ProblemSpec) -> None:
+    """A tensor-parallel split that can run exactly as labelled — else bad input, naming the numbers."""
+    from gaeq.problem.tp import plan_problem
+
+    where = f"the {split.trainer} cell w{split.world_size} tp{split.tensor_parallel} mb{split.micro_batch_size}"
+    if split.trainer not in TENSOR_PARALLEL_TRAINERS:
+        raise MatrixError(f"tensor_parallel runs in the {', '.join(sorted(TENSOR_PARALLEL_TRAINERS))} trainers, not {split.trainer} ({where})")
+    if split.world_size % split.tensor_parallel:
+        raise MatrixError(f"world_size {split.world_size} is not divisible by tensor_parallel {split.tensor_parallel} ({where})")
+    if split.dtype not in ("fp32", "bf16"):
+        raise MatrixError(f"tensor-parallel cells run fp32 and bf16 (autocast over fp32 weights), not {split.dtype} ({where})")
+    if split.trainer == "deepspeed" and (problem.deepspeed_config is not None or split.offload != "none"):
+        raise MatrixError(f"DeepSpeed AutoTP cells run gaeq's own DeepSpeed config, without offload ({where})")
+    if why := plan_problem(problem, split.tensor_parallel):
+        raise MatrixError(f"tensor_parallel {split.tensor_parallel}: {why}")
 
 
 LIBRARY_TRAINERS = {"accelerate": "accelerate", "hf": "transformers", "hf_deepspeed": "transformers"}

@@ -23,6 +23,8 @@ def add_resume(ex: Expander, r: ResumeSpec) -> None:
     source = ex.cell(split)
     if source.trainer not in ("torch", "deepspeed"):
         raise MatrixError(f"checkpoints are written and resumed by the torch and deepspeed trainers; source {source.id} is {source.trainer}")
+    if source.tensor_parallel > 1:
+        raise MatrixError(f"checkpoints are written without tensor parallelism; source {source.id} has tensor_parallel {source.tensor_parallel}")
     if source.skip_reason:
         raise MatrixError(f"the resume source {source.id} cannot run: {source.skip_reason}")
     if r.universal and (source.trainer != "deepspeed" or source.zero_stage == 0):

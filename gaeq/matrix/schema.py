@@ -14,6 +14,7 @@ from gaeq.problem.spec import Dtype, PositiveInt, ProblemSpec, Samples
 from gaeq.problem.spec import Spec as _Spec
 
 WorldSize = Annotated[int, Field(gt=0, le=4096)]
+TensorParallel = Annotated[int, Field(gt=0, le=4096)]
 
 Trainer = Literal["torch", "deepspeed", "fsdp", "accelerate", "hf", "hf_deepspeed"]
 Expect = Literal["match", "diverge"]
@@ -36,7 +37,10 @@ class MatrixError(ValueError):
 
 class AxesSpec(_Spec):
     trainer: list[Trainer] = Field(["torch", "deepspeed"], min_length=1)
-    world_size: list[WorldSize] = Field([1], min_length=1)
+    world_size: list[WorldSize] = Field([1], min_length=1, description="Ranks in all (data-parallel × tensor-parallel).")
+    tensor_parallel: list[TensorParallel] = Field(
+        [1], min_length=1, description="Ranks each layer is split over (torch, fsdp, deepspeed); data-parallel ranks = world_size ÷ this."
+    )
     micro_batch_size: list[Samples] = Field(min_length=1)
     zero_stage: list[ZeroStage] = Field([0], min_length=1, description="DeepSpeed cells only.")
     offload: list[Offload] = Field(
@@ -59,6 +63,7 @@ class CellSpec(_Spec):
 
     trainer: Trainer
     world_size: WorldSize = 1
+    tensor_parallel: TensorParallel = 1
     micro_batch_size: Samples
     zero_stage: ZeroStage | None = None
     offload: Offload = "none"

@@ -25,7 +25,8 @@ class Column:
     name: str
     get: Callable[[CellReport], str]
     table: str = "verdict"
-    """verdict | cost | both (the identifying columns) | tensors (verdict table, when tensors are tracked)."""
+    """verdict | cost | both (the identifying columns) | tensors (verdict table, when tensors are tracked)
+    | tp (identifying, when some cell is tensor-parallel)."""
     right: bool = False
 
 
@@ -66,6 +67,7 @@ def _zero(c: CellReport) -> str:
 COLUMNS = (
     Column("cell", lambda c: c.id, "both"),
     Column("W", lambda c: str(c.world_size), "both", right=True),
+    Column("TP", lambda c: str(c.tensor_parallel), "tp", right=True),
     Column("MB", lambda c: str(c.micro_batch_size), "both", right=True),
     Column("GA", lambda c: "-" if c.grad_accum_steps is None else str(c.grad_accum_steps), "both", right=True),
     Column("ZeRO", _zero, "both", right=True),
@@ -81,6 +83,7 @@ COLUMNS = (
     Column("samples/s", lambda c: _fmt(c.samples_per_s, "{:.0f}"), "cost", right=True),
     Column("step ms", lambda c: _fmt(c.step_seconds and c.step_seconds * 1e3, "{:.2f}"), "cost", right=True),
     Column("peak MB", lambda c: _fmt(c.peak_mem_bytes and c.peak_mem_bytes / 2**20, "{:.0f}"), "cost", right=True),
+    Column("state KB", lambda c: _fmt(c.model_state_bytes and c.model_state_bytes / 1024, "{:.1f}"), "cost", right=True),
     Column("comm KB/step", lambda c: _fmt(c.comm_bytes_per_step and c.comm_bytes_per_step / 1024, "{:.1f}", zero="0"), "cost", right=True),
     Column("s", lambda c: _fmt(c.seconds, "{:.1f}"), right=True),
 )
@@ -88,9 +91,13 @@ _STYLE = {"match": "green", "diverge": "yellow", "error": "bold red", "skipped":
 
 
 def columns(report: Report, *, tables: tuple[str, ...] = ("both", "verdict", "tensors", "cost")) -> list[Column]:
-    """The columns of `tables`, in order; tensor columns only when the matrix tracks tensors."""
-    tensors = any(c.max_abs_grad_diff is not None or c.max_abs_param_diff is not None for c in report.cells)
-    return [col for col in COLUMNS if col.table in tables and (col.table != "tensors" or tensors)]
+    """The columns of `tables`, in order; tensor columns only when the matrix tracks tensors, the
+    tensor-parallel column (shown with the split, in both tables) only when some cell has it."""
+    shown = {
+        "tensors": any(c.max_abs_grad_diff is not None or c.max_abs_param_diff is not None for c in report.cells),
+        "tp": any(c.tensor_parallel > 1 for c in report.cells),
+    }
+    return [col for col in COLUMNS if (col.table in tables or col.table == "tp" and "both" in tables) and shown.get(col.table, True)]
 
 
 def _table(title: str, cols: list[Column]) -> Table:

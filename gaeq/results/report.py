@@ -33,6 +33,8 @@ class Cost:
     """Rank 0's peak RSS (CUDA: max allocated) during the cell."""
     comm_bytes_per_step: float | None = None
     """Mean bytes through collectives per optimizer step (rank 0; nccl-tests sizes)."""
+    model_state_bytes: int | None = None
+    """Parameters + gradients + optimizer state rank 0 holds while accumulating (None: not measured)."""
 
     @classmethod
     def of(cls, trace) -> Cost:
@@ -45,10 +47,11 @@ class Cost:
             step_seconds=seconds / len(trace),
             peak_mem_bytes=max(r.peak_mem_bytes for r in trace),
             comm_bytes_per_step=sum(r.comm_bytes for r in trace) / len(trace),
+            model_state_bytes=max(r.model_state_bytes for r in trace) or None,
         )
 
 
-_FROM_CELL = ("id", "trainer", "world_size", "micro_batch_size", "grad_accum_steps", "zero_stage", "offload", "dtype", "variant", "bug", "expect")
+_FROM_CELL = ("id", "trainer", "world_size", "tensor_parallel", "micro_batch_size", "grad_accum_steps", "zero_stage", "offload", "dtype", "variant", "bug", "expect")
 _FROM_COMPARISON = (
     "max_abs_loss_diff", "max_rel_grad_norm_diff", "max_abs_grad_diff", "max_abs_param_diff",
     "first_divergent_step", "caught_by", "divergence_steps",

@@ -41,6 +41,9 @@ class StepRecord:
     """Bytes rank 0 put through collectives during this step (nccl-tests sizes, gaeq.trainers.cost)."""
     peak_mem_bytes: int = 0
     """Rank 0's peak memory so far in this cell (RSS on CPU, max allocated on CUDA)."""
+    model_state_bytes: int = 0
+    """Rank 0's parameters, gradients and optimizer state, in bytes, while accumulating (measured at
+    one step of the cell, gaeq.trainers.base.StepRecorder.measure_model_state; 0 at the others)."""
 
 
 class TraceWriter:

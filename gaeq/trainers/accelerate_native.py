@@ -63,7 +63,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         normaliser = task.normaliser(step)  # loss elements (samples or valid tokens) in the global batch
         local_loss_sum = 0.0  # this rank's part of the global loss sum, float64 on the host
         for micro_step in range(plan.grad_accum_steps):
-            mb = task.micro_batch(step=step, micro_step=micro_step, rank=ctx.rank)
+            mb = task.micro_batch(step=step, micro_step=micro_step)
             boundary = micro_step == plan.grad_accum_steps - 1
             num_items = task.num_items(cell, mb, normaliser=normaliser)  # what the loss sum is divided by
             # ACCUMULATION: accelerate counts micro-steps and syncs gradients on its own boundary;
@@ -74,12 +74,13 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
                 with ran.forward(mb.inputs), task.forwarding(mb):
                     micro_loss = task.micro_loss(net, mb, num_items=num_items)
                 # ACCUMULATION: accelerator.backward divides by GA itself (as DeepSpeed does), so we
-                # hand it GA × this micro-batch's share of the global-batch mean (× world: DDP
-                # averages over ranks) — accelerate's recipe for token-normalised losses.
-                loss = micro_loss * ctx.world_size * plan.grad_accum_steps
+                # hand it GA × this micro-batch's share of the global-batch mean (× dp: DDP
+                # averages over the ranks) — accelerate's recipe for token-normalised losses.
+                loss = micro_loss * task.data_parallel * plan.grad_accum_steps
                 if cell.bug == "accelerate_loss_divided_twice":
                     loss = loss / plan.grad_accum_steps  # planted bug: ÷ GA by hand, then accelerate's ÷ GA
                 accelerator.backward(loss)
+                recorder.measure_model_state(step=step, micro_step=micro_step, model=model, optimizer=optimizer.optimizer)
                 if accelerator.sync_gradients:
                     if recorder.wants("grads", step):
                         recorder.snapshot(step=step, kind="grads", gather=lambda: {n: p.grad for n, p in model.named_parameters()})

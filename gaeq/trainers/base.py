@@ -26,7 +26,7 @@ from gaeq.problem.loss import mean_of_means_count
 from gaeq.problem.models import sample_keys
 from gaeq.results.snapshots import SnapshotWriter, wanted
 from gaeq.results.trace import StepRecord, TraceWriter
-from gaeq.trainers.cost import CommCounter, PeakMemory
+from gaeq.trainers.cost import CommCounter, PeakMemory, model_state_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,9 +60,14 @@ class CellProblem:
     """The built problem of one cell: identical for both trainers."""
 
     plan: BatchPlan
+    """Which samples each data-parallel rank sees (its world_size: the data-parallel ranks)."""
     built: BuiltProblem
     dtype: str
     device: torch.device
+    data_rank: int
+    """This rank's place in the plan: its data-parallel rank. Ranks are laid out tensor-parallel
+    innermost (rank = data_rank × tensor_parallel + tp rank, as init_device_mesh((dp, tp)) and
+    DeepSpeed lay them out), so the ranks of one tensor-parallel group share micro-batches."""
 
     @property
     def model(self) -> torch.nn.Module:
@@ -99,8 +104,14 @@ class CellProblem:
         positions = range(step * self.plan.train_batch_size, (step + 1) * self.plan.train_batch_size)
         return self.built.total_loss_elements([self.plan.sample_at(p) for p in positions])
 
-    def micro_batch(self, *, step: int, micro_step: int, rank: int) -> MicroBatch:
-        positions = self.plan.positions(step=step, micro_step=micro_step, rank=rank)
+    @property
+    def data_parallel(self) -> int:
+        """Ranks that see different samples: the ranks gradients are averaged over."""
+        return self.plan.world_size
+
+    def micro_batch(self, *, step: int, micro_step: int) -> MicroBatch:
+        """This rank's micro-batch at (`step`, `micro_step`)."""
+        positions = self.plan.positions(step=step, micro_step=micro_step, rank=self.data_rank)
         indices = [self.plan.sample_at(p) for p in positions]
         inputs, targets = self.built.dataset.batch(indices)
         if self.dtype in HALF_MODEL and inputs.is_floating_point():
@@ -128,13 +139,14 @@ def build_cell_problem(cell: Cell, problem: ProblemSpec, ctx: RunContext) -> Cel
         plan=BatchPlan(
             train_batch_size=cell.train_batch_size,
             micro_batch_size=cell.micro_batch_size,
-            world_size=cell.world_size,
+            world_size=cell.data_parallel,
             num_samples=problem.num_samples,
             seed=problem.seed,
         ),
         built=build(problem, search=ctx.search),
         dtype=cell.dtype,
         device=ctx.device,
+        data_rank=ctx.rank // cell.tensor_parallel,
     )
 
 
@@ -164,14 +176,23 @@ class StepRecorder:
         self.snapshots = SnapshotWriter(ctx.cell_dir) if ctx.rank == 0 and cell.snapshots else None
         self.comm = CommCounter()
         self.memory = PeakMemory(ctx.device)
+        self._model_state_bytes = 0
 
     def count_collectives(self, wrapper) -> None:
-        """Count the bytes `wrapper` (DDP or a DeepSpeed engine; None: nothing) communicates."""
+        """Count the bytes `wrapper` (DDP, a DeepSpeed engine, an FSDP2 module, a TensorParallel
+        split; None: nothing) communicates. Call it once per wrapper."""
         self.comm.attach(wrapper)
 
     def wants(self, kind: str, step: int) -> bool:
         """Whether `kind` ("grads" or "params") is saved at `step`: the same answer on every rank."""
         return kind in self.cell.snapshots and wanted(step, every=self.cell.snapshot_every, steps=self.steps)
+
+    def measure_model_state(self, *, step: int, micro_step: int, model: torch.nn.Module, optimizer: object) -> None:
+        """Call after every backward: once per cell — after the first micro-step of the second
+        optimizer step (the optimizer state exists from the first; with GA > 1, mid-accumulation) —
+        counts the parameters, gradients and optimizer state this rank holds (cost.model_state_bytes)."""
+        if self.writer is not None and (step, micro_step) == (min(1, self.steps - 1), 0):
+            self._model_state_bytes = model_state_bytes(model, optimizer)
 
     def snapshot(self, *, step: int, kind: str, gather: Callable[[], Mapping[str, torch.Tensor]]) -> None:
         """`gather()` runs on every rank (it may be a collective) and is not counted as training traffic."""
@@ -185,9 +206,12 @@ class StepRecorder:
     ) -> None:
         # float64 end to end: the comparison must not be limited by the logging precision.
         comm_bytes = self.comm.take()
+        if self.ctx.rank % self.cell.tensor_parallel:
+            local_loss_sum = 0.0  # a tensor-parallel group saw one micro-batch: its first rank counts it
         total = torch.tensor([local_loss_sum], dtype=torch.float64, device=self.ctx.device)
         if self.ctx.world_size > 1:
-            dist.all_reduce(total, op=dist.ReduceOp.SUM)  # torch.distributed: not counted, not training
+            with self.comm.paused():  # the lab's own collective, not training traffic
+                dist.all_reduce(total, op=dist.ReduceOp.SUM)
         if self.writer is None:
             return
         self.writer.write(
@@ -201,8 +225,10 @@ class StepRecorder:
                 skipped=skipped,
                 comm_bytes=comm_bytes,
                 peak_mem_bytes=self.memory.peak_bytes(),
+                model_state_bytes=self._model_state_bytes,
             )
         )
+        self._model_state_bytes = 0
         self.ctx.on_step(step)
 
     def close(self) -> None:

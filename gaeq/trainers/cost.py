@@ -4,12 +4,15 @@ Bytes follow the nccl-tests convention for a collective's *size*: all-reduce, re
 count their tensor; reduce-scatter its whole input buffer; all-gather its whole output buffer. So
 an all-reduce of P bytes counts P, a ZeRO reduce-scatter of the same gradients P, the all-gather of
 the parameters back P. DDP is counted in a communication hook (its reducer bypasses Python);
-DeepSpeed at its collective layer (the `deepspeed.comm` backend every ZeRO stage calls).
+DeepSpeed at its collective layer (the `deepspeed.comm` backend every ZeRO stage calls); FSDP2 at
+the torch.distributed functions it calls; DTensor tensor parallelism at the functional collectives
+its layers call (the activations' all-reduces) and the data-parallel all-reduce of the gradients.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -50,13 +53,36 @@ _FSDP_SIZES: dict[str, Callable] = {
 }
 
 
+# torch.distributed._functional_collectives function DTensor calls → size of one call
+_DTENSOR_SIZES: dict[str, Callable] = {
+    "all_reduce": lambda a, k: _nbytes(_arg(a, k, 0, "self")),
+    "reduce_scatter_single": lambda a, k: _nbytes(_arg(a, k, 0, "self")),
+    "all_gather_single": lambda a, k: _nbytes(_arg(a, k, 0, "self")) * _group_size(_arg(a, k, 2, "group")),
+}
+
+
+def _group_size(group) -> int:
+    """Ranks in a functional collective's group (a name, a process group, or (mesh, dim))."""
+    from torch.distributed import _functional_collectives as funcol
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return torch.distributed.get_world_size(_resolve_process_group(funcol._resolve_group_name(group)))
+
+
+def _alone(args, kwargs) -> bool:
+    """A collective over a group of one rank (DeepSpeed calls them, e.g. ZeRO on a data-parallel
+    group of one beside tensor parallelism): nothing is sent."""
+    group = kwargs.get("group", next((a for a in args if isinstance(a, torch.distributed.ProcessGroup)), None))
+    return isinstance(group, torch.distributed.ProcessGroup) and group.size() == 1
+
+
 class CommCounter:
     """Bytes this rank put through collectives since the last :meth:`take`."""
 
     def __init__(self) -> None:
         self.bytes = 0
         self._paused = 0
-        self._restore: Callable[[], None] = lambda: None
+        self._restores: list[Callable[[], None]] = []
 
     def add(self, nbytes: int) -> None:
         if not self._paused:
@@ -76,7 +102,8 @@ class CommCounter:
             self._paused -= 1
 
     def attach(self, wrapper) -> None:
-        """Count what `wrapper` sends: a DDP module (comm hook) or a DeepSpeed engine (its backend).
+        """Count what `wrapper` sends: a DDP module (comm hook), a DeepSpeed engine (its backend),
+        an FSDP2 module or a TensorParallel split (the torch.distributed functions they call).
 
         A single process sends nothing, whatever collectives it calls on its group of one."""
         if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
@@ -87,10 +114,15 @@ class CommCounter:
             self._attach_deepspeed()
         elif wrapper is not None and hasattr(wrapper, "set_requires_gradient_sync"):  # FSDP2's FSDPModule
             self._patch(torch.distributed, _FSDP_SIZES)
+        elif wrapper is not None and hasattr(wrapper, "average_gradients"):  # gaeq's TensorParallel split
+            from torch.distributed import _functional_collectives as funcol
+
+            self._patch(funcol, _DTENSOR_SIZES)
+            self._patch(torch.distributed, {"all_reduce": _DEEPSPEED_SIZES["all_reduce"]})
 
     def detach(self) -> None:
-        self._restore()
-        self._restore = lambda: None
+        while self._restores:
+            self._restores.pop()()
 
     def _attach_ddp(self, ddp) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -116,7 +148,8 @@ class CommCounter:
                 continue
 
             def counting(*args, _method=method, _size=size, **kwargs):
-                self.add(_size(args, kwargs))
+                if not _alone(args, kwargs):
+                    self.add(_size(args, kwargs))
                 return _method(*args, **kwargs)
 
             originals[name] = method
@@ -126,7 +159,61 @@ class CommCounter:
             for name, method in originals.items():
                 setattr(owner, name, method)
 
-        self._restore = restore
+        self._restores.append(restore)
+
+
+def model_state_bytes(model: torch.nn.Module, optimizer: object) -> int:
+    """Bytes of model state this rank holds — parameters, gradients, optimizer state (the ZeRO
+    paper's "model states"; communication buffers are not) — counted from the tensors themselves:
+    the model's parameters (the slice a rank holds of a DTensor or a ZeRO-3 partition) and their
+    gradients (FSDP2's unsharded ones too, held between no-sync micro-steps), and every tensor the
+    optimizer object reaches (torch's state, ZeRO's flat buffers, master partitions and gradient
+    partitions). Each storage counts once, whole: parameters that are views into one flat buffer
+    count as that buffer."""
+    storages: dict[int, int] = {}
+
+    def add(t: torch.Tensor) -> None:
+        t = getattr(t, "_local_tensor", t)  # a DTensor: the slice this rank holds
+        if t.device.type == "meta":
+            return
+        storage = t.untyped_storage()
+        if storage.nbytes():
+            storages[storage.data_ptr()] = storage.nbytes()
+
+    def children(obj: object) -> Iterator[object]:
+        if isinstance(obj, torch.Tensor):
+            add(obj)
+            yield from (getattr(obj, attr, None) for attr in ("grad", "ds_tensor"))  # ZeRO-3: the partition
+        elif isinstance(obj, torch.nn.Module):
+            yield from obj.parameters()
+            # FSDP2 accumulates unsharded gradients outside .grad (no-sync micro-steps)
+            yield from (m._get_fsdp_state() for m in obj.modules() if hasattr(m, "_get_fsdp_state"))
+        elif isinstance(obj, dict):
+            yield from itertools.chain.from_iterable(obj.items())
+        elif isinstance(obj, (list, tuple, set)):
+            yield from obj
+        elif type(obj).__module__.startswith(_STATE_OWNERS) and hasattr(obj, "__dict__"):
+            yield from (value for name, value in vars(obj).items() if not any(b in name for b in _BUFFERS))
+
+    # breadth first, a bounded number of hops from the model and the optimizer
+    seen: set[int] = set()
+    frontier: list[object] = [model, optimizer]
+    for _ in range(10):
+        reached = []
+        for obj in frontier:
+            if id(obj) not in seen:
+                seen.add(id(obj))
+                reached.extend(children(obj))
+        frontier = reached
+    return sum(storages.values())
+
+
+_STATE_OWNERS = ("torch.optim", "torch.distributed.fsdp", "deepspeed.runtime", "deepspeed.ops")
+"""Modules whose objects may hold optimizer state or ZeRO's partitions (walked attribute by attribute)."""
+_BUFFERS = ("ipg",)
+"""Attributes that are communication buffers, not model state (the ZeRO paper's "residual states"):
+DeepSpeed's gradient-reduction buckets — ZeRO-3's is reduce_bucket_size elements (5e8: 2 GB in fp32)
+whatever the model's size."""
 
 
 class PeakMemory:

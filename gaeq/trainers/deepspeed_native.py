@@ -9,18 +9,20 @@ the mistakes of gaeq/bugs.py where they would really be made.
 from __future__ import annotations
 
 import math
+import re
 import time
 from typing import Any
 
 import deepspeed
 import torch
-from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
+from deepspeed.utils import groups, safe_get_full_fp32_param, safe_get_full_grad
 
 from gaeq.accelerator import allow_emulated_fp16
 from gaeq.matrix import Cell
 from gaeq.problem.dsconfig import cell_config
 from gaeq.problem.optim import build_scheduler, deepspeed_optimizer
 from gaeq.problem.spec import ProblemSpec
+from gaeq.problem.tp import tp_plan
 from gaeq.trainers.base import RunContext, StepRecorder, build_cell_problem, inject_fault
 from gaeq.trainers.checkpoint import load_deepspeed, save_deepspeed
 from gaeq.trainers.provenance import Provenance
@@ -29,16 +31,17 @@ from gaeq.trainers.provenance import Provenance
 def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     """Train the cell on this rank; returns what really ran (:mod:`gaeq.trainers.provenance`)."""
     allow_emulated_fp16()
+    forget_parallel_groups()
     task = build_cell_problem(cell, problem, ctx)
     plan = task.plan
     model = task.model.to(ctx.device)
-    # ACCUMULATION: the engine owns data parallelism (and ZeRO partitioning), the optimizer it
-    # builds from the config, and the schedule — ours, or the user's config's own — which it
-    # steps at each boundary.
+    # ACCUMULATION: the engine owns data parallelism (and ZeRO partitioning; AutoTP's split of the
+    # layers), the optimizer it builds from the config, and the schedule — ours, or the user's
+    # config's own — which it steps at each boundary.
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=model.parameters(),
-        config=deepspeed_config(cell, problem),
+        config=deepspeed_config(cell, problem, tp_plan=tp_plan(model) if cell.tensor_parallel > 1 else None),
         lr_scheduler=None if problem.deepspeed_config else (lambda optimizer: build_scheduler(optimizer, problem)),
     )
     net = engine
@@ -50,6 +53,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         problem,
         **task.model_facts(),
         world_size=engine.world_size,
+        tensor_parallel=_tensor_parallel_of(engine),
         zero_stage=engine.zero_optimization_stage(),
         grad_accum_steps=engine.gradient_accumulation_steps(),
         micro_batch_size=engine.train_micro_batch_size_per_gpu(),
@@ -73,7 +77,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         local_loss_sum = 0.0  # this rank's part of the global loss sum, float64 on the host
         skipped_before = engine.skipped_steps
         for micro_step in range(plan.grad_accum_steps):
-            mb = task.micro_batch(step=step, micro_step=micro_step, rank=ctx.rank)
+            mb = task.micro_batch(step=step, micro_step=micro_step)
             boundary = micro_step == plan.grad_accum_steps - 1
             # ACCUMULATION: the engine counts micro-steps and reduces gradients at its own
             # boundary; ours must be the same one.
@@ -83,12 +87,14 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
             with ran.forward(mb.inputs), task.forwarding(mb):
                 micro_loss = task.micro_loss(net, mb, num_items=num_items)
             # ACCUMULATION: DeepSpeed divides by GA itself inside engine.backward, and num_items
-            # already did, so we hand it GA × our share (× world: it averages over ranks). Its
-            # return value is that ÷ GA; the loss we log is the forward one.
-            loss = micro_loss * ctx.world_size * plan.grad_accum_steps
+            # already did, so we hand it GA × our share (× dp: it averages over the data-parallel
+            # ranks). Its return value is that ÷ GA; the loss we log is the forward one.
+            loss = micro_loss * task.data_parallel * plan.grad_accum_steps
             engine.backward(loss)
+            recorder.measure_model_state(step=step, micro_step=micro_step, model=engine.module, optimizer=engine.optimizer)
             if boundary:
-                grad_norm = _norm_before_step(engine)
+                with recorder.comm.paused():  # our measurement (the engine clips by its own)
+                    grad_norm = _norm_before_step(engine)
                 if recorder.wants("grads", step):  # gathered from every partition: all ranks call it
                     recorder.snapshot(step=step, kind="grads", gather=lambda: _full_grads(engine))
             # ACCUMULATION: step() every micro-step; the engine unscales (ds_fp16), clips, updates,
@@ -117,9 +123,10 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     return ran.ran
 
 
-def deepspeed_config(cell: Cell, problem: ProblemSpec) -> dict[str, Any]:
+def deepspeed_config(cell: Cell, problem: ProblemSpec, *, tp_plan: dict[str, str] | None = None) -> dict[str, Any]:
     """Every knob that changes the optimisation, written out. Nothing is left to a default.
-    With the user's own deepspeed_config: that file, with the cell's split written in."""
+    With the user's own deepspeed_config: that file, with the cell's split written in.
+    `tp_plan` (gaeq/problem/tp.py): the layers AutoTP splits, for tensor_parallel > 1."""
     if problem.deepspeed_config is not None:
         config, _ = cell_config(
             problem.deepspeed_config,
@@ -157,9 +164,42 @@ def deepspeed_config(cell: Cell, problem: ProblemSpec) -> dict[str, Any]:
         "wall_clock_breakdown": False,
         "checkpoint": {"load_universal": bool(cell.resume and cell.resume.universal)},
     }
+    if cell.tensor_parallel > 1:
+        config["tensor_parallel"] = _autotp_config(cell, tp_plan or {})
+        # DeepSpeed 0.19 checks train_batch_size twice, in ways no value satisfies with AutoTP: the
+        # engine wants micro × GA × world (tp ranks counted as if they saw other samples), ZeRO-3's
+        # zero.Init micro × GA × dp. Left out, it is derived (and the engine reports tp × B).
+        del config["train_batch_size"]
     if cell.bug == "deepspeed_default_clipping":
         del config["gradient_clipping"]  # planted bug: trusts DeepSpeed's default (1.0 in 0.19)
     return config
+
+
+def _autotp_config(cell: Cell, plan: dict[str, str]) -> dict[str, Any]:
+    """AutoTP training: the plan's layers split column- and row-wise by name, nothing else (no
+    preset, no default specs: embeddings, norms and the head stay whole, as in the torch trainer)."""
+    patterns = {style: [rf"^{re.escape(name)}\.weight$" for name, s in plan.items() if s == style] for style in ("colwise", "rowwise")}
+    return {
+        "autotp_size": cell.tensor_parallel,
+        "partition_config": {
+            "use_default_specs": False,
+            "layer_specs": [
+                {"patterns": patterns["colwise"], "partition_type": "column"},
+                {"patterns": patterns["rowwise"], "partition_type": "row"},
+            ],
+        },
+    }
+
+
+def forget_parallel_groups() -> None:
+    """Each engine finds its own groups: AutoTP leaves its (dp, tp) groups in DeepSpeed's
+    process-wide state, where the next engine of the process group would take them — a plain
+    DeepSpeed cell would average over a data-parallel group of one, an AutoTP cell of another size
+    would reuse the old split (DeepSpeed keeps the first tensor-parallel group it made)."""
+    groups.mpu = None
+    groups._TENSOR_MODEL_PARALLEL_GROUP = None
+    groups._MODEL_PARALLEL_GROUP = None
+    groups._DATA_PARALLEL_GROUP = None
 
 
 def _fp16_config(cell: Cell) -> dict[str, Any]:
@@ -206,15 +246,22 @@ def _zero_config(cell: Cell) -> dict[str, Any]:
 
 
 def _norm_before_step(engine) -> float | None:
-    """ZeRO-0 keeps whole, already-averaged gradients in .grad at the boundary: measure them.
+    """ZeRO-0 keeps whole, already-averaged gradients in .grad at the boundary: measure them —
+    with AutoTP, the split layers' slices summed over the tensor-parallel group, the rest once.
 
     With ZeRO ≥ 1 the gradients are partitioned; the engine's optimizer computes the global norm
     inside step() and we read it afterwards (:func:`_norm_after_step`).
     """
     if engine.zero_optimization_stage() > 0:
         return None
-    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
-    return torch.nn.utils.get_total_norm(grads).item()
+    params = [p for p in engine.module.parameters() if p.grad is not None]
+    split = [p.grad for p in params if getattr(p, "tensor_model_parallel", False)]
+    if not split:
+        return torch.nn.utils.get_total_norm([p.grad for p in params]).item()
+    whole = [p.grad for p in params if not getattr(p, "tensor_model_parallel", False)]
+    split_sq = torch.nn.utils.get_total_norm(split) ** 2
+    deepspeed.comm.all_reduce(split_sq, group=groups.get_tensor_model_parallel_group())
+    return (split_sq + torch.nn.utils.get_total_norm(whole) ** 2).sqrt().item()
 
 
 def _norm_after_step(engine, before: float | None) -> float:
@@ -228,13 +275,44 @@ def _norm_after_step(engine, before: float | None) -> float:
 
 def _full_grads(engine) -> dict[str, torch.Tensor]:
     """The reduced, accumulated gradient of every parameter, whole (before the engine's step)."""
-    return {name: safe_get_full_grad(p) for name, p in engine.module.named_parameters()}
+    whole = _tp_gather(engine)
+    return {name: whole(name, safe_get_full_grad(p)) for name, p in engine.module.named_parameters()}
 
 
 def _full_params(engine) -> dict[str, torch.Tensor]:
     """Every parameter, whole, in full precision (the fp32 master copy where there is one)."""
+    whole = _tp_gather(engine)
     full = {}
     for name, p in engine.module.named_parameters():
         master = safe_get_full_fp32_param(p)
-        full[name] = p if master is None else master
+        full[name] = whole(name, p if master is None else master)
     return full
+
+
+def _tp_gather(engine):
+    """`whole(name, t)`: `t` — the ZeRO-gathered value of parameter `name` — whole across the
+    tensor-parallel group too (all-gathered by its AutoTP layer along the dimension it splits:
+    column-parallel weights and biases 0, row-parallel weights 1); other parameters as they are."""
+    from deepspeed.module_inject.layers import LinearAllreduce, LinearLayer
+
+    split = {}
+    for name, module in engine.module.named_modules():
+        if isinstance(module, LinearLayer):
+            split |= {f"{name}.weight": (module, 0), f"{name}.bias": (module, 0)}
+        elif isinstance(module, LinearAllreduce):
+            split[f"{name}.weight"] = (module, 1)
+
+    def whole(name: str, t: torch.Tensor) -> torch.Tensor:
+        if name not in split:
+            return t
+        module, dim = split[name]
+        return module._all_gather_shards(t.contiguous(), module._partition_sizes, dim)
+
+    return whole
+
+
+def _tensor_parallel_of(engine) -> int:
+    """How many ranks the engine's layers are really split over: AutoTP's group, if it split any."""
+    if not any(getattr(p, "tensor_model_parallel", False) for p in engine.module.parameters()):
+        return 1
+    return groups.get_tensor_model_parallel_world_size()

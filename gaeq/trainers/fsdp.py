@@ -1,6 +1,7 @@
 """Manual gradient accumulation with torch FSDP2 (``fully_shard``): parameters, gradients and
 optimizer state sharded over the ranks — the comparison people make when they move between
-DeepSpeed ZeRO-3 and FSDP.
+DeepSpeed ZeRO-3 and FSDP. With tensor_parallel > 1, FSDP2 shards over the data-parallel dimension
+of a (dp, tp) mesh whose tp dimension splits the layers (DTensor, gaeq/trainers/tensor_parallel.py).
 
 Read it side by side with torch_manual.py: same skeleton, same names. The differences are marked
 ``# ACCUMULATION:`` — who shards, when gradients are reduced — and ``cell.bug`` lines plant the
@@ -9,6 +10,7 @@ mistakes of gaeq/bugs.py where they would really be made.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 
@@ -21,8 +23,10 @@ from torch.distributed.tensor import DTensor
 from gaeq.matrix import Cell
 from gaeq.problem.optim import build_optimizer, build_scheduler, gradient_clipping
 from gaeq.problem.spec import ProblemSpec
+from gaeq.trainers import tensor_parallel
 from gaeq.trainers.base import RunContext, StepRecorder, build_cell_problem, inject_fault
 from gaeq.trainers.provenance import Provenance
+from gaeq.trainers.tensor_parallel import TensorParallel, full
 
 
 def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
@@ -30,9 +34,12 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     task = build_cell_problem(cell, problem, ctx)
     plan = task.plan
     model = task.model.to(ctx.device)
-    # ACCUMULATION: FSDP2 shards every block, then the rest (the root), over all ranks; its
-    # reduce-scatter averages gradients over ranks (÷ world), as DDP's all-reduce does.
-    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+    # ACCUMULATION: FSDP2 shards every block, then the rest (the root), over the data-parallel
+    # ranks; its reduce-scatter averages gradients over them (÷ dp), as DDP's all-reduce does.
+    split = TensorParallel(cell=cell, device=ctx.device) if cell.tensor_parallel > 1 else None
+    if split is not None:
+        split.parallelize(model)  # first the layers over each tensor-parallel group, then FSDP2
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,)) if split is None else split.mesh["dp"]
     for block in shard_units(model):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -41,13 +48,18 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     last_param = list(model.parameters())[-1]
     # clip_grad_norm_ returns the pre-clipping norm; max_norm=inf measures without clipping.
     max_norm = gradient_clipping(problem) or math.inf
+    clip_grad_norm_ = torch.nn.utils.clip_grad_norm_ if split is None else tensor_parallel.clip_grad_norm_  # DTensors on two meshes
+    if cell.bug == "tp_grad_norm_per_shard":
+        clip_grad_norm_ = functools.partial(tensor_parallel.clip_grad_norm_, per_shard=True)  # planted bug: each rank its slices' norm
     recorder = StepRecorder(cell=cell, ctx=ctx, steps=problem.steps)
     recorder.count_collectives(model if ctx.world_size > 1 else None)
+    recorder.count_collectives(split)
     ran = Provenance(
         cell,
         problem,
         **task.model_facts(),
         world_size=dist.get_world_size() if dist.is_initialized() else 1,
+        tensor_parallel=tensor_parallel.tensor_parallel_of(model),
         fsdp=isinstance(model, FSDPModule),
         sharded_parameters=all(isinstance(p, DTensor) for p in model.parameters()),
         update_rule=type(optimizer).__name__,
@@ -60,7 +72,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         normaliser = task.normaliser(step)  # loss elements (samples or valid tokens) in the global batch
         local_loss_sum = 0.0  # this rank's part of the global loss sum, float64 on the host
         for micro_step in range(plan.grad_accum_steps):
-            mb = task.micro_batch(step=step, micro_step=micro_step, rank=ctx.rank)
+            mb = task.micro_batch(step=step, micro_step=micro_step)
             boundary = micro_step == plan.grad_accum_steps - 1
             # ACCUMULATION: gradients are reduce-scattered only on the boundary micro-step; before
             # it, FSDP2 keeps them unsharded and sums them locally.
@@ -69,9 +81,10 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
             with ran.forward(mb.inputs), task.forwarding(mb):
                 micro_loss = task.micro_loss(model, mb, num_items=num_items)
             # ACCUMULATION: we divide — num_items counts the whole global batch, so ÷ GA is in it —
-            # and multiply by world, because FSDP2 averages over ranks.
-            loss = micro_loss * ctx.world_size
+            # and multiply by the data-parallel ranks, because FSDP2 averages over them.
+            loss = micro_loss * task.data_parallel
             loss.backward()
+            recorder.measure_model_state(step=step, micro_step=micro_step, model=model, optimizer=optimizer)
             local_loss_sum += micro_loss.item() * num_items
         if cell.bug == "one_grad_scaled":
             last_param.grad.mul_(4.0)  # planted bug: one tensor's gradient 4× (AdamW hardly notices)
@@ -79,7 +92,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         # reduce over the shards (a DTensor norm), then step, schedule, zero — as torch_manual.
         if recorder.wants("grads", step):  # full tensors, gathered from every shard: all ranks call it
             recorder.snapshot(step=step, kind="grads", gather=lambda: {n: full(p.grad) for n, p in model.named_parameters()})
-        grad_norm = full(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=max_norm)).item()
+        grad_norm = full(clip_grad_norm_(model.parameters(), max_norm=max_norm)).item()
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -109,7 +122,3 @@ def shard_units(model: torch.nn.Module) -> list[torch.nn.Module]:
             return list(owner)
     return []
 
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of a shard (a collective), or the tensor itself."""
-    return t.full_tensor() if isinstance(t, DTensor) else t

@@ -41,6 +41,10 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     task = build_cell_problem(cell, problem, ctx)
     plan = task.plan
     reset_accelerate_state()  # the Trainer builds its own Accelerator
+    if cell.trainer == "hf_deepspeed":
+        from gaeq.trainers.deepspeed_native import forget_parallel_groups
+
+        forget_parallel_groups()  # ... and its own DeepSpeed engine
     # loss: hf — the transformers model's own loss takes num_items_in_batch; any other loss (a
     # transformers model's logits under cross_entropy, gaeq's models) goes through a wrapper.
     own_loss = problem.loss == "hf"

@@ -39,8 +39,10 @@ def label_of(cell: Cell, problem: ProblemSpec) -> dict[str, Any]:
         "micro_batch_rows": cell.micro_batch_size,  # measured: rows of the first micro-batch
         "micro_steps": cell.grad_accum_steps,  # measured: forward passes in the first optimizer step
     }
+    if cell.trainer in ("torch", "fsdp", "deepspeed"):
+        label["tensor_parallel"] = cell.tensor_parallel  # measured: ranks a layer's parameters are split over
     if cell.trainer == "torch":
-        return label | {"ddp": cell.world_size > 1, "grad_scaler": cell.dtype == "fp16"}
+        return label | {"ddp": cell.world_size > 1 and cell.tensor_parallel == 1, "grad_scaler": cell.dtype == "fp16"}
     if cell.trainer == "fsdp":
         return label | {"fsdp": True, "sharded_parameters": True}
     if cell.trainer in ("hf", "hf_deepspeed"):

@@ -1,4 +1,5 @@
-"""Manual gradient accumulation in plain PyTorch (DDP when world_size > 1).
+"""Manual gradient accumulation in plain PyTorch (DDP when world_size > 1; DTensor tensor
+parallelism when tensor_parallel > 1).
 
 Read it side by side with deepspeed_native.py: same skeleton, same names. The differences are
 marked ``# ACCUMULATION:`` and are exactly where accumulation differs — who divides the loss,
@@ -9,6 +10,7 @@ the mistakes of gaeq/bugs.py where they would really be made.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 
@@ -19,9 +21,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from gaeq.matrix import Cell
 from gaeq.problem.optim import build_optimizer, build_scheduler, gradient_clipping
 from gaeq.problem.spec import ProblemSpec
+from gaeq.trainers import tensor_parallel
 from gaeq.trainers.base import RunContext, StepRecorder, build_cell_problem, inject_fault
 from gaeq.trainers.checkpoint import load_torch, save_torch
 from gaeq.trainers.provenance import Provenance
+from gaeq.trainers.tensor_parallel import TensorParallel, full
 
 
 def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
@@ -29,8 +33,13 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     task = build_cell_problem(cell, problem, ctx)
     plan = task.plan
     model = task.model.to(ctx.device)
-    # ACCUMULATION: we own the data-parallel wrapper; DDP averages gradients over ranks (÷ world).
-    ddp = DDP(model) if ctx.world_size > 1 else None
+    # ACCUMULATION: we own data parallelism. DDP averages gradients over ranks (÷ world); with
+    # tensor parallelism the plan's layers are split over each tensor-parallel group (DTensor) and
+    # we average over the data-parallel ranks ourselves (DDP does not take DTensor parameters).
+    split = TensorParallel(cell=cell, device=ctx.device) if cell.tensor_parallel > 1 else None
+    if split is not None:
+        split.parallelize(model)
+    ddp = DDP(model) if ctx.world_size > 1 and split is None else None
     net = ddp or model
     optimizer = build_optimizer(model.parameters(), problem)
     if cell.bug == "lr_zero":
@@ -44,17 +53,21 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     )
     # clip_grad_norm_ returns the pre-clipping norm; max_norm=inf measures without clipping.
     max_norm = gradient_clipping(problem) or math.inf
+    clip_grad_norm_ = torch.nn.utils.clip_grad_norm_ if split is None else tensor_parallel.clip_grad_norm_  # a sharded model's norm
+    if cell.bug == "tp_grad_norm_per_shard":
+        clip_grad_norm_ = functools.partial(tensor_parallel.clip_grad_norm_, per_shard=True)  # planted bug: each rank its slices' norm
     if cell.bug == "unmirrored_default_clipping":  # planted bug: no key in the file, so "no clipping"
         max_norm = problem.mirror.gradient_clipping or math.inf
     last_param = list(model.parameters())[-1]
     recorder = StepRecorder(cell=cell, ctx=ctx, steps=problem.steps)
-    recorder.count_collectives(ddp)
+    recorder.count_collectives(ddp or split)
     ran = Provenance(
         cell,
         problem,
         **task.model_facts(),
         world_size=dist.get_world_size() if dist.is_initialized() else 1,
         ddp=isinstance(net, DDP),
+        tensor_parallel=tensor_parallel.tensor_parallel_of(model),
         grad_scaler=scaler.is_enabled(),
         update_rule=type(optimizer).__name__,
     )
@@ -67,37 +80,40 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         normaliser = task.normaliser(step)  # loss elements (samples or valid tokens) in the global batch
         local_loss_sum = 0.0  # this rank's part of the global loss sum, float64 on the host
         for micro_step in range(plan.grad_accum_steps):
-            mb = task.micro_batch(step=step, micro_step=micro_step, rank=ctx.rank)
+            mb = task.micro_batch(step=step, micro_step=micro_step)
             boundary = micro_step == plan.grad_accum_steps - 1
             # ACCUMULATION: gradients are all-reduced only on the boundary micro-step; before it,
-            # no_sync() lets them pile up locally in .grad.
+            # no_sync() lets them pile up locally in .grad (with tensor parallelism: see below).
             sync = contextlib.nullcontext() if ddp is None or boundary else ddp.no_sync()
             num_items = task.num_items(cell, mb, normaliser=normaliser)  # what the loss sum is divided by
             with sync:
                 with ran.forward(mb.inputs), task.forwarding(mb):
                     micro_loss = task.micro_loss(net, mb, num_items=num_items)
                 # ACCUMULATION: we divide — num_items counts the whole global batch, so ÷ GA is in it —
-                # and multiply by world, because DDP averages over ranks.
-                loss = micro_loss * ctx.world_size
+                # and multiply by the data-parallel ranks, because DDP averages over them.
+                loss = micro_loss * task.data_parallel
                 if cell.bug == "no_loss_division":
                     loss = loss * plan.grad_accum_steps  # planted bug: forgets ÷ GA
                 scaler.scale(loss).backward()
+            recorder.measure_model_state(step=step, micro_step=micro_step, model=model, optimizer=optimizer)
             if cell.bug == "clip_every_micro_step":
-                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=max_norm)  # planted bug
+                clip_grad_norm_(model.parameters(), max_norm=max_norm)  # planted bug
             if cell.bug == "scheduler_every_micro_step" and not boundary:
                 scheduler.step()  # planted bug: the schedule runs GA× too fast
             local_loss_sum += micro_loss.item() * num_items
+        if split is not None:  # ACCUMULATION: the boundary's all-reduce over the data-parallel ranks
+            split.average_gradients(model.parameters())
         if cell.bug == "one_grad_scaled":
             last_param.grad.mul_(4.0)  # planted bug: one tensor's gradient 4× (AdamW hardly notices)
         # ACCUMULATION: at the boundary we unscale (fp16), clip, step the optimizer, step the
         # schedule, zero.
         if cell.bug == "loss_scale_not_unscaled_before_clip":
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=max_norm).item()  # planted bug
+            grad_norm = clip_grad_norm_(model.parameters(), max_norm=max_norm).item()  # planted bug
         scaler.unscale_(optimizer)
         if recorder.wants("grads", step):
-            recorder.snapshot(step=step, kind="grads", gather=lambda: {n: p.grad for n, p in model.named_parameters()})
+            recorder.snapshot(step=step, kind="grads", gather=lambda: {n: full(p.grad) for n, p in model.named_parameters()})
         if cell.bug != "loss_scale_not_unscaled_before_clip":
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=max_norm).item()
+            grad_norm = clip_grad_norm_(model.parameters(), max_norm=max_norm).item()
         scale = scaler.get_scale()
         scaler.step(optimizer)  # fp16: no update when the gradient overflowed
         scaler.update()
@@ -107,7 +123,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         optimizer.zero_grad(set_to_none=True)
         ran.step_done()
         if recorder.wants("params", step):
-            recorder.snapshot(step=step, kind="params", gather=lambda: dict(model.named_parameters()))
+            recorder.snapshot(step=step, kind="params", gather=lambda: {n: full(p) for n, p in model.named_parameters()})
         recorder.record(
             step=step,
             local_loss_sum=local_loss_sum,

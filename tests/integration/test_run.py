@@ -70,7 +70,7 @@ def test_default_matrix_from_the_readme(default_run):
 
     # Traces: one line per step, complete; DeepSpeed chatter went to the cell logs.
     trace = (out / "cells" / "deepspeed-z3-w2-mb4-ga4" / "trace.jsonl").read_text().splitlines()
-    assert len(trace) == 50 and set(json.loads(trace[0])) == {"step", "loss", "grad_norm", "lr", "samples", "seconds", "skipped", "comm_bytes", "peak_mem_bytes"}
+    assert len(trace) == 50 and set(json.loads(trace[0])) == {"step", "loss", "grad_norm", "lr", "samples", "seconds", "skipped", "comm_bytes", "peak_mem_bytes", "model_state_bytes"}
     assert (out / "cells" / "deepspeed-z3-w2-mb4-ga4" / "rank1.log").exists()
     # What ran, read back from the live objects (DDP, the engine), is in report.json per cell.
     for c in cells.values():

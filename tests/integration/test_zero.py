@@ -78,4 +78,22 @@ def test_zero_experiment(tmp_path):
     assert (scaled["caught_by"], scaled["first_divergent_step"]) == ("grads", 0)
     assert scaled["reason"].startswith("diverged at step 0: grads of head.bias"), scaled["reason"]
     assert "max |Δparam|" in proc.stdout
+
+    # The model state rank 0 holds mid-accumulation (fp32, AdamW, N = 2 ranks), counted from its
+    # tensors, against the ZeRO paper's formula — parameters 4Ψ, gradients 4Ψ, Adam's moments 8Ψ,
+    # partitioned per stage — plus what DeepSpeed 0.19 adds, within 0.5%: at ZeRO ≥ 1 an fp32 master
+    # copy of the partition (4Ψ/N, even for an fp32 model); at ZeRO-2 the gradients of every whole
+    # tensor its partition overlaps (here the first three: 2928 of Ψ = 3123 elements).
+    n, psi, overlapped = 2, 3123, 2928
+    expected = {
+        "torch-w2-mb2-ga4": 16 * psi,  # DDP: everything on every rank
+        "deepspeed-z0-w2-mb2-ga4": 16 * psi,
+        "deepspeed-z1-w2-mb2-ga4": 8 * psi + 8 * psi / n + 4 * psi / n,
+        "deepspeed-z2-w2-mb2-ga4": 4 * psi + 4 * overlapped + 8 * psi / n + 4 * psi / n,
+        "deepspeed-z3-w2-mb2-ga4": 16 * psi / n + 4 * psi / n,
+        # FSDP2 between no-sync micro-steps holds whole gradients: 4Ψ + (4Ψ + 8Ψ) / N (Ψ padded: 3173)
+        "fsdp-w2-mb2-ga4": 4 * psi + 12 * 3173 / n,
+    }
+    for cell_id, bytes_ in expected.items():
+        assert abs(cells[cell_id]["model_state_bytes"] / bytes_ - 1) < 0.005, (cell_id, cells[cell_id]["model_state_bytes"], bytes_)
     assert leftover_processes(tag) == []

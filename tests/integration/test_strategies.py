@@ -1,0 +1,63 @@
+"""experiments/strategies.yaml: tensor parallelism (DTensor in the torch trainer, FSDP2 on a 2-D
+mesh, DeepSpeed AutoTP with ZeRO) trains the same optimisation as one process on the whole batch,
+its collectives are counted, and the grad norm measured per shard is caught.
+
+The whole file (25 cells, world 2 and 4) runs in the README; here its world-2 corners plus TP × DP
+at world 4, on fewer steps, to keep the suite's time."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from tests.conftest import REPO
+from tests.helpers import cells_by_id, gaeq_run_here, leftover_processes
+
+pytestmark = pytest.mark.integration
+
+CELLS = [
+    {"trainer": "torch", "world_size": 2, "tensor_parallel": 2, "micro_batch_size": 2},
+    {"trainer": "torch", "world_size": 2, "tensor_parallel": 2, "micro_batch_size": 2, "bug": "tp_grad_norm_per_shard"},
+    {"trainer": "fsdp", "world_size": 4, "tensor_parallel": 2, "micro_batch_size": 2},
+    {"trainer": "deepspeed", "world_size": 2, "tensor_parallel": 2, "micro_batch_size": 2, "zero_stage": 0},
+    {"trainer": "deepspeed", "world_size": 2, "tensor_parallel": 2, "micro_batch_size": 2, "zero_stage": 2},
+    # after AutoTP cells in the same process group: plain data parallelism over both ranks again
+    {"trainer": "deepspeed", "world_size": 2, "micro_batch_size": 2, "zero_stage": 1},
+]
+
+
+def test_tensor_parallel_strategies(tmp_path):
+    spec = yaml.safe_load((REPO / "experiments" / "strategies.yaml").read_text())
+    spec.pop("axes")
+    spec["cells"] = CELLS
+    spec["problem"]["steps"] = 6
+    matrix, out = tmp_path / "strategies.yaml", tmp_path / "run"
+    matrix.write_text(yaml.safe_dump(spec))
+    proc, report, tag = gaeq_run_here(matrix, out)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    cells = cells_by_id(report)
+
+    twins = [c for c in cells.values() if c["bug"] is None and c["id"] != report["baseline"]]
+    assert len(twins) == 5 and all(c["verdict"] == "match" for c in twins)
+    assert max(c["max_abs_loss_diff"] for c in twins) < 1e-5  # measured ≤ 6.9e-7 over 20 steps
+    for c in twins:  # the label is what ran: layers really split over tensor_parallel ranks
+        assert c["ran"]["tensor_parallel"] == c["tensor_parallel"], c["ran"]
+        assert c["ran"]["world_size"] == c["world_size"]
+    assert cells["deepspeed-z1-w2-mb2-ga4"]["grad_accum_steps"] == 4  # both ranks see data again
+    assert (cells["fsdp-w4-tp2-mb2-ga4"]["tensor_parallel"], cells["fsdp-w4-tp2-mb2-ga4"]["grad_accum_steps"]) == (2, 4)
+
+    # The tensor-parallel collectives are counted: per micro-step, each block's attention and MLP
+    # all-reduce their output (forward) and their input's gradient (backward) — 2 blocks × 4
+    # all-reduces of micro × seq_len × n_embd fp32 — plus the 4-byte norm of each of the 12 split
+    # tensors, reduced over its shards, at the boundary.
+    activation = 2 * 16 * 64 * 4
+    steps = [json.loads(line) for line in (out / "cells" / "torch-w2-tp2-mb2-ga8" / "trace.jsonl").read_text().splitlines()]
+    assert {s["comm_bytes"] for s in steps} == {8 * 8 * activation + 12 * 4}
+    autotp = [json.loads(line) for line in (out / "cells" / "deepspeed-z0-w2-tp2-mb2-ga8" / "trace.jsonl").read_text().splitlines()]
+    assert {s["comm_bytes"] for s in autotp[1:]} == {8 * 8 * activation + 4}  # DeepSpeed: one norm all-reduce
+
+    shard = cells["torch-w2-tp2-mb2-ga8-bug_tp_grad_norm_per_shard"]
+    assert (shard["verdict"], shard["caught_by"], shard["first_divergent_step"]) == ("diverge", "grad_norm", 0)
+    assert leftover_processes(tag) == []
