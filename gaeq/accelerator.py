@@ -1,4 +1,5 @@
-"""What the machine's accelerator can do, asked of torch and DeepSpeed only when it matters.
+"""What the machine's accelerator can do, asked of torch and DeepSpeed only when it matters: fp16,
+and the async I/O nvme offload swaps with.
 
 fp16 on a CPU: DeepSpeed's CPU accelerator answers ``is_fp16_supported()`` from oneDNN (true on
 CPUs with AMX/avx512_fp16); without it, fp16 cells are skipped with that reason. Torch itself
@@ -52,3 +53,19 @@ def allow_emulated_fp16() -> None:
     from deepspeed.accelerator import get_accelerator
 
     type(get_accelerator()).is_fp16_supported = lambda self: True
+
+
+NVME_ENABLE = "apt-get install libaio-dev"
+"""The one command that makes nvme offload cells runnable on a Debian/Ubuntu machine (as root)."""
+
+
+@lru_cache(maxsize=1)
+def nvme_unsupported_reason() -> str | None:
+    """None when DeepSpeed's async-I/O op (the one nvme offload swaps with) can be built here;
+    otherwise why not, naming the command that enables it."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    if AsyncIOBuilder().is_compatible():
+        return None
+    return f"nvme offload needs DeepSpeed's async_io op, which needs libaio (headers and library): {NVME_ENABLE}"

@@ -78,6 +78,8 @@ class Cell(Split):
     snapshots: tuple[str, ...] = ()
     """Tensors saved at boundaries ("grads", "params"): what the matrix tracks beyond the trace."""
     snapshot_every: int = 1
+    keep_nvme_swap: bool = False
+    """Keep the swap folder of an nvme-offload cell when it ends (the matrix's keep_nvme_swap)."""
     save_at: tuple[int, ...] = ()
     """Checkpoint after these many optimizer steps (for resume experiments)."""
     resume: Resume | None = None

@@ -143,6 +143,8 @@ class Expander:
             raise MatrixError(f"trainer {trainer} needs {LIBRARY_TRAINERS[trainer]}: pip install 'gaeq[hf]'")
         if trainer in ("fsdp", "accelerate", "hf") and dtype not in ("fp32", "bf16"):
             raise MatrixError(f"the {trainer} trainer runs fp32 and bf16 (autocast over fp32 weights), not {dtype}")
+        if split.offload == "nvme" and problem.deepspeed_config is not None:
+            raise MatrixError("nvme offload runs gaeq's own DeepSpeed config (with its swap folder and aio section), not a deepspeed_config")
         if trainer == "hf_deepspeed" and (dtype != "fp32" or split.offload != "none"):
             raise MatrixError("the hf_deepspeed trainer runs fp32 without offload (the Trainer's DeepSpeed config: ZeRO stage only)")
         if trainer == "hf_deepspeed" and split.zero_stage == 0:
@@ -183,9 +185,14 @@ class Expander:
             fault=Fault(**fault.model_dump()) if fault else None,
             snapshots=tuple(m for m in TENSOR_METRICS if m in self.spec.track),
             snapshot_every=self.spec.track_every,
+            keep_nvme_swap=self.spec.keep_nvme_swap and split.offload == "nvme",
         )
         if split.offload != "none" and split.zero_stage == 0:
             cell = dataclasses.replace(cell, skip_reason="offload needs ZeRO ≥ 1 (ZeRO-0 has no partitioned optimizer to offload)")
+        elif split.offload == "nvme" and split.zero_stage < 3:
+            cell = dataclasses.replace(cell, skip_reason=NVME_NEEDS_ZERO3)
+        elif split.offload == "nvme" and (reason := _nvme_unsupported()):
+            cell = dataclasses.replace(cell, skip_reason=reason)
         elif dtype in ("fp16", "ds_fp16") and (reason := _fp16_unsupported()):
             cell = dataclasses.replace(cell, skip_reason=reason)
         if not cell.divisible:
@@ -286,6 +293,18 @@ def _check_hf_trainer(problem: ProblemSpec, spec: MatrixSpec) -> None:
         why = "the Trainer clips before a callback sees the gradients: track params, not grads"
     if why:
         raise MatrixError(f"trainer hf / hf_deepspeed: {why}")
+
+
+NVME_NEEDS_ZERO3 = (
+    "nvme offload needs ZeRO-3: DeepSpeed 0.19's ZeRO-1/2 optimizer takes device nvme for cpu "
+    "(the state stays in memory, no file is written)"
+)
+
+
+def _nvme_unsupported() -> str | None:
+    from gaeq.accelerator import nvme_unsupported_reason  # imports DeepSpeed: only for nvme cells
+
+    return nvme_unsupported_reason()
 
 
 def _fp16_unsupported() -> str | None:

@@ -19,7 +19,7 @@ TensorParallel = Annotated[int, Field(gt=0, le=4096)]
 Trainer = Literal["torch", "deepspeed", "fsdp", "accelerate", "hf", "hf_deepspeed"]
 Expect = Literal["match", "diverge"]
 ZeroStage = Literal[0, 1, 2, 3]
-Offload = Literal["none", "cpu"]
+Offload = Literal["none", "cpu", "nvme"]
 Tracked = Literal["loss", "grad_norm", "params", "grads"]
 TENSOR_METRICS = ("grads", "params")
 VariantName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_]+$")]
@@ -44,7 +44,10 @@ class AxesSpec(_Spec):
     micro_batch_size: list[Samples] = Field(min_length=1)
     zero_stage: list[ZeroStage] = Field([0], min_length=1, description="DeepSpeed cells only.")
     offload: list[Offload] = Field(
-        ["none"], min_length=1, description="DeepSpeed cells only: ZeRO-Offload of the optimizer (and of parameters at ZeRO-3)."
+        ["none"],
+        min_length=1,
+        description="DeepSpeed cells only: ZeRO-Offload of the optimizer (and of parameters at ZeRO-3) to CPU memory, "
+        "or to files (nvme: ZeRO-3, needs libaio).",
     )
     dtype: list[Dtype] | None = Field(None, min_length=1, description="Default: [problem.dtype].")
     variant: list[VariantName] = Field([BASE], min_length=1, description="Problem variants the axes apply to.")
@@ -143,6 +146,9 @@ class MatrixSpec(_Spec):
     )
     track_every: PositiveInt = Field(1, description="Save params/grads every N optimizer steps (and at the last).")
     timeout_s: float = Field(300.0, gt=0, le=86400, description="Per cell; a rank silent for longer makes the cell `error`.")
+    keep_nvme_swap: bool = Field(
+        False, description="Keep each nvme cell's swap folder (cells/<id>/nvme_swap) when the cell ends; default: removed."
+    )
 
 
 def describe(exc: ValidationError) -> str:

@@ -137,7 +137,7 @@ def mirror(config: dict[str, Any]) -> Mirror:
     zero = config.get("zero_optimization") or {}
     offload = (zero.get("offload_optimizer") or {}).get("device", "none")
     if offload not in ("none", "cpu"):
-        raise ConfigError(f"deepspeed_config.zero_optimization.offload_optimizer.device: {offload!r} — gaeq runs none or cpu")
+        raise ConfigError(f"deepspeed_config.zero_optimization.offload_optimizer.device: {offload!r} — gaeq runs none or cpu from a deepspeed_config (nvme: the matrix's offload axis, on gaeq's own config)")
     stage = zero.get("stage", 0)
     if stage not in (0, 1, 2, 3):
         raise ConfigError(f"deepspeed_config.zero_optimization.stage: {stage!r} is not 0, 1, 2 or 3")

@@ -61,7 +61,7 @@ def _ran(c: CellReport) -> str:
 
 
 def _zero(c: CellReport) -> str:
-    return "-" if c.zero_stage is None else str(c.zero_stage) + ("+cpu" if c.offload != "none" else "")
+    return "-" if c.zero_stage is None else str(c.zero_stage) + (f"+{c.offload}" if c.offload != "none" else "")
 
 
 COLUMNS = (

@@ -56,7 +56,11 @@ def launched_main(*, matrix: Matrix, run_dir: Path, only: Sequence[str] = (), in
     cells = cells_for_launch(matrix, world_size=me.world_size, only=only)
     dist.set_accelerator_env()
     worker.set_up_rank(local_world_size=me.local_world_size)
-    dist.join_from_env(with_deepspeed=any(c.trainer in DEEPSPEED_TRAINERS for c in cells), timeout_s=init_timeout_s)
+    dist.join_from_env(
+        with_deepspeed=any(c.trainer in DEEPSPEED_TRAINERS for c in cells),
+        with_nvme=any(c.offload == "nvme" for c in cells),
+        timeout_s=init_timeout_s,
+    )
     worker.group_ready()
     try:
         return _run_launched_cells(cells, me=me, matrix=matrix, run_dir=run_dir)

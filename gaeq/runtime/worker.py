@@ -81,6 +81,7 @@ def worker_main(rank: int, job: GroupJob, events: Any) -> None:
         world_size=job.world_size,
         port=job.port,
         with_deepspeed=any(c.trainer in DEEPSPEED_TRAINERS for c in job.cells),
+        with_nvme=any(c.offload == "nvme" for c in job.cells),
         timeout_s=job.init_timeout_s,
     )
     group_ready()

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import math
 import re
+import shutil
 import time
+from pathlib import Path
 from typing import Any
 
 import deepspeed
@@ -35,13 +37,25 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     task = build_cell_problem(cell, problem, ctx)
     plan = task.plan
     model = task.model.to(ctx.device)
+    config = deepspeed_config(
+        cell,
+        problem,
+        tp_plan=tp_plan(model) if cell.tensor_parallel > 1 else None,
+        nvme_path=swap_dir(ctx),
+        nvme_buffer_numel=max(p.numel() for p in model.parameters()),
+    )
+    if cell.offload == "nvme":
+        # DeepSpeed 0.19's own ZeRO-3 partitioning takes an fp32 model for bf16 on a CPU without fp16
+        # (`Init._set_dtype`: `dtype or fp16 if … else bf16 if …` binds the wrong way) and would swap its
+        # parameters to nvme as bf16. Partitioned here, without a dtype, the config's (fp32) is used.
+        deepspeed.zero.Init(module=model, config_dict_or_path=config)
     # ACCUMULATION: the engine owns data parallelism (and ZeRO partitioning; AutoTP's split of the
     # layers), the optimizer it builds from the config, and the schedule — ours, or the user's
     # config's own — which it steps at each boundary.
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=model.parameters(),
-        config=deepspeed_config(cell, problem, tp_plan=tp_plan(model) if cell.tensor_parallel > 1 else None),
+        config=config,
         lr_scheduler=None if problem.deepspeed_config else (lambda optimizer: build_scheduler(optimizer, problem)),
     )
     net = engine
@@ -61,12 +75,16 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         bf16_enabled=engine.bfloat16_enabled(),
         gradient_clipping=engine.gradient_clipping(),
         cpu_offload=engine.zero_cpu_offload(),
+        nvme_offload_optimizer=bool(engine.zero_nvme_offload_optimizer()),
         model_dtype=_name(model_dtype),
         grad_accum_dtype=_name(grad_accum_dtype),
         communication_dtype=_name(engine.communication_data_type),
         optimizer=type(engine.optimizer).__name__,
         update_rule=type(engine.basic_optimizer).__name__,  # what the config built (FusedAdam, AdamW, ...)
     )
+    if cell.offload == "nvme":  # the engine really swaps: its files are there after the first step
+        ran.read_at_first_step(nvme_swap_bytes=lambda: _swap_bytes(swap_dir(ctx)))
+        ran.read_at_first_step(swapped_to_nvme=lambda: _swap_bytes(swap_dir(ctx)) > 0)
     start = load_deepspeed(engine, run_dir=ctx.run_dir, resume=cell.resume) if cell.resume else 0
 
     for step in range(start, problem.steps):
@@ -120,13 +138,26 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
             save_deepspeed(engine, run_dir=ctx.run_dir, cell_id=cell.id, step=step + 1)
     recorder.close()
     engine.destroy()
+    if cell.offload == "nvme" and not cell.keep_nvme_swap:
+        torch.distributed.barrier()  # every rank is done with its files
+        if ctx.rank == 0:
+            shutil.rmtree(swap_dir(ctx), ignore_errors=True)
     return ran.ran
 
 
-def deepspeed_config(cell: Cell, problem: ProblemSpec, *, tp_plan: dict[str, str] | None = None) -> dict[str, Any]:
+def deepspeed_config(
+    cell: Cell,
+    problem: ProblemSpec,
+    *,
+    tp_plan: dict[str, str] | None = None,
+    nvme_path: Path | None = None,
+    nvme_buffer_numel: int = 0,
+) -> dict[str, Any]:
     """Every knob that changes the optimisation, written out. Nothing is left to a default.
     With the user's own deepspeed_config: that file, with the cell's split written in.
-    `tp_plan` (gaeq/problem/tp.py): the layers AutoTP splits, for tensor_parallel > 1."""
+    `tp_plan` (gaeq/problem/tp.py): the layers AutoTP splits, for tensor_parallel > 1;
+    `nvme_path`: the folder nvme offload swaps to, through buffers of `nvme_buffer_numel`
+    elements (at least the largest parameter)."""
     if problem.deepspeed_config is not None:
         config, _ = cell_config(
             problem.deepspeed_config,
@@ -148,7 +179,7 @@ def deepspeed_config(cell: Cell, problem: ProblemSpec, *, tp_plan: dict[str, str
         # Average over ranks after the backward, like DDP: no pre-division, no extra factor.
         "prescale_gradients": False,
         "gradient_predivide_factor": 1.0,
-        "zero_optimization": _zero_config(cell),
+        "zero_optimization": _zero_config(cell, nvme_path, nvme_buffer_numel),
         # torch.optim.SGD is not on ZeRO's list of tested optimizers; it is exact elementwise math.
         "zero_allow_untested_optimizer": True,
         # With offload DeepSpeed insists on its CPU Adam unless told otherwise: we keep torch's
@@ -164,6 +195,8 @@ def deepspeed_config(cell: Cell, problem: ProblemSpec, *, tp_plan: dict[str, str
         "wall_clock_breakdown": False,
         "checkpoint": {"load_universal": bool(cell.resume and cell.resume.universal)},
     }
+    if cell.offload == "nvme":
+        config["aio"] = AIO
     if cell.tensor_parallel > 1:
         config["tensor_parallel"] = _autotp_config(cell, tp_plan or {})
         # DeepSpeed 0.19 checks train_batch_size twice, in ways no value satisfies with AutoTP: the
@@ -232,17 +265,46 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _zero_config(cell: Cell) -> dict[str, Any]:
+def _zero_config(cell: Cell, nvme_path: Path | None, nvme_buffer_numel: int) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": cell.zero_stage}
     if cell.zero_stage == 3:
         # Partition every parameter, however small: by default ZeRO-3 keeps tensors under 1e5
         # elements whole on every rank — all of a tiny model, which would make it ZeRO-2 in disguise.
         zero["stage3_param_persistence_threshold"] = 0
-    if cell.offload != "none":
-        zero["offload_optimizer"] = {"device": cell.offload, "pin_memory": False}
+    if cell.offload == "cpu":
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
         if cell.zero_stage == 3:
-            zero["offload_param"] = {"device": cell.offload, "pin_memory": False}
+            zero["offload_param"] = {"device": "cpu", "pin_memory": False}
+    if cell.offload == "nvme":  # ZeRO-Infinity: the optimizer state and the parameters in files (ZeRO-3)
+        swap = {"device": "nvme", "nvme_path": str(nvme_path), "pin_memory": False}
+        # 4 buffers: Adam's fp32 parameter, gradient, momentum, variance; no fast_init, no pipelining
+        zero["offload_optimizer"] = swap | {"buffer_count": 4, "fast_init": False, "pipeline_read": False, "pipeline_write": False}
+        # every partition goes to its file (max_in_cpu 0), through 5 buffers each large enough for any
+        # parameter (DeepSpeed's examples say 1e8 elements: 2 GB of buffers for a 2 MB model)
+        buffer = -(-nvme_buffer_numel // 2**20) * 2**20  # whole MiB-elements
+        zero["offload_param"] = swap | {"buffer_count": 5, "buffer_size": buffer, "max_in_cpu": 0}
     return zero
+
+
+AIO = {
+    "block_size": 1_048_576,
+    "queue_depth": 8,
+    "intra_op_parallelism": 1,
+    "single_submit": False,
+    "overlap_events": True,
+    "use_gds": False,
+}
+"""DeepSpeed's async-I/O settings for nvme offload, written out (its defaults, one thread: 2 cores)."""
+
+
+def swap_dir(ctx: RunContext) -> Path:
+    """Where an nvme cell's engine swaps: a folder of its own in the cell's directory."""
+    return ctx.cell_dir / "nvme_swap"
+
+
+def _swap_bytes(folder: Path) -> int:
+    """Bytes the engine has written under its swap folder."""
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.exists() else 0
 
 
 def _norm_before_step(engine) -> float | None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -66,10 +66,12 @@ def label_of(cell: Cell, problem: ProblemSpec) -> dict[str, Any]:
         "zero_stage": cell.zero_stage,
         "micro_batch_size": cell.micro_batch_size,
         "grad_accum_steps": cell.grad_accum_steps,
-        "cpu_offload": cell.offload != "none",
+        "cpu_offload": cell.offload == "cpu",
         "fp16_enabled": cell.dtype == "ds_fp16",
         "bf16_enabled": cell.dtype == "ds_bf16",
     }
+    if cell.offload == "nvme":  # its optimizer swaps, and it really wrote its swap files (measured)
+        label |= {"nvme_offload_optimizer": True, "swapped_to_nvme": True}
     if problem.deepspeed_config is not None:
         pass  # the user's file decides the accumulation dtype; `ran` reports it
     elif cell.dtype == "ds_bf16":  # bf16 accumulation is a planted bug
@@ -89,6 +91,12 @@ class Provenance:
             self.ran["fp16_kernels"] = "emulated (GAEQ_FP16_EMULATION=1)"
         self._micro_steps = 0
         self._checked = False
+        self._at_first_step: dict[str, Callable[[], Any]] = {}
+
+    def read_at_first_step(self, **measures: Callable[[], Any]) -> None:
+        """Facts that exist only once training has begun (files an engine wrote, …), read when the
+        first optimizer step is done, before the label is checked."""
+        self._at_first_step |= measures
 
     @contextlib.contextmanager
     def forward(self, inputs: torch.Tensor) -> Iterator[None]:
@@ -109,6 +117,7 @@ class Provenance:
             return
         self._checked = True
         self.ran["micro_steps"] = self._micro_steps
+        self.ran |= {key: measure() for key, measure in self._at_first_step.items()}
         wrong = [f"{key}: label {want!r}, ran {self.ran.get(key)!r}" for key, want in self.label.items() if self.ran.get(key) != want]
         if wrong:
             raise LabelMismatch("the cell did not run what its label says — " + "; ".join(wrong))

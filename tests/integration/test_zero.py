@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from gaeq.accelerator import fp16_unsupported_reason
+from gaeq.accelerator import NVME_ENABLE, fp16_unsupported_reason, nvme_unsupported_reason
 from gaeq.results.compare import DEFAULT_TOLERANCES
 from gaeq.results.snapshots import compare_snapshots, read_snapshots
 from tests.conftest import REPO
@@ -21,23 +21,35 @@ def test_zero_experiment(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     cells = cells_by_id(report)
 
-    # fp16 runs where DeepSpeed's accelerator has it (or GAEQ_FP16_EMULATION=1): ask it, as gaeq does.
-    fp16_missing = fp16_unsupported_reason()
+    # fp16 runs where DeepSpeed's accelerator has it (or GAEQ_FP16_EMULATION=1), nvme offload where
+    # DeepSpeed's async-I/O op can be built (libaio): ask them, as gaeq does.
+    fp16_missing, nvme_missing = fp16_unsupported_reason(), nvme_unsupported_reason()
     ran = [c for c in cells.values() if c["verdict"] != "skipped" and c["bug"] is None]
-    assert len(ran) == (37 if fp16_missing else 54) and all(c["verdict"] == "match" for c in ran)
+    assert len(ran) == (37 if fp16_missing else 54) + (4 if nvme_missing else 8) and all(c["verdict"] == "match" for c in ran)
     for c in ran:  # every label is what ran, read back from the live objects
         assert c["ran"]["compute_dtype"] == {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[c["dtype"]], c
         if c["trainer"] == "deepspeed":
             assert (c["ran"]["zero_stage"], c["ran"]["cpu_offload"]) == (c["zero_stage"], c["offload"] == "cpu"), c
         if c["trainer"] == "fsdp":  # FSDP2 really sharded: DTensor parameters under an FSDPModule
             assert (c["ran"]["fsdp"], c["ran"]["sharded_parameters"]) == (True, True), c
-    fp32 = [c for c in ran if c["dtype"] == "fp32" and c["id"] != report["baseline"]]
+    fp32 = [c for c in ran if c["dtype"] == "fp32" and c["id"] not in report["baselines"].values()]
     assert {(c["zero_stage"], c["offload"]) for c in fp32 if c["trainer"] == "deepspeed"} == {
-        (0, "none"), (1, "none"), (1, "cpu"), (2, "none"), (2, "cpu"), (3, "none"), (3, "cpu")
+        (0, "none"), (1, "none"), (1, "cpu"), (2, "none"), (2, "cpu"), (3, "none"), (3, "cpu"), *(() if nvme_missing else ((3, "nvme"),))
     }
     for c in fp32:  # torch's AdamW on both sides: float summation order only
         assert 0 < c["max_abs_param_diff"] < 1e-6 and 0 < c["max_abs_grad_diff"] < 1e-6, c
 
+    # ZeRO-3 offloading to files (the nvme variant: a model wide enough for DeepSpeed to swap, 1 MiB+
+    # tensors): every cell matches, really wrote its swap files, and removed them when it ended.
+    nvme = [c for c in cells.values() if c["offload"] == "nvme"]
+    assert len(nvme) == 4
+    if nvme_missing:
+        assert all(c["verdict"] == "skipped" and NVME_ENABLE in c["reason"] for c in nvme)
+    for c in [c for c in nvme if not nvme_missing]:
+        assert c["verdict"] == "match", c["reason"]
+        assert (c["ran"]["nvme_offload_optimizer"], c["ran"]["swapped_to_nvme"], c["ran"]["cpu_offload"]) == (True, True, False), c["ran"]
+        assert c["ran"]["nvme_swap_bytes"] > 2**20
+        assert not (out / "cells" / c["id"] / "nvme_swap").exists()
     skipped = [c for c in cells.values() if c["verdict"] == "skipped"]
     offload_z0 = [c for c in skipped if c["zero_stage"] == 0 and c["offload"] == "cpu"]
     assert all("offload needs ZeRO ≥ 1" in c["reason"] for c in offload_z0) and len(offload_z0) == 6

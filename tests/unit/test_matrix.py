@@ -149,3 +149,23 @@ def test_default_matrix_has_token_normalised_gpt_cells():
     assert m.problems["gpt"].loss == "cross_entropy" and m.problems["gpt"].data.kind == "tokens"
     assert {c.trainer for c in gpt} == {"torch", "deepspeed"} and all(c.expect == "match" for c in gpt)
     assert {c.zero_stage for c in gpt if c.trainer == "deepspeed"} == {0, 1, 2, 3}
+
+
+def test_nvme_offload_is_zero3_and_skipped_with_the_command_where_libaio_is_missing(write_matrix, monkeypatch):
+    axes = {"trainer": ["deepspeed"], "world_size": [2], "micro_batch_size": [4], "zero_stage": [1, 3], "offload": ["nvme"]}
+    monkeypatch.setattr("gaeq.accelerator.nvme_unsupported_reason", lambda: None)
+    cells = {c.id: c for c in load_matrix(write_matrix(small_spec(axes=axes))).cells}
+    assert cells["deepspeed-z3-nvmeoff-w2-mb4-ga2"].skip_reason is None
+    # DeepSpeed 0.19's ZeRO-1/2 take device nvme for cpu: such a cell would be labelled what it is not
+    assert "nvme offload needs ZeRO-3" in cells["deepspeed-z1-nvmeoff-w2-mb4-ga2"].skip_reason
+
+    monkeypatch.setattr("gaeq.accelerator.nvme_unsupported_reason", lambda: "no libaio: apt-get install libaio-dev")
+    cells = {c.id: c for c in load_matrix(write_matrix(small_spec(axes=axes))).cells}
+    assert cells["deepspeed-z3-nvmeoff-w2-mb4-ga2"].skip_reason == "no libaio: apt-get install libaio-dev"
+
+
+def test_the_swap_folder_is_kept_only_when_asked(write_matrix, monkeypatch):
+    monkeypatch.setattr("gaeq.accelerator.nvme_unsupported_reason", lambda: None)
+    cell = {"trainer": "deepspeed", "world_size": 1, "micro_batch_size": 4, "zero_stage": 3, "offload": "nvme"}
+    kept = load_matrix(write_matrix(small_spec(axes=None, cells=[cell], keep_nvme_swap=True))).cells[-1]
+    assert kept.keep_nvme_swap and not load_matrix(write_matrix(small_spec(axes=None, cells=[cell]))).cells[-1].keep_nvme_swap

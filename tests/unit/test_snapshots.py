@@ -89,7 +89,8 @@ def test_zero_experiment_expands(name):
 
     m = load_matrix(REPO / "experiments" / name)
     ds = [c for c in m.cells if c.trainer == "deepspeed"]
-    assert {c.zero_stage for c in ds} == {0, 1, 2, 3} and {c.offload for c in ds} == {"none", "cpu"}
+    assert {c.zero_stage for c in ds} == {0, 1, 2, 3} and {c.offload for c in ds} == {"none", "cpu", "nvme"}
+    assert all(c.zero_stage == 3 and c.world_size in (1, 2) for c in ds if c.offload == "nvme")
     assert {c.dtype for c in m.cells} == {"fp32", "bf16", "fp16"} and {c.world_size for c in ds} == {1, 2}
     assert all(c.grad_accum_steps > 1 for c in ds)
     assert all(c.skip_reason for c in ds if c.offload == "cpu" and c.zero_stage == 0)
