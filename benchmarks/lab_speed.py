@@ -72,7 +72,7 @@ def bare_vs_trainer(*, steps: int, repeats: int) -> dict[str, float]:
     def bare() -> float:
         built, batches = generate()
         model = built.model
-        optimizer = build_optimizer(model.parameters(), problem.optimizer)
+        optimizer = build_optimizer(model.parameters(), problem)
         scheduler = build_scheduler(optimizer, problem)
         started = time.perf_counter()
         for step in range(steps):
