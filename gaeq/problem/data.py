@@ -61,13 +61,27 @@ class BatchPlan:
         return range(start, start + self.micro_batch_size)
 
     def sample_indices(self, *, step: int, micro_step: int, rank: int) -> list[int]:
-        return [self.sample_at(p) for p in self.positions(step=step, micro_step=micro_step, rank=rank)]
+        return self.samples_at(self.positions(step=step, micro_step=micro_step, rank=rank))
 
     def sample_at(self, position: int) -> int:
         if self.num_samples is None:
             return position
         epoch, offset = divmod(position, self.num_samples)
         return int(_epoch_permutation(self.seed, epoch, self.num_samples)[offset])
+
+    def samples_at(self, positions: range) -> list[int]:
+        """:meth:`sample_at` of a run of consecutive positions, one slice of a permutation per epoch
+        it spans (what every micro-batch and every step's normaliser asks for)."""
+        if self.num_samples is None:
+            return list(positions)
+        indices: list[int] = []
+        position = positions.start
+        while position < positions.stop:
+            epoch, offset = divmod(position, self.num_samples)
+            stop = min(positions.stop - position, self.num_samples - offset) + offset
+            indices += _epoch_permutation(self.seed, epoch, self.num_samples)[offset:stop].tolist()
+            position += stop - offset
+        return indices
 
 
 @lru_cache(maxsize=8)

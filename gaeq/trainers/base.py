@@ -102,7 +102,7 @@ class CellProblem:
         """Loss elements in the whole global batch of `step` (samples, or valid tokens): the
         denominator of the step's loss, known before any forward pass."""
         positions = range(step * self.plan.train_batch_size, (step + 1) * self.plan.train_batch_size)
-        return self.built.total_loss_elements([self.plan.sample_at(p) for p in positions])
+        return self.built.total_loss_elements(self.plan.samples_at(positions))
 
     @property
     def data_parallel(self) -> int:
@@ -112,7 +112,7 @@ class CellProblem:
     def micro_batch(self, *, step: int, micro_step: int) -> MicroBatch:
         """This rank's micro-batch at (`step`, `micro_step`)."""
         positions = self.plan.positions(step=step, micro_step=micro_step, rank=self.data_rank)
-        indices = [self.plan.sample_at(p) for p in positions]
+        indices = self.plan.samples_at(positions)
         inputs, targets = self.built.dataset.batch(indices)
         if self.dtype in HALF_MODEL and inputs.is_floating_point():
             inputs = inputs.to(HALF_MODEL[self.dtype])  # DeepSpeed's bf16/fp16 engine holds a half model

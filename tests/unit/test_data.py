@@ -72,3 +72,11 @@ def test_a_sample_is_a_pure_function_of_seed_and_index():
     torch.testing.assert_close(y1[1:2], y2, rtol=0, atol=0)
     x3, _ = RegressionData(RegressionSpec(), seed=6).batch([17])
     assert not np.allclose(x2.numpy(), x3.numpy())
+
+
+def test_runs_of_positions_map_like_single_positions_across_epochs():
+    plan = BatchPlan(train_batch_size=8, micro_batch_size=2, world_size=2, num_samples=6, seed=3)
+    for start, stop in [(0, 6), (4, 9), (5, 20), (7, 8), (12, 12)]:
+        assert plan.samples_at(range(start, stop)) == [plan.sample_at(p) for p in range(start, stop)]
+    endless = BatchPlan(train_batch_size=8, micro_batch_size=2, world_size=2)
+    assert endless.samples_at(range(3, 9)) == list(range(3, 9))

@@ -1,0 +1,78 @@
+"""One configuration, one launch: the way a ZeRO correctness checker without gaeq runs — a plain
+DeepSpeed training script started by DeepSpeed's launcher for each ZeRO stage × GA it checks.
+
+    deepspeed --num_gpus 2 benchmarks/plain_deepspeed.py --zero 2 --micro 4 --steps 50
+
+It trains experiments/ga.yaml's problem (its model, data, AdamW, schedule, clipping, written into
+the DeepSpeed config as gaeq writes it) and prints one line per step on rank 0: what a peer script
+must do to be compared with a baseline. `benchmarks/lab_speed.py` times it against `gaeq run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--zero", type=int, default=0)
+    parser.add_argument("--micro", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--local_rank", type=int, default=-1)  # set by DeepSpeed's launcher
+    args = parser.parse_args()
+    started = time.perf_counter()
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    import yaml
+
+    from gaeq.problem.build import build_problem
+    from gaeq.problem.data import BatchPlan
+    from gaeq.problem.loss import mse_sum
+    from gaeq.problem.optim import build_scheduler, deepspeed_optimizer
+    from gaeq.problem.spec import ProblemSpec
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    problem = ProblemSpec.model_validate(yaml.safe_load((REPO / "experiments" / "ga.yaml").read_text())["problem"])
+    plan = BatchPlan(train_batch_size=problem.train_batch_size, micro_batch_size=args.micro, world_size=world,
+                     num_samples=problem.num_samples, seed=problem.seed)  # fmt: skip
+    torch.manual_seed(problem.seed)
+    built = build_problem(problem)
+    config = {
+        "train_batch_size": plan.train_batch_size,
+        "train_micro_batch_size_per_gpu": plan.micro_batch_size,
+        "gradient_accumulation_steps": plan.grad_accum_steps,
+        "optimizer": deepspeed_optimizer(problem.optimizer),
+        "gradient_clipping": problem.gradient_clipping,
+        "zero_optimization": {"stage": args.zero, "stage3_param_persistence_threshold": 0},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**31 - 1,
+    }
+    engine, *_ = deepspeed.initialize(model=built.model, model_parameters=built.model.parameters(), config=config,
+                                      lr_scheduler=lambda optimizer: build_scheduler(optimizer, problem))  # fmt: skip
+    for step in range(args.steps):
+        loss_sum = 0.0
+        for micro_step in range(plan.grad_accum_steps):
+            x, y = built.dataset.batch(plan.sample_indices(step=step, micro_step=micro_step, rank=rank))
+            loss = mse_sum(engine(x), y) / plan.train_batch_size
+            engine.backward(loss * world * plan.grad_accum_steps)  # DeepSpeed divides by GA and averages over ranks
+            engine.step()
+            loss_sum += loss.item()
+        total = torch.tensor([loss_sum], dtype=torch.float64)
+        dist.all_reduce(total)
+        if rank == 0:
+            print(f"step {step} loss {total.item():.10f} grad_norm {engine.get_global_grad_norm()}", flush=True)
+    if rank == 0:
+        print(f"done in {time.perf_counter() - started:.1f} s (after the interpreter's start)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
