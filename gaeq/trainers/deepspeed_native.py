@@ -8,6 +8,7 @@ the mistakes of gaeq/bugs.py where they would really be made.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import shutil
@@ -83,8 +84,8 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         update_rule=type(engine.basic_optimizer).__name__,  # what the config built (FusedAdam, AdamW, ...)
     )
     if cell.offload == "nvme":  # the engine really swaps: its files are there after the first step
-        ran.read_at_first_step(nvme_swap_bytes=lambda: _swap_bytes(swap_dir(ctx)))
-        ran.read_at_first_step(swapped_to_nvme=lambda: _swap_bytes(swap_dir(ctx)) > 0)
+        swapped = functools.cache(lambda: _swap_bytes(swap_dir(ctx)))  # the folder walked once
+        ran.read_at_first_step(nvme_swap_bytes=swapped, swapped_to_nvme=lambda: swapped() > 0)
     start = load_deepspeed(engine, run_dir=ctx.run_dir, resume=cell.resume) if cell.resume else 0
 
     for step in range(start, problem.steps):
