@@ -5,6 +5,8 @@
 1. The default matrix (experiments/ga.yaml) with one process group per world size (what `gaeq run`
    does) against `--isolate` (one fresh group per cell: one launch per config). Target: ≥ 8×.
 2. Whole-matrix wall time against the summed in-loop training time of its cells. Target: ≤ 1.3×.
+   And the price of lanes (world-1 groups side by side, each on a core of its own) for the cost
+   columns: each world-1 cell's step time against the same cell in a `--lanes 1` run.
 3. The torch trainer's optimizer step against a bare PyTorch loop on the same model and batches (target: ≤ 1.25×
    a bare loop that generates its batches as it goes),
    and what recording costs on top of it (trace, comm counting, memory). Target: ≤ 5 % of a bare step.
@@ -19,6 +21,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -40,9 +43,12 @@ PEER_CONFIGS = [(zero, micro) for micro in (4, 8) for zero in (0, 1, 2, 3)]
 """ZeRO stage × micro-batch at world 2, B = 32: GA 4 and GA 2."""
 
 
-def peer_comparison(*, steps: int) -> tuple[float, float]:
-    """Seconds: one `gaeq run` of the 8 configurations; 8 launches of the plain script, one each."""
+def peer_comparison(*, steps: int) -> tuple[float, float, float, float]:
+    """Seconds: one `gaeq run` of the 8 configurations and its cells' summed in-loop training; 8
+    launches of the plain script, one each, and their summed training loops."""
     import yaml
+
+    from gaeq.runtime.dist import free_port
 
     with tempfile.TemporaryDirectory() as tmp:
         spec = yaml.safe_load((REPO / "experiments" / "ga.yaml").read_text())
@@ -52,15 +58,26 @@ def peer_comparison(*, steps: int) -> tuple[float, float]:
         matrix = Path(tmp) / "peer.yaml"
         matrix.write_text(yaml.safe_dump(spec))
         gaeq = run_matrix(matrix, Path(tmp) / "run")
-    launches = 0.0
+        gaeq_loop = in_loop_seconds(Path(tmp) / "run")
+    launches = peer_loop = 0.0
     for zero, micro in PEER_CONFIGS:
         started = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--no_local_rank",
-                        str(REPO / "benchmarks" / "plain_deepspeed.py"), "--zero", str(zero), "--micro", str(micro),
-                        "--steps", str(steps)], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                       cwd=REPO, env={**os.environ, "DS_ACCELERATOR": "cpu"})  # fmt: skip
+        # A port of its own per launch: the previous launch's may still be held (TIME_WAIT).
+        proc = subprocess.run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--no_local_rank",
+                               "--master_port", str(free_port()), str(REPO / "benchmarks" / "plain_deepspeed.py"),
+                               "--zero", str(zero), "--micro", str(micro), "--steps", str(steps)], capture_output=True,
+                              text=True, cwd=REPO, env={**os.environ, "DS_ACCELERATOR": "cpu"})  # fmt: skip
         launches += time.perf_counter() - started
-    return gaeq, launches
+        if proc.returncode != 0:
+            sys.exit(f"plain_deepspeed.py --zero {zero} --micro {micro} failed ({proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+        out = proc.stdout
+        peer_loop += float(re.search(r"trained in ([\d.]+) s", out).group(1))
+    return gaeq, gaeq_loop, launches, peer_loop
+
+
+def step_seconds(run_dir: Path) -> dict[str, float]:
+    """Each cell's median step time, as its cost columns report it."""
+    return {c["id"]: c["step_seconds"] for c in json.loads((run_dir / "report.json").read_text())["cells"]}
 
 
 def in_loop_seconds(run_dir: Path) -> float:
@@ -168,18 +185,29 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         reuse = run_matrix(args.matrix, Path(tmp) / "reuse")
         loop = in_loop_seconds(Path(tmp) / "reuse")
-        print(f"default matrix, process groups reused: {reuse:.1f} s wall; summed in-loop training {loop:.1f} s "
-              f"→ wall / in-loop = {reuse / loop:.2f} (target ≤ 1.3)")  # fmt: skip
+        print(f"default matrix, process groups reused (lanes side by side): {reuse:.1f} s wall; summed in-loop training "
+              f"{loop:.1f} s → wall / in-loop = {reuse / loop:.2f} (target ≤ 1.3)")  # fmt: skip
+        one = run_matrix(args.matrix, Path(tmp) / "one-lane", "--lanes", "1")
+        one_loop = in_loop_seconds(Path(tmp) / "one-lane")
+        print(f"the same with --lanes 1 (groups one after another): {one:.1f} s wall; in-loop {one_loop:.1f} s "
+              f"→ wall / in-loop = {one / one_loop:.2f}")  # fmt: skip
+        laned, alone = step_seconds(Path(tmp) / "reuse"), step_seconds(Path(tmp) / "one-lane")
+        w1 = [c["id"] for c in json.loads((Path(tmp) / "reuse" / "report.json").read_text())["cells"] if c["world_size"] == 1]
+        ratios = sorted(laned[i] / alone[i] for i in w1)
+        print(f"cost columns: world-1 cells' step time in a lane ÷ with --lanes 1: median {statistics.median(ratios):.2f} "
+              f"(from {ratios[0]:.2f} to {ratios[-1]:.2f}, {len(ratios)} cells; run-to-run noise of one cell is of that order)")  # fmt: skip
         if not args.skip_isolate:
             isolate = run_matrix(args.matrix, Path(tmp) / "isolate", "--isolate")
             print(f"default matrix, --isolate: {isolate:.1f} s wall → isolate / reuse = {isolate / reuse:.1f}× (target ≥ 8×)")
 
     if not args.skip_peer:
-        gaeq, launches = peer_comparison(steps=50)
+        gaeq, gaeq_loop, launches, peer_loop = peer_comparison(steps=50)
         n = len(PEER_CONFIGS)
         print(f"peer check, {n} ZeRO × GA configurations at world 2, 50 steps: one launch each of a plain DeepSpeed "
               f"script {launches:.1f} s ({launches / n:.1f} s a configuration) vs one gaeq run {gaeq:.1f} s "
               f"({gaeq / n:.2f} s a configuration) → {launches / gaeq:.1f}× per configuration (target ≥ 20×)")  # fmt: skip
+        print(f"  training loops alone: the launches' {peer_loop:.1f} s, gaeq's cells' {gaeq_loop:.1f} s → even a gaeq run "
+              f"that were nothing but its training would be {launches / gaeq_loop:.1f}× faster per configuration")  # fmt: skip
 
     t = bare_vs_trainer(steps=args.steps, repeats=args.repeats)
     ms = {k: v * 1e3 for k, v in t.items()}

@@ -58,6 +58,7 @@ def main() -> None:
     }
     engine, *_ = deepspeed.initialize(model=built.model, model_parameters=built.model.parameters(), config=config,
                                       lr_scheduler=lambda optimizer: build_scheduler(optimizer, problem))  # fmt: skip
+    training = time.perf_counter()
     for step in range(args.steps):
         loss_sum = 0.0
         for micro_step in range(plan.grad_accum_steps):
@@ -71,7 +72,8 @@ def main() -> None:
         if rank == 0:
             print(f"step {step} loss {total.item():.10f} grad_norm {engine.get_global_grad_norm()}", flush=True)
     if rank == 0:
-        print(f"done in {time.perf_counter() - started:.1f} s (after the interpreter's start)", flush=True)
+        now = time.perf_counter()
+        print(f"trained in {now - training:.3f} s; done in {now - started:.1f} s (after the interpreter's start)", flush=True)
 
 
 if __name__ == "__main__":

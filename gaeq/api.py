@@ -139,6 +139,7 @@ def run(
     out: str | Path | None = None,
     isolate: bool = False,
     launcher: str = "local",
+    lanes: int | None = None,
     resume: bool = False,
     on_event=None,
 ) -> RunResult:
@@ -149,9 +150,11 @@ def run(
     `out` defaults to ``runs/<name>-<time>``; an existing run there raises FileExistsError.
     `launcher`: ``local`` (gaeq starts the ranks), ``torchrun`` or ``deepspeed`` (that launcher starts
     them on ``gaeq worker``, one launch per world size — the code path a cluster uses).
+    `lanes`: at most this many process groups of one world size side by side, each on cores of its
+    own (default: as many as the cores hold — two world-1 groups on 2 cores; 1: one after another).
     `resume`: `out` holds an interrupted run of the same matrix; cells that finished there (a complete
     trace and a `done` outcome) are kept, the others are trained again.
-    `on_event` receives :class:`gaeq.runtime.events.Event` progress (from this process's threads).
+    `on_event` receives :class:`gaeq.runtime.events.Event` progress (from this process's threads, one event at a time).
     Ctrl-C stops every rank and raises KeyboardInterrupt.
     """
     from gaeq.runtime import lifeline, shm
@@ -164,6 +167,8 @@ def run(
         raise ValueError(f"unknown launcher {launcher!r}; one of {', '.join(LAUNCHERS)}")
     if isolate and launcher != "local":
         raise ValueError("isolate is a mode of the local launcher (an external launcher starts one group per world size)")
+    if lanes is not None and (lanes < 1 or isolate or launcher != "local"):
+        raise ValueError(f"lanes={lanes}: at least 1, with the local launcher only, without isolate (one group per cell, one after another)")
     # Everything that can be checked without a process comes first: a bad matrix file never starts
     # one. (Plugins are imported and problems built after the fork server has been started, so that
     # its imports overlap with theirs; a plugin that fails stops the server with the run.)
@@ -197,6 +202,7 @@ def run(
         search=m.plugin_dirs,
         isolate=isolate,
         launcher=launcher,
+        lanes=lanes,
         on_event=on_event or ignore,
     )
     _import_report_libraries_meanwhile()

@@ -15,7 +15,7 @@ from typing import Annotated, NoReturn
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from gaeq import api
@@ -156,6 +156,14 @@ def run(
     resume: Annotated[
         bool, typer.Option("--resume", help="--out holds an interrupted run of this matrix: train only the cells it did not finish.")
     ] = False,
+    lanes: Annotated[
+        int | None,
+        typer.Option(
+            "--lanes",
+            help="At most this many process groups of one world size side by side, each on cores of its own "
+            "(default: as many as the cores hold; 1: one after another).",
+        ),
+    ] = None,
 ) -> None:
     """Train every cell of a matrix, compare each with its baseline, print the verdicts."""
     from gaeq.runtime.external import LAUNCHERS
@@ -165,6 +173,10 @@ def run(
         _bad_input(f"--launcher {launcher}: one of {', '.join(LAUNCHERS)}")
     if isolate and launcher != "local":
         _bad_input("--isolate works with --launcher local only")
+    if lanes is not None and lanes < 1:
+        _bad_input(f"--lanes {lanes}: at least 1")
+    if lanes is not None and (isolate or launcher != "local"):
+        _bad_input("--lanes works with --launcher local only, without --isolate (which runs one group per cell, one after another)")
     if resume and out is None:
         _bad_input("--resume needs --out: the run directory to resume")
     m = _load(matrix, check=False)  # the problems are checked by api.run, once the ranks' fork server is starting
@@ -184,11 +196,18 @@ def run(
         transient=not console.is_terminal,
     ) as progress:
         overall = progress.add_task("cells", total=len(m.runnable()))
-        current = progress.add_task("", total=steps, visible=False)
+        lanes_shown: dict[int, TaskID] = {}  # a row per group running side by side
+
+        def row(lane: int) -> TaskID:
+            if lane not in lanes_shown:
+                lanes_shown[lane] = progress.add_task("", total=steps, visible=False)
+            return lanes_shown[lane]
 
         def on_event(event: Event) -> None:
+            current = row(event.lane)
             if event.kind == "group":
-                progress.update(current, description=f"  starting world size {event.world_size}", completed=0, visible=True)
+                where = f"world size {event.world_size}" + (f", lane {event.lane}" if event.lane else "")
+                progress.update(current, description=f"  starting {where}", completed=0, visible=True)
             elif event.kind == "shm_freed":
                 progress.console.print(
                     f"freed {event.freed_bytes / 2**20:.0f} MB of /dev/shm: {event.step} all-reduce buffer(s) left by gaeq runs that were killed",
@@ -207,7 +226,7 @@ def run(
 
         try:
             out = out or api.new_run_dir(m.spec.name)  # named here, so that an interruption can say where
-            result = api.run(m, out=out, isolate=isolate, launcher=launcher, resume=resume, on_event=on_event)
+            result = api.run(m, out=out, isolate=isolate, launcher=launcher, lanes=lanes, resume=resume, on_event=on_event)
         except FileExistsError as exc:
             _bad_input(str(exc))
         except MatrixError as exc:

@@ -32,6 +32,8 @@ class RunOptions:
     init_timeout_s: float = DEFAULT_INIT_TIMEOUT_S
     isolate: bool = False
     """One fresh process group per cell (what one launch per configuration costs)."""
+    lanes: int | None = None
+    """At most this many groups of one world size side by side (None: as many as the cores hold)."""
     launcher: str = "local"
     """local (gaeq forks the ranks), torchrun or deepspeed (that launcher starts `gaeq worker`)."""
     on_event: OnEvent = ignore

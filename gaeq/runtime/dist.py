@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 from pathlib import Path
 from dataclasses import dataclass
 from datetime import timedelta
@@ -39,10 +40,21 @@ def set_accelerator_env() -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if has_cuda() else "cpu")
 
 
+_handed_out: set[int] = set()
+_handed_out_lock = threading.Lock()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port on 127.0.0.1 that this process has not handed out before: groups started side
+    by side (lanes) bind theirs only once their ranks run, and must never be given the same one."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with _handed_out_lock:
+            if port not in _handed_out:
+                _handed_out.add(port)
+                return port
 
 
 def init_process_group(*, rank: int, world_size: int, port: int, with_deepspeed: bool, with_nvme: bool = False, timeout_s: float) -> None:

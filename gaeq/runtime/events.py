@@ -18,6 +18,8 @@ class Event:
     """group (a process group starts) | start / step / end (of a cell) | convert (ds_to_universal) |
     shm_freed (shared memory of killed runs removed)."""
     world_size: int
+    lane: int = 0
+    """Which of the groups of this world size running side by side (0 when only one runs)."""
     cell_id: str | None = None
     step: int | None = None
     outcome: CellOutcome | None = None

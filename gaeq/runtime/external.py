@@ -55,7 +55,7 @@ def launched_main(*, matrix: Matrix, run_dir: Path, only: Sequence[str] = (), in
     me = dist.rank_from_env()
     cells = cells_for_launch(matrix, world_size=me.world_size, only=only)
     dist.set_accelerator_env()
-    worker.set_up_rank(local_world_size=me.local_world_size)
+    worker.set_up_rank()
     dist.join_from_env(
         with_deepspeed=any(c.trainer in DEEPSPEED_TRAINERS for c in cells),
         with_nvme=any(c.offload == "nvme" for c in cells),

@@ -1,11 +1,15 @@
-"""The local launcher: one process group per world size, reused for all of its cells.
+"""The local launcher: process groups reused for all the cells of their world size, side by side
+where the cores allow.
 
 Starting ranks and joining a process group costs seconds; a cell of the default matrix trains in
-well under one. So each world size gets one group that runs its cells in sequence (engines and DDP
-are rebuilt per cell). The parent never waits without a deadline: every wait on the queue is
-short, and between waits it checks that every rank is alive and that the current cell has made
-progress within ``timeout_s``. A failed or hung cell kills its group (its peers may be stuck in a
-collective); the cells after it run in a fresh group.
+well under one. So each world size gets groups that run its cells in sequence (engines and DDP
+are rebuilt per cell), each cell handed to a group by the parent as the group becomes free. Where
+the machine has cores for more than one group of a world size (world 1 on 2 cores), that many
+groups — lanes — run side by side, each pinned to cores of its own, taking cells from one pool:
+a cell never shares a core, so its timings are those of a cell alone. The parent never waits
+without a deadline: every wait on a queue is short, and between waits it checks that every rank
+is alive and that the current cell has made progress within ``timeout_s``. A failed or hung cell
+kills its group (its peers may be stuck in a collective); its lane goes on in a fresh group.
 """
 
 from __future__ import annotations
@@ -15,8 +19,11 @@ import os
 import queue
 import signal
 import sys
+import threading
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 from gaeq.matrix import DEEPSPEED_TRAINERS, Cell
 from gaeq.problem.spec import HFModelSpec, ProblemSpec
@@ -58,80 +65,184 @@ def run_all(cells: Sequence[Cell], opts: RunOptions, *, done: Mapping[str, CellO
 def run_cells(cells: Sequence[Cell], opts: RunOptions) -> dict[str, CellOutcome]:
     """Run every cell; return how each ended. Writes ``cells/<id>/outcome.json`` for each.
 
-    One process group per world size runs all of its cells — or, with `isolate`, one fresh group
-    per cell (the way one launch per configuration works). With `launcher` torchrun or deepspeed,
-    that launcher starts each group's ranks on ``gaeq worker`` (the run directory must hold the
-    matrix as ``matrix.yaml``)."""
-    by_world: dict[object, list[Cell]] = {}
+    The cells of one world size share process groups (lanes side by side, see :func:`plan_lanes`)
+    — or, with `isolate`, each cell gets one fresh group (the way one launch per configuration
+    works). With `launcher` torchrun or deepspeed, that launcher starts each world size's ranks on
+    ``gaeq worker`` (the run directory must hold the matrix as ``matrix.yaml``)."""
+    groups: dict[object, list[Cell]] = {}
     for cell in cells:
-        by_world.setdefault(cell.id if opts.isolate else cell.world_size, []).append(cell)
+        groups.setdefault(cell.id if opts.isolate else cell.world_size, []).append(cell)
     outcomes: dict[str, CellOutcome] = {}
-    for group in by_world.values():
+    for group in groups.values():
+        world_size = group[0].world_size
+        if opts.launcher == "local":
+            outcomes.update(_run_lanes(world_size=world_size, cells=group, opts=opts))
+            continue
         pending = list(group)
         while pending:
-            opts.on_event(Event(kind="group", world_size=group[0].world_size))
-            run_group = _run_group if opts.launcher == "local" else run_launched_group
-            finished = run_group(world_size=group[0].world_size, cells=pending, opts=opts)
+            opts.on_event(Event(kind="group", world_size=world_size))
+            finished = run_launched_group(world_size=world_size, cells=pending, opts=opts)
             outcomes.update(finished)
             pending = [c for c in pending if c.id not in finished]
     return outcomes
 
 
-class _GroupRun:
-    """Book-keeping of one process group: which cell is current, what each rank has said."""
+def plan_lanes(*, world_size: int, cells: int, cores: Sequence[int], limit: int | None = None) -> list[tuple[int, ...]]:
+    """The cores of each group of `world_size` that runs side by side with the others: as many
+    groups as the cores hold without two sharing one (⌊cores ÷ world size⌋), no more than there are
+    `cells` (nor than `limit`), each with an equal slice of the cores. One group gets every core
+    (a world size above the core count shares them, as ranks always did)."""
+    lanes = max(1, min(len(cores) // world_size, cells, limit or len(cores)))
+    if lanes == 1:
+        return [tuple(cores)]
+    per = len(cores) // lanes
+    return [tuple(cores[i * per : (i + 1) * per]) for i in range(lanes)]
 
-    def __init__(self, *, world_size: int, cells: Sequence[Cell], opts: RunOptions) -> None:
+
+class CellPool:
+    """The cells of one world size not yet handed to a group. Each group takes the next one (in
+    matrix order) when it becomes free, so lanes stay balanced however long their cells take."""
+
+    def __init__(self, cells: Sequence[Cell]) -> None:
+        self._cells = deque(cells)
+        self._lock = threading.Lock()
+
+    def take(self) -> Cell | None:
+        with self._lock:
+            return self._cells.popleft() if self._cells else None
+
+    def take_all(self) -> list[Cell]:
+        with self._lock:
+            cells, self._cells = list(self._cells), deque()
+            return cells
+
+    def __bool__(self) -> bool:
+        with self._lock:
+            return bool(self._cells)
+
+
+def _run_lanes(*, world_size: int, cells: Sequence[Cell], opts: RunOptions) -> dict[str, CellOutcome]:
+    """The cells of one world size, in one group per lane, each lane in a thread of its own that
+    starts a fresh group whenever its group is lost while cells are left. Ctrl-C (or any failure
+    of the parent) stops every lane's ranks before it propagates."""
+    lanes = plan_lanes(world_size=world_size, cells=len(cells), cores=sorted(os.sched_getaffinity(0)), limit=opts.lanes)
+    pool, stop, lock = CellPool(cells), threading.Event(), threading.Lock()
+    opts = replace(opts, on_event=_one_at_a_time(opts.on_event))  # callers never see two events at once
+    outcomes: dict[str, CellOutcome] = {}
+    errors: list[BaseException] = []
+
+    def lane_main(lane: int, cores: tuple[int, ...]) -> None:
+        try:
+            while pool and not stop.is_set():
+                opts.on_event(Event(kind="group", world_size=world_size, lane=lane))
+                finished = _run_group(world_size=world_size, cells=cells, pool=pool, lane=lane, cores=cores, opts=opts, stop=stop)
+                with lock:
+                    outcomes.update(finished)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            errors.append(exc)
+            stop.set()
+
+    threads = [
+        threading.Thread(target=lane_main, args=(lane, cores), name=f"gaeq-w{world_size}-lane{lane}", daemon=True)
+        for lane, cores in enumerate(lanes)
+    ]
+    for t in threads:
+        t.start()
+    try:
+        for t in threads:
+            while t.is_alive():
+                t.join(timeout=0.2)
+    except BaseException:
+        stop.set()
+        for t in threads:
+            t.join()
+        raise
+    if errors:
+        raise errors[0]
+    return outcomes
+
+
+def _one_at_a_time(on_event):
+    lock = threading.Lock()
+
+    def call(event: Event) -> None:
+        with lock:
+            on_event(event)
+
+    return call
+
+
+class _GroupRun:
+    """Book-keeping of one process group: which cell it runs, what each rank has said."""
+
+    def __init__(self, *, world_size: int, lane: int, cells: Sequence[Cell], pool: CellPool, commands: list, opts: RunOptions) -> None:
         self.world_size = world_size
-        self.cells = list(cells)
+        self.lane = lane
+        self.index = {c.id: i for i, c in enumerate(cells)}
+        self.pool = pool
+        self.commands = commands
         self.run_dir = opts.run_dir
         self.on_event = opts.on_event
         self.ready: set[int] = set()
+        self.current: Cell | None = None
+        self.stopped = False
+        """Its ranks were told that no cell is left: they leave by themselves."""
         self.done: dict[str, dict[int, tuple[float, dict | None]]] = {}  # cell → rank → (seconds, ran)
         self.outcomes: dict[str, CellOutcome] = {}
         self.failures: list[tuple[int, str]] = []  # (rank, reason) as ranks reported them
         self.cell_started = time.monotonic()
 
-    @property
-    def current(self) -> Cell | None:
-        return self.cells[len(self.outcomes)] if len(self.outcomes) < len(self.cells) else None
+    def dispatch(self) -> None:
+        """Hand every rank the pool's next cell — or, with none left, tell them to leave."""
+        self.current = self.pool.take()
+        self.stopped = self.current is None
+        for commands in self.commands:
+            commands.put(None if self.current is None else self.index[self.current.id])
+        self.cell_started = time.monotonic()
 
     def finish(self, cell: Cell, outcome: CellOutcome) -> None:
         self.outcomes[cell.id] = outcome
         write_outcome(cell_dir(self.run_dir, cell.id), outcome)
-        self.on_event(Event(kind="end", world_size=self.world_size, cell_id=cell.id, outcome=outcome))
+        self.on_event(Event(kind="end", world_size=self.world_size, lane=self.lane, cell_id=cell.id, outcome=outcome))
 
     def handle(self, msg: worker.Msg) -> bool:
         """Apply one message from a rank. True when it shows progress (resets the deadline)."""
         if msg.kind == worker.READY:
             self.ready.add(msg.rank)
+            if len(self.ready) == self.world_size:
+                self.dispatch()
         elif msg.kind == worker.START and msg.rank == 0:
             self.cell_started = time.monotonic()
-            self.on_event(Event(kind="start", world_size=self.world_size, cell_id=msg.cell_id))
+            self.on_event(Event(kind="start", world_size=self.world_size, lane=self.lane, cell_id=msg.cell_id))
         elif msg.kind == worker.STEP:
-            self.on_event(Event(kind="step", world_size=self.world_size, cell_id=msg.cell_id, step=msg.step))
+            self.on_event(Event(kind="step", world_size=self.world_size, lane=self.lane, cell_id=msg.cell_id, step=msg.step))
         elif msg.kind == worker.DONE:
             ranks = self.done.setdefault(msg.cell_id, {})
             ranks[msg.rank] = (msg.seconds, msg.ran)
             if len(ranks) == self.world_size and self.current is not None and self.current.id == msg.cell_id:
                 seconds = max(s for s, _ in ranks.values())
                 self.finish(self.current, CellOutcome(status="done", seconds=seconds, ran=ranks[0][1]))
+                self.dispatch()
         elif msg.kind == worker.FAILED:
             self.failures.append((msg.rank, msg.reason))
             return False
         return True
 
     def fail(self, why: str, *, rank: int | None) -> None:
-        """The group is lost: the current cell is `error`; before start-up, every cell is.
+        """The group is lost: the current cell is `error`; before start-up, every cell still in
+        the pool is (a group that cannot start would not start again).
 
         The reason carries the log tail of the rank that failed (of every rank when we cannot
         tell which one, e.g. a hang).
         """
         started = len(self.ready) == self.world_size
-        victims = [self.current] if started else self.cells[len(self.outcomes) :]
+        victims = ([self.current] if self.current is not None else []) if started else self.pool.take_all()
         ranks = range(self.world_size) if rank is None else [rank]
         for cell in victims:
             logs = [
-                cell_dir(self.run_dir, cell.id) / f"rank{r}.log" if started else worker.group_log(self.run_dir, self.world_size, r)
+                cell_dir(self.run_dir, cell.id) / f"rank{r}.log"
+                if started
+                else worker.group_log(self.run_dir, self.world_size, r, lane=self.lane)
                 for r in ranks
             ]
             seconds = time.monotonic() - self.cell_started if started else 0.0
@@ -140,31 +251,39 @@ class _GroupRun:
             )
 
 
-def _run_group(*, world_size: int, cells: Sequence[Cell], opts: RunOptions) -> dict[str, CellOutcome]:
+def _run_group(
+    *, world_size: int, cells: Sequence[Cell], pool: CellPool, lane: int, cores: tuple[int, ...], opts: RunOptions, stop: threading.Event
+) -> dict[str, CellOutcome]:
+    """One process group of `world_size` on `cores`, running cells from `pool` until it is empty
+    (or the group is lost, or `stop` is set: then its ranks are killed). `cells`: all the cells it
+    may be handed."""
     # The server already runs when api.run warmed it up (then its preload list stands).
     ctx = _context(isolate=opts.isolate, preload=preload_modules(cells, opts.problems))
     events = ctx.Queue()
+    commands = [ctx.Queue() for _ in range(world_size)]
     timeout_s, init_timeout_s = opts.timeout_s, opts.init_timeout_s
     job = worker.GroupJob(
         world_size=world_size,
         port=free_port(),
         cells=tuple(cells),
+        cores=cores,
+        lane=lane,
         problems=dict(opts.problems),
         search=opts.search,
         run_dir=str(opts.run_dir),
         init_timeout_s=init_timeout_s,
     )
     procs = [
-        ctx.Process(target=worker.worker_main, args=(rank, job, events), name=f"gaeq-w{world_size}-r{rank}")
+        ctx.Process(target=worker.worker_main, args=(rank, job, events, commands[rank]), name=f"gaeq-w{world_size}-l{lane}-r{rank}")
         for rank in range(world_size)
     ]
-    state = _GroupRun(world_size=world_size, cells=cells, opts=opts)
+    state = _GroupRun(world_size=world_size, lane=lane, cells=cells, pool=pool, commands=commands, opts=opts)
     with shm.group_on(job.port):  # a marker while it runs; DeepSpeed's shm segments freed after
         try:
             for p in procs:
                 p.start()
             deadline = time.monotonic() + init_timeout_s
-            while state.current is not None:
+            while not state.stopped and not stop.is_set():
                 try:
                     msg = events.get(timeout=0.2)
                 except queue.Empty:
@@ -176,7 +295,7 @@ def _run_group(*, world_size: int, cells: Sequence[Cell], opts: RunOptions) -> d
                     # Ranks are exiting: either the group finished (last DONEs still in the pipe) or
                     # it is failing. Let it settle, then name the root cause.
                     _drain(events, state)
-                    if state.current is None:
+                    if state.stopped:
                         break
                     why, rank = _root_cause(procs, state)
                     state.fail(why, rank=rank)
@@ -188,9 +307,10 @@ def _run_group(*, world_size: int, cells: Sequence[Cell], opts: RunOptions) -> d
                     state.fail(f"timed out: no progress for {budget:.0f} s {phase} (a rank hangs?)", rank=None)
                     break
         finally:
-            _stop(procs, graceful=state.current is None)
-            events.close()
-            events.cancel_join_thread()
+            _stop(procs, graceful=state.stopped)
+            for q in (events, *commands):
+                q.close()
+                q.cancel_join_thread()
     return state.outcomes
 
 
@@ -237,7 +357,7 @@ def _context(*, isolate: bool, preload: Sequence[str]):
 
 def _drain(events, state: _GroupRun, *, seconds: float = 1.0) -> None:
     end = time.monotonic() + seconds
-    while time.monotonic() < end and state.current is not None:
+    while time.monotonic() < end and not state.stopped:
         try:
             state.handle(events.get(timeout=0.1))
         except queue.Empty:

@@ -1,8 +1,11 @@
-"""The per-rank loop: join the group once, then for each cell build the problem, train, record.
+"""The per-rank loop: join the group once, then for each cell the parent hands it, build the
+problem, train, record.
 
 Runs in a child process started by :mod:`gaeq.runtime.launch`. It talks to the parent only through
-plain-data messages (:class:`Msg`) on a queue; everything it prints (DeepSpeed's logging included)
-goes to log files: the group's log, and while a cell runs, that cell's ``rank<r>.log``.
+plain data: the parent sends the index of the next cell (None: no cell left) on the rank's command
+queue, the rank answers with messages (:class:`Msg`) on the group's queue. Everything it prints
+(DeepSpeed's logging included) goes to log files: the group's log, and while a cell runs, that
+cell's ``rank<r>.log``.
 """
 
 from __future__ import annotations
@@ -48,11 +51,16 @@ class Msg:
 
 @dataclass(frozen=True, kw_only=True)
 class GroupJob:
-    """What one process group runs: cells of a single world size, in order."""
+    """One process group: the cells of a single world size it may be handed (by index), and the
+    cores its ranks run on."""
 
     world_size: int
     port: int
     cells: tuple[Cell, ...]
+    cores: tuple[int, ...]
+    """The CPU cores of this group's lane: its ranks are pinned to them, so that a group running
+    beside another (lanes, :mod:`gaeq.runtime.launch`) never shares a core with it."""
+    lane: int = 0
     problems: dict[str, ProblemSpec]
     """variant → problem"""
     search: tuple[str, ...]
@@ -61,21 +69,23 @@ class GroupJob:
     init_timeout_s: float
 
 
-def group_log(run_dir: str | Path, world_size: int, rank: int) -> Path:
-    return Path(run_dir) / "logs" / f"group-w{world_size}-rank{rank}.log"
+def group_log(run_dir: str | Path, world_size: int, rank: int, *, lane: int = 0) -> Path:
+    name = f"group-w{world_size}-rank{rank}.log" if lane == 0 else f"group-w{world_size}-lane{lane}-rank{rank}.log"
+    return Path(run_dir) / "logs" / name
 
 
-def worker_main(rank: int, job: GroupJob, events: Any) -> None:
-    """A rank started by gaeq's own launcher (:mod:`gaeq.runtime.launch`): reports on `events`."""
+def worker_main(rank: int, job: GroupJob, events: Any, commands: Any) -> None:
+    """A rank started by gaeq's own launcher (:mod:`gaeq.runtime.launch`): runs the cells whose
+    index arrives on `commands` until None does, and reports on `events`."""
     _detach_from_terminal()
-    log = group_log(job.run_dir, job.world_size, rank)
+    log = group_log(job.run_dir, job.world_size, rank, lane=job.lane)
     log.parent.mkdir(parents=True, exist_ok=True)
     _redirect_fds(log)
 
     from gaeq.runtime import dist
 
     dist.set_accelerator_env()  # before anything imports DeepSpeed
-    set_up_rank(local_world_size=job.world_size)
+    set_up_rank(cores=job.cores)
     dist.init_process_group(
         rank=rank,
         world_size=job.world_size,
@@ -85,10 +95,14 @@ def worker_main(rank: int, job: GroupJob, events: Any) -> None:
         timeout_s=job.init_timeout_s,
     )
     group_ready()
-    print(f"gaeq: process group ready (world {job.world_size}, rank {rank}, {len(job.cells)} cells)", flush=True)
+    print(f"gaeq: process group ready (world {job.world_size}, rank {rank}, lane {job.lane}, cores {list(job.cores)})", flush=True)
     events.put(Msg(READY, rank))
 
-    for cell in job.cells:
+    # The parent answers within a moment (it dispatches as soon as the group is ready or a cell is
+    # done); if it is gone, the lifeline has ended this rank already. The timeout is a last resort.
+    while (index := commands.get(timeout=job.init_timeout_s)) is not None:
+        cell = job.cells[index]
+        print(f"gaeq: cell {cell.id}", flush=True)
         events.put(Msg(START, rank, cell.id))
         try:
             done = run_cell(
@@ -112,15 +126,21 @@ def worker_main(rank: int, job: GroupJob, events: Any) -> None:
     _exit(events, 0)
 
 
-def set_up_rank(*, local_world_size: int) -> None:
-    """Process-wide settings of a rank, before it joins its group (any launcher)."""
+def set_up_rank(*, cores: tuple[int, ...] = ()) -> None:
+    """Process-wide settings of a rank, before it joins its group (any launcher). `cores`: pin the
+    rank to them (gaeq's own launcher: its lane's cores)."""
     # DeepSpeed 0.19 calls collectives torch 2.13 deprecates; the warning repeats on every ZeRO
     # collective (hundreds of lines per cell log, and time).
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     import torch
 
-    # Ranks share the machine's cores instead of each oversubscribing all of them.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
+    if cores:
+        os.sched_setaffinity(0, cores)
+    # One intra-op thread per rank, whatever the machine and however the run is scheduled: the
+    # thread count changes summation order (the GPT's traces differ bitwise between 1 and 2), so a
+    # cell's numbers would otherwise depend on the core count and on its neighbours. The models a
+    # CPU lab trains are far too small for intra-op threads to pay (1 thread measured as fast as 2).
+    torch.set_num_threads(1)
 
 
 def group_ready() -> None:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
+import yaml
 
 from gaeq.problem.models import MLP
 from gaeq.problem.spec import MLPSpec
 from gaeq.results.trace import read_trace
-from tests.helpers import cells_by_id, ga_spec, gaeq_run
+from tests.helpers import REPO_ROOT, cells_by_id, ga_spec, gaeq_run
 
 pytestmark = pytest.mark.integration
 
@@ -48,21 +49,26 @@ def test_bytes_communicated_per_optimizer_step(default_run):
 
 
 def test_isolate_runs_one_group_per_cell_and_changes_no_number(write_matrix, tmp_path, default_run):
-    """Two cells of the default matrix, each in a fresh process group: their traces are bitwise
-    those of the default run, where they shared groups with 38 other cells."""
+    """Cells of the default matrix, each in a fresh process group: their traces are bitwise those
+    of the default run, where they shared groups with 38 other cells — the world-1 GPT cell there
+    in a lane beside another, pinned to one core, here alone with every core (its traces differ
+    bitwise between 1 and 2 intra-op threads: a rank always has one)."""
     *_, shared = default_run
+    gpt = yaml.safe_load((REPO_ROOT / "experiments" / "ga.yaml").read_text())["variants"]["gpt"]
     spec = ga_spec(
         axes={"trainer": ["deepspeed"], "world_size": [2], "micro_batch_size": [4], "zero_stage": [1]},
         baseline={"trainer": "torch", "world_size": 2, "micro_batch_size": 16},
+        variants={"gpt": {**gpt, "baseline": {"trainer": "torch", "world_size": 1, "micro_batch_size": 4}}},
+        cells=[{"variant": "gpt", "trainer": "torch", "world_size": 1, "micro_batch_size": 4}],
     )
     isolated = tmp_path / "isolated"
     proc, report_isolated, _ = gaeq_run(write_matrix(spec), isolated, extra=["--isolate"])
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert len(report_isolated["cells"]) == 2
+    assert sorted(c["id"] for c in report_isolated["cells"]) == ["deepspeed-z1-w2-mb4-ga4", "torch-w1-mb4-ga8@gpt", "torch-w2-mb16-ga1"]
     for cell in report_isolated["cells"]:
         a = [(r.step, r.loss, r.grad_norm) for r in read_trace(shared / "cells" / cell["id"])]
         b = [(r.step, r.loss, r.grad_norm) for r in read_trace(isolated / "cells" / cell["id"])]
-        assert a == b, cell["id"]  # bitwise: a fresh process group changes nothing
+        assert a == b, cell["id"]  # bitwise: a fresh process group, other cores, change nothing
     # Each cell started its own group: the world-2 group log holds one start-up per world-2 cell.
     starts = (isolated / "logs" / "group-w2-rank0.log").read_text().count("gaeq: process group ready")
     assert starts == 2

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import time
 
 import pytest
 
+from gaeq.runtime.launch import plan_lanes
 from tests.helpers import cells_by_id, gaeq_run_here, leftover_processes, small_spec
 
 pytestmark = pytest.mark.integration
@@ -88,3 +91,20 @@ def test_default_matrix_from_the_readme(default_run):
     assert sorted(p.name for p in (out / "tb").iterdir()) == sorted(cells)
     assert (out / "overlay.png").stat().st_size > 30_000
     assert leftover_processes(tag) == []
+
+
+def test_world_1_cells_ran_in_lanes_side_by_side_each_on_cores_of_its_own(default_run):
+    """As many world-1 groups as the cores hold ran at once (two on 2 cores), each pinned to its own
+    cores, taking cells from one pool: every world-1 cell ran in exactly one of them."""
+    proc, report, tag, out = default_run
+    w1 = {c["id"] for c in report["cells"] if c["world_size"] == 1}
+    lanes = plan_lanes(world_size=1, cells=len(w1), cores=sorted(os.sched_getaffinity(0)))
+    logs = sorted((out / "logs").glob("group-w1-*rank0.log"))
+    assert len(logs) == len(lanes)
+    ran: list[set[str]] = []
+    for lane, cores in enumerate(lanes):
+        text = (out / "logs" / (f"group-w1-lane{lane}-rank0.log" if lane else "group-w1-rank0.log")).read_text()
+        assert f"process group ready (world 1, rank 0, lane {lane}, cores {list(cores)})" in text
+        ran.append(set(re.findall(r"^gaeq: cell (\S+)$", text, flags=re.M)))
+    assert set().union(*ran) == w1 and sum(map(len, ran)) == len(w1)  # each cell once
+    assert all(ran)  # every lane had work

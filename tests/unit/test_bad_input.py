@@ -132,6 +132,22 @@ def test_a_directory_or_a_missing_file_exits_2(tmp_path, no_processes):
             assert_bad_input(CliRunner().invoke(app, args))
 
 
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--lanes", "0"], "--lanes 0: at least 1"),
+        (["--lanes", "2", "--isolate"], "--lanes works with --launcher local only, without --isolate"),
+        (["--lanes", "2", "--launcher", "torchrun"], "--lanes works with --launcher local only"),
+    ],
+)
+def test_lanes_out_of_place_are_refused_before_any_process(flags, says, tmp_path, no_processes):
+    path = tmp_path / "m.yaml"
+    path.write_text(yaml.safe_dump(BASE))
+    result = CliRunner().invoke(app, ["run", "--matrix", str(path), "--out", str(tmp_path / "run"), *flags])
+    assert_bad_input(result)
+    assert says in result.stderr
+
+
 def test_a_world_size_this_machine_cannot_run_is_refused_before_any_process(tmp_path, no_processes):
     path = tmp_path / "big.yaml"
     path.write_text(yaml.safe_dump(put(put(BASE, ("axes", "world_size"), [1, 1024]), ("problem", "train_batch_size"), 4096)))
