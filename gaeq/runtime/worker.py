@@ -140,6 +140,10 @@ def set_up_rank(*, cores: tuple[int, ...] = ()) -> None:
     # thread count changes summation order (the GPT's traces differ bitwise between 1 and 2), so a
     # cell's numbers would otherwise depend on the core count and on its neighbours. The models a
     # CPU lab trains are far too small for intra-op threads to pay (1 thread measured as fast as 2).
+    # The variables tell the libraries too: accelerate, where OMP_NUM_THREADS is unset, sets torch's
+    # threads to physical cores ÷ local ranks — 2 threads on a rank pinned to one core, cells 100×
+    # slower, and every later cell of the rank on 2 threads.
+    os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     torch.set_num_threads(1)
 
 

@@ -117,6 +117,9 @@ class Provenance:
             return
         self._checked = True
         self.ran["micro_steps"] = self._micro_steps
+        # Not a label, a fact worth seeing: a rank runs one intra-op thread (worker.set_up_rank)
+        # unless a library changed it (the thread count changes summation order).
+        self.ran["intra_op_threads"] = torch.get_num_threads()
         self.ran |= {key: measure() for key, measure in self._at_first_step.items()}
         wrong = [f"{key}: label {want!r}, ran {self.ran.get(key)!r}" for key, want in self.label.items() if self.ran.get(key) != want]
         if wrong:

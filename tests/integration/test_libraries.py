@@ -51,6 +51,9 @@ def test_libraries_experiment(tmp_path):
         if c["trainer"] == "hf_deepspeed":  # DeepSpeed's engine really ran, at the cell's stage
             assert (ran["engine"], ran["zero_stage"], c["max_abs_loss_diff"] < 1e-5) == ("DeepSpeedEngine", c["zero_stage"], True), c
     assert {c["zero_stage"] for c in twins if c["trainer"] == "hf_deepspeed"} == {1, 2, 3}
+    # One intra-op thread in every cell, as gaeq set it: accelerate sets torch's threads to physical
+    # cores ÷ local ranks unless OMP_NUM_THREADS says otherwise (2 on a world-1 lane's single core).
+    assert {c["ran"]["intra_op_threads"] for c in cells.values()} == {1}
 
     def caught(cell_id):
         c = cells[cell_id]

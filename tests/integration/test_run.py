@@ -80,6 +80,7 @@ def test_default_matrix_from_the_readme(default_run):
         assert (c["ran"]["world_size"], c["ran"]["micro_batch_rows"], c["ran"]["micro_steps"]) == (
             c["world_size"], c["micro_batch_size"], c["grad_accum_steps"]
         ), c
+        assert c["ran"]["intra_op_threads"] == 1  # whatever the lane (worker.set_up_rank)
         if c["trainer"] == "torch":
             assert c["ran"]["ddp"] is (c["world_size"] > 1)
         else:
