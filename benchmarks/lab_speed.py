@@ -1,6 +1,6 @@
 """How fast the lab itself is. One run, one machine; prints the numbers and the ratios.
 
-    python benchmarks/lab_speed.py            # ~3-5 minutes on 2 cores
+    python benchmarks/lab_speed.py            # ~8 minutes on 2 cores (~5 with --skip-isolate)
 
 1. The default matrix (experiments/ga.yaml) with one process group per world size (what `gaeq run`
    does) against `--isolate` (one fresh group per cell: one launch per config). Target: ≥ 8×.
