@@ -23,6 +23,12 @@ def test_a_crashing_or_hanging_rank_errors_its_cell_and_the_rest_still_run(write
             {"trainer": "torch", "world_size": 2, "micro_batch_size": 8, "fault": {"rank": 0, "step": 2, "kind": "exit"}},
             {"trainer": "torch", "world_size": 2, "micro_batch_size": 1, "fault": {"rank": 1, "step": 2, "kind": "hang"}},
             {"trainer": "torch", "world_size": 2, "micro_batch_size": 1},
+            # World 1 runs in two lanes at once (on 2 cores): a lane that loses its group goes on in a
+            # fresh one while the other keeps training.
+            {"trainer": "torch", "world_size": 1, "micro_batch_size": 2, "fault": {"rank": 0, "step": 2, "kind": "raise"}},
+            {"trainer": "torch", "world_size": 1, "micro_batch_size": 4},
+            {"trainer": "torch", "world_size": 1, "micro_batch_size": 8},
+            {"trainer": "deepspeed", "world_size": 1, "micro_batch_size": 4, "zero_stage": 1},
         ],
         baseline={"trainer": "torch", "world_size": 2, "micro_batch_size": 4},  # every cell at world 2
         timeout_s=8,
@@ -40,9 +46,11 @@ def test_a_crashing_or_hanging_rank_errors_its_cell_and_the_rest_still_run(write
     assert (exited["verdict"], exited["reason"]) == ("error", "rank 0 exited with code 17 before the cell finished")
     hung = cells["torch-w2-mb1-ga8-fault_hang_r1_s2"]
     assert hung["verdict"] == "error" and hung["reason"].startswith("timed out: no progress for 8 s")
-    for ok in ("torch-w2-mb4-ga2", "torch-w2-mb2-ga4", "deepspeed-z2-w2-mb2-ga4", "torch-w2-mb1-ga8"):
+    lane_raised = cells["torch-w1-mb2-ga8-fault_raise_r0_s2"]
+    assert lane_raised["verdict"] == "error" and lane_raised["reason"].startswith("rank 0 failed: RuntimeError: injected fault")
+    for ok in ("torch-w2-mb4-ga2", "torch-w2-mb2-ga4", "deepspeed-z2-w2-mb2-ga4", "torch-w2-mb1-ga8", "torch-w1-mb4-ga4", "torch-w1-mb8-ga2", "deepspeed-z1-w1-mb4-ga4"):
         assert cells[ok]["verdict"] == "match", cells[ok]
-    assert report["summary"]["error"] == 3
+    assert report["summary"]["error"] == 4
     assert leftover_processes(tag) == []
 
 
