@@ -1,4 +1,5 @@
-"""What the tests share: matrices, and running `gaeq` as a user does (a tagged child process)."""
+"""What the tests share: matrices, and running `gaeq` as a user does (a child process, tests/processes.py)
+or in this process on the session's fork server."""
 
 from __future__ import annotations
 
@@ -6,9 +7,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import time
-import uuid
 from pathlib import Path
 
 import torch
@@ -16,6 +14,7 @@ import yaml
 
 from gaeq.results.outcome import CellOutcome, write_outcome
 from gaeq.trainers import RunContext, trainer_for
+from tests.processes import CHILDREN_OF, gaeq_command, new_tag, run
 
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -75,22 +74,16 @@ def deepspeed_shm() -> set[str]:
     return {p.name for p in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*")}
 
 
-def gaeq_run(matrix: Path, out: Path, *, timeout: float = 600, extra: list[str] = ()) -> tuple[subprocess.CompletedProcess, dict, str]:
-    """Run the CLI in a child process tagged with a unique environment marker (to find leftovers).
+def gaeq_run(matrix: Path, out: Path, *, timeout: float = 600, extra: list[str] = (), signals=None) -> tuple[subprocess.CompletedProcess, dict, str]:
+    """Run the CLI in a child process (tests/processes.py: tagged, known signal dispositions,
+    stopped with everything it started whatever happens).
 
     Every run checks that it left no DeepSpeed shared memory behind (DeepSpeed never frees its
     segments; gaeq does — under an external launcher too): none appeared that was not there before."""
-    tag = uuid.uuid4().hex
-    env = {**os.environ, "GAEQ_TEST_TAG": tag, "COLUMNS": "200"}
+    tag = new_tag()
     shm_before = deepspeed_shm()
-    proc = subprocess.run(
-        [sys.executable, "-m", "gaeq", "run", "--matrix", str(matrix), "--out", str(out), *extra],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=REPO_ROOT,
-    )
+    cmd = gaeq_command("run", "--matrix", str(matrix), "--out", str(out), *extra)
+    proc = run(cmd, timeout=timeout, tag=tag, signals=signals, env={"COLUMNS": "200"})
     report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else {}
     assert deepspeed_shm() <= shm_before, f"left in /dev/shm: {sorted(deepspeed_shm() - shm_before)}"
     return proc, report, tag
@@ -114,7 +107,7 @@ def gaeq_run_here(matrix: Path, out: Path, *, extra: list[str] = ()) -> tuple[su
     own command) or that set environment variables for the ranks (they inherit the server's
     environment, not the test's) run `gaeq` as a child with :func:`gaeq_run`. Returns no tag: nothing
     this run starts carries an environment tag, so the returned tag names the fork server instead:
-    :func:`leftover_processes` then lists its children still alive (every rank is one). The CLI's
+    :func:`tests.processes.leftovers` then lists its children still alive (every rank is one). The CLI's
     signal handlers are put back afterwards."""
     from multiprocessing import forkserver
 
@@ -137,60 +130,6 @@ def gaeq_run_here(matrix: Path, out: Path, *, extra: list[str] = ()) -> tuple[su
     assert deepspeed_shm() <= shm_before, f"left in /dev/shm: {sorted(deepspeed_shm() - shm_before)}"
     proc = subprocess.CompletedProcess(["gaeq", "run"], result.exit_code, result.stdout, result.stderr)
     return proc, report, f"{CHILDREN_OF}{forkserver._forkserver._forkserver_pid}"
-
-
-CHILDREN_OF = "children-of:"
-"""A tag of :func:`gaeq_run_here`: the processes it started are the children of this pid."""
-
-
-def start_gaeq(args: list[str], *, tag: str, sigint=signal.SIG_DFL, **popen) -> subprocess.Popen:
-    """Start ``python -m gaeq ARGS`` tagged, with SIGINT's disposition set explicitly: a child
-    inherits an ignored SIGINT from a background job or CI runner (and then keeps it ignored, see
-    gaeq.cli._stop_on_signals), so a test that means Ctrl-C must not depend on how pytest started."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "gaeq", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "GAEQ_TEST_TAG": tag, **popen.pop("env", {})},
-        cwd=popen.pop("cwd", REPO_ROOT),
-        preexec_fn=lambda: signal.signal(signal.SIGINT, sigint),
-        **popen,
-    )
-
-
-def leftover_processes(tag: str, *, grace: float = 5.0) -> list[int]:
-    """PIDs of live processes that inherited the tag (every rank gaeq started would have) — or,
-    for a tag of :func:`gaeq_run_here`, the fork server's live children."""
-    if tag.startswith(CHILDREN_OF):
-        parent = int(tag.removeprefix(CHILDREN_OF))
-        return _live_processes(lambda proc: _child_of(proc, parent), grace=grace)
-    marker = f"GAEQ_TEST_TAG={tag}".encode()
-    return _live_processes(lambda proc: marker in (proc / "environ").read_bytes(), grace=grace)
-
-
-def _child_of(proc: Path, parent: int) -> bool:
-    stat = (proc / "stat").read_text()
-    state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]  # after "pid (comm) "
-    return int(ppid) == parent and state != "Z"
-
-
-def _live_processes(matches, *, grace: float) -> list[int]:
-    """PIDs of /proc entries that `matches`, polled until none is left or `grace` seconds pass."""
-    deadline = time.monotonic() + grace
-    while True:
-        pids = []
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                if matches(entry):
-                    pids.append(int(entry.name))
-            except OSError:  # the process ended while we looked
-                continue
-        if not pids or time.monotonic() > deadline:
-            return pids
-        time.sleep(0.2)
 
 
 def cells_by_id(report: dict) -> dict[str, dict]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import cells_by_id, leftover_processes
+from tests.helpers import cells_by_id
+from tests.processes import leftovers
 
 pytestmark = pytest.mark.integration
 
@@ -47,4 +48,4 @@ def test_every_planted_bug_is_caught_and_every_twin_matches(pitfalls_run):
     bf16 = cells["deepspeed-z1-w1-mb2-ga16-ds_bf16-bug_grad_accum_bf16@bf16_accum"]
     assert bf16["verdict"] == "match" and 1e-6 < bf16["max_abs_loss_diff"] < 1e-3
     assert "caught" in proc.stdout and "grad_norm@0 loss@1" in proc.stdout
-    assert leftover_processes(tag) == []
+    assert leftovers(tag) == []

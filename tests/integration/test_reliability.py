@@ -6,16 +6,15 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
-import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.conftest import REPO
-from tests.helpers import gaeq_run, leftover_processes, small_spec, start_gaeq
+from tests.helpers import gaeq_run, small_spec
+from tests.processes import gaeq_command, leftovers, new_tag, owned, run, running, spawn
 
 pytestmark = pytest.mark.integration
 
@@ -37,21 +36,20 @@ def test_an_interrupted_run_leaves_only_complete_files_and_resume_finishes_it(si
     )
     spec["problem"]["steps"] = STEPS  # the DeepSpeed cell trains for ~2 s: the signal lands inside it
     matrix, out = write_matrix(spec), tmp_path / "run"
-    env = {**os.environ, "GAEQ_TEST_TAG": uuid.uuid4().hex}
-    cmd = [sys.executable, "-m", "gaeq", "run", "--matrix", str(matrix), "--out", str(out)]
+    cmd = gaeq_command("run", "--matrix", str(matrix), "--out", str(out))
     long_cell = out / "cells" / "deepspeed-z1-w2-mb2-ga4"
-    proc = start_gaeq(cmd[3:], tag=env["GAEQ_TEST_TAG"])  # SIGINT as in a terminal, however pytest was started
-    deadline = time.monotonic() + 300
-    while not (long_cell / "rank0.log").exists():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
-        time.sleep(0.05)
-    proc.send_signal(sig)
-    started = time.monotonic()
-    output, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 130, output
-    assert time.monotonic() - started < 30, "ranks were not stopped promptly"
-    assert "interrupted" in output and f"--out {out} --resume" in output
-    assert leftover_processes(env["GAEQ_TEST_TAG"]) == []
+    with running(cmd, stderr=subprocess.STDOUT) as proc:  # SIGINT as in a terminal, however pytest was started
+        deadline = time.monotonic() + 300
+        while not (long_cell / "rank0.log").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+            time.sleep(0.05)
+        proc.send_signal(sig)
+        started = time.monotonic()
+        output, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 130, output
+        assert time.monotonic() - started < 30, "ranks were not stopped promptly"
+        assert "interrupted" in output and f"--out {out} --resume" in output
+        assert leftovers(proc.tag) == []
     assert not (out / "report.json").exists() and not (out / "report.md").exists()
     # Only complete files: every published trace has all its steps; no outcome without a trace.
     finished = {}
@@ -66,7 +64,7 @@ def test_an_interrupted_run_leaves_only_complete_files_and_resume_finishes_it(si
     if sig != signal.SIGTERM:
         return  # the files are the same whatever stopped the run: resuming them once is enough
 
-    proc = subprocess.run([*cmd, "--resume"], capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    proc = run([*cmd, "--resume"], timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((out / "report.json").read_text())
     assert report["ok"] and report["summary"]["match"] == 4
@@ -80,10 +78,7 @@ def test_resume_refuses_another_matrix(write_matrix, tmp_path):
     out = tmp_path / "run"
     (out / "cells").mkdir(parents=True)
     (out / "matrix.yaml").write_text(yaml.safe_dump(small_spec(name="other")))
-    proc = subprocess.run(
-        [sys.executable, "-m", "gaeq", "run", "--matrix", str(write_matrix(small_spec())), "--out", str(out), "--resume"],
-        capture_output=True, text=True, timeout=120, cwd=REPO,
-    )  # fmt: skip
+    proc = run(gaeq_command("run", "--matrix", str(write_matrix(small_spec())), "--out", str(out), "--resume"), timeout=120)
     assert proc.returncode == 2 and "holds a run of another matrix" in proc.stderr, proc.stderr
 
 
@@ -100,16 +95,16 @@ def test_two_runs_at_once_do_not_collide_and_fp32_traces_are_bitwise_identical(w
     )
     spec["problem"]["optimizer"] = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
     matrix = write_matrix(spec)
-    env = {**os.environ, "GAEQ_TEST_TAG": uuid.uuid4().hex}
-    cmd = [sys.executable, "-m", "gaeq", "run", "--matrix", str(matrix)]
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path) for _ in range(2)]
-    outputs = [p.communicate(timeout=600)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outputs
+    cmd = gaeq_command("run", "--matrix", str(matrix))
+    with owned(new_tag()) as tag:
+        procs = [spawn(cmd, tag=tag, stderr=subprocess.STDOUT, cwd=tmp_path) for _ in range(2)]
+        outputs = [p.communicate(timeout=600)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], outputs
+        assert leftovers(tag) == []
     runs = sorted((tmp_path / "runs").iterdir())
     assert len(runs) == 2, runs
     traces = [{t.parent.name: training(t) for t in run.glob("cells/*/trace.jsonl")} for run in runs]
     assert len(traces[0]) == 8 and traces[0] == traces[1]
-    assert leftover_processes(env["GAEQ_TEST_TAG"]) == []
     cells = {c["id"]: c for c in json.loads((runs[0] / "report.json").read_text())["cells"]}
     assert {c["verdict"] for c in cells.values() if c["trainer"] == "deepspeed"} == {"match"}
     control = cells["torch-w2-mb4-ga2-bug_no_loss_division"]
@@ -117,54 +112,89 @@ def test_two_runs_at_once_do_not_collide_and_fp32_traces_are_bitwise_identical(w
     assert control["max_abs_loss_diff"] > 1e-3
 
 
-def endless_deepspeed_run(write_matrix, tmp_path, *, sigint=signal.SIG_DFL):
-    """`gaeq run` on one DeepSpeed world-2 cell that trains until stopped; returns once it trains."""
-    spec = small_spec(
-        axes={"trainer": ["deepspeed"], "world_size": [2], "micro_batch_size": [2], "zero_stage": [1]},
-        baseline={"trainer": "deepspeed", "world_size": 2, "micro_batch_size": 2, "zero_stage": 1},
-    )
+@contextmanager
+def endless_run(write_matrix, tmp_path, *, trainer="deepspeed", world_size=2, signals=None):
+    """`gaeq run` on one cell that trains until stopped (a DeepSpeed world-2 cell unless told
+    otherwise), owned by the test: yields (proc, trace being written) once it trains, and stops
+    it with everything it started when the block ends, however it ends."""
+    cell = {"trainer": trainer, "world_size": world_size, "micro_batch_size": 2}
+    if trainer == "deepspeed":
+        cell["zero_stage"] = 1
+    spec = small_spec(axes={k: [v] for k, v in cell.items()}, baseline=cell)
     spec["problem"]["steps"] = 100_000
-    out, tag = tmp_path / "run", uuid.uuid4().hex
-    proc = start_gaeq(["run", "--matrix", str(write_matrix(spec)), "--out", str(out)], tag=tag, sigint=sigint)
-    partial = out / "cells" / "deepspeed-z1-w2-mb2-ga4" / "trace.jsonl.partial"
-    deadline = time.monotonic() + 300
-    while not (partial.exists() and partial.stat().st_size > 0):
-        assert proc.poll() is None and time.monotonic() < deadline, "the DeepSpeed cell never started training"
-        time.sleep(0.2)
-    return proc, tag, partial
+    out = tmp_path / "run"
+    cmd = gaeq_command("run", "--matrix", str(write_matrix(spec)), "--out", str(out))
+    with running(cmd, signals=signals, stderr=subprocess.STDOUT) as proc:
+        partial = None
+        deadline = time.monotonic() + 300
+        while partial is None or partial.stat().st_size == 0:
+            assert proc.poll() is None and time.monotonic() < deadline, "the cell never started training"
+            time.sleep(0.2)
+            partial = next(out.glob("cells/*/trace.jsonl.partial"), None)
+        yield proc, partial
+
+
+def still_training(proc, partial, seconds: float = 3.0) -> bool:
+    size = partial.stat().st_size
+    time.sleep(seconds)
+    return proc.poll() is None and partial.stat().st_size > size
 
 
 def test_a_run_started_with_sigint_ignored_keeps_it_ignored_and_stops_on_sighup(write_matrix, tmp_path):
     """The choice (README, "Signals"): a background run (`gaeq run … &` from a script, a CI
     runner) inherits SIGINT ignored and keeps it so — a stray Ctrl-C in that terminal does not stop
     it; SIGHUP (its terminal closed) and SIGTERM always do."""
-    proc, tag, partial = endless_deepspeed_run(write_matrix, tmp_path, sigint=signal.SIG_IGN)
-    proc.send_signal(signal.SIGINT)
-    size = partial.stat().st_size
-    time.sleep(3)
-    assert proc.poll() is None and partial.stat().st_size > size, "SIGINT stopped a run that was started with it ignored"
-    proc.send_signal(signal.SIGHUP)
-    output, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 130 and "interrupted" in output, output
-    assert leftover_processes(tag) == []
+    with endless_run(write_matrix, tmp_path, signals={signal.SIGINT: signal.SIG_IGN}) as (proc, partial):
+        proc.send_signal(signal.SIGINT)
+        assert still_training(proc, partial), "SIGINT stopped a run that was started with it ignored"
+        proc.send_signal(signal.SIGHUP)
+        output, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 130 and "interrupted" in output, output
+        assert leftovers(proc.tag) == []
     assert not (tmp_path / "run" / "report.json").exists()
+
+
+def test_a_run_under_nohup_in_the_background_keeps_both_ignored_and_stops_on_sigterm(write_matrix, tmp_path):
+    """`nohup gaeq run … &`: SIGHUP and SIGINT inherited ignored stay ignored; SIGTERM stops it.
+    (Which signals stop a run is the CLI's, whatever the cell: a world-1 torch cell is enough.)"""
+    ignored = {signal.SIGINT: signal.SIG_IGN, signal.SIGHUP: signal.SIG_IGN}
+    with endless_run(write_matrix, tmp_path, trainer="torch", world_size=1, signals=ignored) as (proc, partial):
+        proc.send_signal(signal.SIGHUP)
+        proc.send_signal(signal.SIGINT)
+        assert still_training(proc, partial), "a signal the run was started with ignored stopped it"
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 130 and "interrupted" in output, output
+        assert leftovers(proc.tag) == []
+
+
+def test_a_test_that_fails_inside_an_owned_run_leaves_nothing_running(write_matrix, tmp_path):
+    """The suite's own guarantee (tests/processes.py): a test body that fails while its run trains
+    — here on purpose — still stops gaeq, its fork server and its ranks."""
+    with pytest.raises(AssertionError, match="on purpose"):
+        with endless_run(write_matrix, tmp_path) as (proc, partial):
+            tag = proc.tag
+            assert len(leftovers(tag, grace=0)) >= 4  # gaeq, its fork server, two ranks
+            raise AssertionError("a test failing on purpose while its run trains")
+    assert proc.returncode is not None
+    assert leftovers(tag, grace=0) == []
 
 
 def test_a_killed_gaeq_takes_every_process_with_it_and_the_next_run_frees_its_shared_memory(write_matrix, tmp_path):
     """kill -9 on `gaeq` (an OOM killer, a scheduler) during a DeepSpeed world-2 cell: the fork
     server and both ranks watch gaeq itself and are gone within seconds; the shared memory they
     leave (a killed gaeq frees nothing) is freed by the next `gaeq run`, which says so."""
-    proc, tag, partial = endless_deepspeed_run(write_matrix, tmp_path)
-    markers = [m for m in Path("/dev/shm").glob(f"gaeq_group_{os.getuid()}_*") if m.read_text().split()[0] == str(proc.pid)]
-    assert len(markers) == 1, markers
-    port = markers[0].name.rsplit("_", 1)[1]
-    left = sorted(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_*"))
-    assert len(left) == 2  # one 66 MB segment per rank
+    with endless_run(write_matrix, tmp_path) as (proc, partial):
+        markers = [m for m in Path("/dev/shm").glob(f"gaeq_group_{os.getuid()}_*") if m.read_text().split()[0] == str(proc.pid)]
+        assert len(markers) == 1, markers
+        port = markers[0].name.rsplit("_", 1)[1]
+        left = sorted(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_*"))
+        assert len(left) == 2  # one 66 MB segment per rank
 
-    megabytes = round(sum(path.stat().st_size for path in left) / 2**20)  # 2 × 66
-    proc.kill()
-    proc.wait(timeout=10)
-    assert leftover_processes(tag, grace=10) == []  # fork server, ranks: nothing keeps training
+        megabytes = round(sum(path.stat().st_size for path in left) / 2**20)  # 2 × 66
+        proc.kill()
+        proc.wait(timeout=10)
+        assert leftovers(proc.tag, grace=10) == []  # fork server, ranks: nothing keeps training
     assert all(path.exists() for path in left)
 
     spec = small_spec(axes={"trainer": ["torch"], "world_size": [1], "micro_batch_size": [4]})

@@ -16,6 +16,7 @@ from gaeq.cli import app
 from gaeq.matrix import load_matrix
 from gaeq.runtime.dist import free_port
 from tests.helpers import run_in_process, small_spec
+from tests.processes import running
 
 pytestmark = pytest.mark.integration
 
@@ -42,15 +43,10 @@ def test_tensorboard_server_lists_every_cell_with_the_loss_tag(tmp_path):
     assert len(cells) == 6
 
     port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "tensorboard.main", "--logdir", str(run_dir / "tb"), "--host", "127.0.0.1",
-         "--port", str(port), "--load_fast", "false", "--reload_interval", "1"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    server_cmd = [sys.executable, "-m", "tensorboard.main", "--logdir", str(run_dir / "tb"), "--host", "127.0.0.1",
+                  "--port", str(port), "--load_fast", "false", "--reload_interval", "1"]  # fmt: skip
     base = f"http://127.0.0.1:{port}"
-    try:
+    with running(server_cmd, stdout=subprocess.DEVNULL) as server:  # stopped however the test ends
         deadline = time.monotonic() + 90
         runs: list[str] = []
         while sorted(runs) != sorted(cells):
@@ -78,6 +74,3 @@ def test_tensorboard_server_lists_every_cell_with_the_loss_tag(tmp_path):
             {"experimentName": "", "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_FAILURE", "STATUS_RUNNING"], "colParams": [], "startIndex": 0, "sliceSize": 100},
         )
         assert sessions["totalSize"] == len(cells)  # one session per cell, no extra hparams runs
-    finally:
-        server.terminate()
-        server.wait(timeout=30)

@@ -12,7 +12,8 @@ from gaeq.runtime.cells import RunOptions
 from gaeq.runtime.launch import run_all
 from gaeq.trainers.checkpoint import checkpoint_root, deepspeed_tag
 from tests.conftest import REPO
-from tests.helpers import cells_by_id, gaeq_run, leftover_processes, small_spec
+from tests.helpers import cells_by_id, gaeq_run, small_spec
+from tests.processes import leftovers
 
 pytestmark = pytest.mark.integration
 
@@ -39,7 +40,7 @@ def test_universal_experiment(universal_run):
     assert no_optimizer["verdict"] == "diverge" and no_optimizer["max_abs_loss_diff"] > 1e-3
     universal = checkpoint_root(out, "deepspeed-z2-w2-mb4-ga2") / deepspeed_tag(10, universal=True)
     assert (universal / "zero").is_dir()
-    assert leftover_processes(tag) == []
+    assert leftovers(tag) == []
 
 
 @pytest.mark.parametrize("damage", ["missing", "corrupted"])
