@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import uuid
 
 import pytest
 
-from tests.conftest import REPO
-from tests.helpers import ga_spec, gaeq_run, leftover_processes, small_spec
+from gaeq.matrix.load import matrix_from_dict
+from gaeq.runtime.dist import free_port
+from tests.helpers import ga_spec, gaeq_run, small_spec
+from tests.processes import gaeq_command, leftovers, new_tag, owned, run, spawn
 
 pytestmark = pytest.mark.integration
 
@@ -31,6 +31,11 @@ SPEC_W2 = ga_spec(
     cells=[{"trainer": "torch", "world_size": 2, "micro_batch_size": 4, "bug": "no_loss_division"}],
     baseline={"trainer": "torch", "world_size": 2, "micro_batch_size": 16},
 )
+def cell_count(spec: dict) -> int:
+    """Cells of a matrix (baselines included), from its expansion."""
+    return len(matrix_from_dict(spec).cells)
+
+
 SAME = ("step", "loss", "grad_norm", "lr", "samples")  # seconds, bytes and memory are measurements
 
 
@@ -66,30 +71,65 @@ def test_gaeq_run_through_an_external_launcher_gives_the_same_traces_bitwise(lau
     assert proc.returncode == 0, proc.stdout + proc.stderr
     ours, reference = same_cells(tmp_path / "run", local_run)
     assert ours == reference
-    assert len(ours[1]) == 5  # 4 cells + the baseline
+    assert len(ours[1]) == cell_count(SPEC_W2)
     assert f"{launcher}-w2.log" in os.listdir(tmp_path / "run" / "logs")
-    assert leftover_processes(tag) == []
+    assert leftovers(tag) == []
 
 
-def test_launchers_started_by_hand_then_gaeq_report(local_run, tmp_path):
-    """What a cluster does: each world size launched on its own (here torchrun for world 1,
-    DeepSpeed's launcher for world 2) into one shared run directory; then `gaeq report` judges it."""
-    matrix, out = tmp_path / "m.yaml", tmp_path / "shared"
-    matrix.write_text(json.dumps(SPEC))
-    env = {**os.environ, "GAEQ_TEST_TAG": uuid.uuid4().hex, "DS_ACCELERATOR": "cpu"}
+def worker_launch(launcher: str, matrix, out, *, node_rank: int, nodes: int, port: int, hostfile=None) -> list[str]:
+    """The README's "On a cluster" commands: `gaeq worker` under torchrun or DeepSpeed's launcher,
+    as node `node_rank` of `nodes` (one rank a node), meeting at 127.0.0.1:`port`."""
     worker = ["--module", "gaeq", "worker", "--matrix", str(matrix), "--out", str(out)]
-    launches = [
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", *worker],
-        [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--no_local_rank", *worker],
-    ]
-    for cmd in launches:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = subprocess.run([sys.executable, "-m", "gaeq", "report", str(out)], capture_output=True, text=True, timeout=300, cwd=REPO)
+    if launcher == "torchrun" and nodes == 1:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", *worker]
+    if launcher == "torchrun":  # each node's agent; c10d rendezvous, as `--nnodes 2` on a cluster
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node_rank", str(node_rank),
+                "--nproc_per_node", "1", "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}",
+                "--rdzv_id", f"gaeq-{port}", *worker]  # fmt: skip
+    # DeepSpeed's launcher with a hostfile, started on each node itself (--no_ssh): its pdsh/ssh
+    # runner, which would start the other nodes for it, has no second host to reach here.
+    return [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile), "--no_ssh",
+            "--node_rank", str(node_rank), "--master_addr", "127.0.0.1", "--master_port", str(port),
+            "--no_local_rank", *worker]  # fmt: skip
+
+
+def launch_nodes(launcher: str, matrix, out, *, nodes: int, hostfile=None) -> None:
+    """Every node's launch at once, owned by the test (stopped whatever happens); each must succeed."""
+    port = free_port()
+    env = {"DS_ACCELERATOR": "cpu"}
+    with owned(new_tag()) as tag:
+        procs = [spawn(worker_launch(launcher, matrix, out, node_rank=n, nodes=nodes, port=port, hostfile=hostfile),
+                       tag=tag, env=env) for n in range(nodes)]  # fmt: skip
+        for node, proc in enumerate(procs):
+            stdout, stderr = proc.communicate(timeout=600)
+            assert proc.returncode == 0, f"{launcher} node {node}:\n{stdout[-3000:]}{stderr[-3000:]}"
+        assert leftovers(tag) == []
+
+
+def test_the_cluster_recipe_run_as_two_nodes_gives_the_local_traces_bitwise(local_run, tmp_path):
+    """What a cluster does (README, "On a cluster"), with two nodes of one rank each on this
+    machine: the baseline launched on its own, world 2 as two torchrun agents (c10d rendezvous) into
+    the same shared directory, then `gaeq report`; and world 2 as DeepSpeed's launcher on each of
+    two hosts of a hostfile. Traces bitwise those of gaeq's own launcher, verdicts the same."""
+    matrix, shared = tmp_path / "m.yaml", tmp_path / "shared"
+    matrix.write_text(json.dumps(SPEC))
+    launch_nodes("torchrun", matrix, shared, nodes=1)  # the baseline, and the other world-1 cells
+    launch_nodes("torchrun", matrix, shared, nodes=2)
+    report = run(gaeq_command("report", str(shared)), timeout=300)
     assert report.returncode == 0, report.stdout + report.stderr
-    ours, reference = same_cells(out, local_run)
-    assert ours == reference and len(ours[1]) == 8
-    assert leftover_processes(env["GAEQ_TEST_TAG"]) == []
+    ours, reference = same_cells(shared, local_run)
+    assert ours == reference and len(ours[1]) == cell_count(SPEC)
+
+    # A hostfile names each host once (DeepSpeed refuses a host named twice): two names of this machine.
+    hostfile, ds_shared = tmp_path / "hostfile", tmp_path / "ds_shared"
+    hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
+    matrix_w2 = tmp_path / "m_w2.yaml"
+    matrix_w2.write_text(json.dumps(SPEC_W2))
+    launch_nodes("deepspeed", matrix_w2, ds_shared, nodes=2, hostfile=hostfile)
+    report = run(gaeq_command("report", str(ds_shared)), timeout=300)
+    assert report.returncode == 0, report.stdout + report.stderr
+    ours, reference = same_cells(ds_shared, local_run)
+    assert ours == reference and len(ours[1]) == cell_count(SPEC_W2)
 
 
 def test_a_rank_that_fails_under_torchrun_errors_its_cell_and_the_rest_still_run(tmp_path):
@@ -106,22 +146,17 @@ def test_a_rank_that_fails_under_torchrun_errors_its_cell_and_the_rest_still_run
     assert failed["verdict"] == "error"
     assert failed["reason"].startswith("rank 1 failed: RuntimeError: injected fault: rank 1 raises at step 3"), failed["reason"]
     assert {c["verdict"] for i, c in cells.items() if i != failed["id"]} == {"match"}
-    assert leftover_processes(tag) == []
+    assert leftovers(tag) == []
 
 
-def test_worker_outside_a_launcher_says_so(tmp_path):
+def test_worker_outside_a_launcher_says_so(tmp_path, monkeypatch):
     (tmp_path / "m.yaml").write_text(json.dumps(SPEC))
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "gaeq", "worker", "--matrix", str(tmp_path / "m.yaml"), "--out", str(tmp_path / "o")],
-        capture_output=True, text=True, timeout=120, env=env, cwd=REPO,
-    )  # fmt: skip
+    cmd = gaeq_command("worker", "--matrix", str(tmp_path / "m.yaml"), "--out", str(tmp_path / "o"))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    proc = run(cmd, timeout=120)
     assert proc.returncode == 2
     assert "not started by a launcher: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT not set" in proc.stderr
     assert "Traceback" not in proc.stderr
-    env.update(RANK="0", WORLD_SIZE="4", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "gaeq", "worker", "--matrix", str(tmp_path / "m.yaml"), "--out", str(tmp_path / "o")],
-        capture_output=True, text=True, timeout=120, env=env, cwd=REPO,
-    )  # fmt: skip
+    proc = run(cmd, timeout=120, env={"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"})
     assert proc.returncode == 2 and "no cell of world size 4 to run (the matrix has world sizes [1, 2])" in proc.stderr
