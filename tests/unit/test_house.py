@@ -4,6 +4,7 @@ stay small, every package is named in the architecture document."""
 from __future__ import annotations
 
 import ast
+import re
 
 from tests.conftest import REPO
 
@@ -65,10 +66,115 @@ def test_no_module_over_400_lines():
     assert long == {}
 
 
-def test_architecture_names_every_package_and_module():
-    doc = (REPO / "docs" / "architecture.md").read_text()
-    for path in GAEQ.rglob("*.py"):
-        if path.name in ("__init__.py", "__main__.py"):
-            assert f"gaeq/{path.parent.relative_to(GAEQ)}/".replace("/./", "/") in doc or path.parent == GAEQ, path
+def named_paths(doc: str) -> set[str]:
+    """Every gaeq file the document names, as a whole path: `gaeq/x/y.py` written out, or `y.py`
+    in the table row of package `gaeq/x/` (or of module `gaeq/y.py` itself)."""
+    named = set(re.findall(r"`(gaeq/[\w/]+\.py)`", doc))
+    for row in re.findall(r"^\| `(gaeq/[\w/]*)` \|(.*)$", doc, flags=re.M):
+        package, text = row
+        if package.endswith(".py"):
+            named.add(package)
         else:
-            assert path.name in doc, f"docs/architecture.md does not name {path.relative_to(REPO)}"
+            named |= {f"{package}{name}" for name in re.findall(r"`(\w+\.py)`", text)}
+    return named
+
+
+def test_architecture_names_every_module_by_its_whole_path():
+    doc = (REPO / "docs" / "architecture.md").read_text()
+    modules = {str(p.relative_to(REPO)) for p in GAEQ.rglob("*.py") if p.name not in ("__init__.py", "__main__.py")}
+    named = named_paths(doc)
+    assert modules - named == set(), "docs/architecture.md does not name these modules"
+    assert named - modules == set(), "docs/architecture.md names modules that do not exist"
+    packages = {f"gaeq/{p.parent.relative_to(GAEQ)}/" for p in GAEQ.rglob("__init__.py") if p.parent != GAEQ}
+    assert {p for p in packages if f"`{p}`" not in doc} == set()
+
+
+def test_the_control_a_module_named_only_inside_another_name_is_not_named():
+    """`load.py` inside `preload.py`, `hf.py` inside `preload_hf.py`: no longer enough."""
+    row = "| `gaeq/runtime/` | `preload.py` (the fork server's imports), `preload_hf.py` |"
+    assert named_paths(row) == {"gaeq/runtime/preload.py", "gaeq/runtime/preload_hf.py"}
+
+
+EXTERNAL = ("torch", "deepspeed", "transformers", "accelerate", "typer", "rich", "pydantic", "pytest")
+"""First parts of dotted names that belong to a dependency, not to gaeq."""
+FILES = (".py", ".json", ".jsonl", ".yaml", ".md", ".png", ".log", ".safetensors")
+
+
+def code_index() -> tuple[dict[str, ast.Module], dict[str, list[ast.ClassDef]]]:
+    """gaeq's modules by every dotted suffix of their name (launch, runtime.launch,
+    gaeq.runtime.launch; a package by its own name) and its classes by name."""
+    modules: dict[str, list[ast.Module]] = {}
+    classes: dict[str, list[ast.ClassDef]] = {}
+    for path in GAEQ.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        parts = path.relative_to(REPO).with_suffix("").parts
+        parts = parts[:-1] if parts[-1] == "__init__" else parts
+        for i in range(len(parts)):
+            modules.setdefault(".".join(parts[i:]), []).append(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                classes.setdefault(node.name, []).append(node)
+    return {k: v[0] for k, v in modules.items() if len(v) == 1}, classes
+
+
+def defined_names(body: list[ast.stmt]) -> set[str]:
+    names = set()
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+        elif isinstance(node, (ast.ImportFrom, ast.Import)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return names
+
+
+def resolves(dotted: str, modules, classes) -> bool:
+    """Whether `module.name`, `Class.member` or `module.Class.member` names something in gaeq."""
+    parts = dotted.split(".")
+    for cut in range(len(parts) - 1, 0, -1):  # the longest prefix that is a module
+        if ".".join(parts[:cut]) in modules:
+            scope, rest = modules[".".join(parts[:cut])].body, parts[cut:]
+            break
+    else:
+        if len(classes.get(parts[0], [])) != 1:
+            return False
+        scope, rest = classes[parts[0]][0].body, parts[1:]
+    for i, name in enumerate(rest):
+        if name not in defined_names(scope):
+            return False
+        found = [n for n in scope if isinstance(n, ast.ClassDef) and n.name == name]
+        if i < len(rest) - 1:
+            if not found and len(classes.get(name, [])) == 1:  # imported class
+                found = classes[name]
+            if not found:
+                return False
+            scope = found[0].body
+    return True
+
+
+def dotted_names(doc: str) -> set[str]:
+    """Every backticked `a.b` of the document that is not a file name nor a dependency's."""
+    names = set()
+    for token in re.findall(r"`([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)(?:\([^`]*\))?`", doc):
+        if not token.endswith(FILES) and token.split(".")[0] not in EXTERNAL:
+            names.add(token)
+    return names
+
+
+def test_every_dotted_name_in_the_architecture_exists_in_the_code():
+    modules, classes = code_index()
+    names = dotted_names((REPO / "docs" / "architecture.md").read_text())
+    assert len(names) > 20
+    assert sorted(n for n in names if not resolves(n, modules, classes)) == []
+
+
+def test_the_control_a_renamed_function_is_found():
+    modules, classes = code_index()
+    assert resolves("launch.preload_modules", modules, classes)
+    assert resolves("Expander.cell", modules, classes) and resolves("build.BuiltProblem.micro_loss", modules, classes)
+    assert not resolves("base.build_problem_that_was_renamed", modules, classes)
+    assert not resolves("Expander.no_such_method", modules, classes)
+    assert dotted_names("`trace.jsonl`, `deepspeed.zero.Init`, `api.run(x)`") == {"api.run"}
