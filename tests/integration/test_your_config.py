@@ -30,7 +30,30 @@ CELLS = [
 ]
 
 
-def test_your_config_runs_as_written_and_matches_the_torch_mirror(tmp_path):
+VERDICTS = {
+    "torch-w1-mb16-ga1": "match",
+    "deepspeed-z2-w2-mb2-ga4": "match",
+    "deepspeed-z3-w1-mb2-ga8": "match",
+    "torch-w1-mb16-ga1@clipped": "match",
+    "torch-w2-mb2-ga4@clipped": "match",
+    "deepspeed-z1-w2-mb4-ga2@clipped": "match",
+    "torch-w1-mb4-ga4-bug_unmirrored_default_clipping@clipped": "diverge",
+    "torch-w1-mb16-ga1@comm_bf16": "match",
+    "deepspeed-z2-w2-mb2-ga4@comm_bf16": "diverge",
+    "torch-w1-mb16-ga1@llama": "match",
+    "torch-w1-mb2-ga8@llama": "match",
+    "deepspeed-z3-w2-mb2-ga4@llama": "match",
+    "torch-w1-mb2-ga8-bug_hf_num_items_per_micro_batch@llama": "diverge",
+    "torch-w1-mb16-ga1@gpt2_dropout": "match",
+    "torch-w1-mb4-ga4@gpt2_dropout": "diverge",
+}
+"""CELLS (and each group's baseline) and the verdict each must get."""
+
+
+@pytest.fixture(scope="module")
+def your_config_run(tmp_path_factory):
+    """The experiment's cells, run once for the module's claims."""
+    tmp_path = tmp_path_factory.mktemp("your_config")
     spec = yaml.safe_load((REPO_ROOT / "experiments" / "your_config.yaml").read_text())
     config = json.loads((REPO_ROOT / "experiments" / "ds_config.json").read_text())
     # torch_adam: DeepSpeed builds torch's AdamW instead of FusedAdam, whose JIT build (~60 s once on a
@@ -43,57 +66,72 @@ def test_your_config_runs_as_written_and_matches_the_torch_mirror(tmp_path):
     spec["variants"] = {k: v for k, v in spec["variants"].items() if k in ("clipped", "comm_bf16", "llama", "gpt2_dropout")}
     matrix = tmp_path / "your_config.yaml"
     matrix.write_text(yaml.safe_dump(spec))
-    proc, report, _ = gaeq_run_here(matrix, tmp_path / "run")
+    out = tmp_path / "run"
+    proc, report, _ = gaeq_run_here(matrix, out)
+    cells = {c["id"]: c for c in report.get("cells", [])}
+
+    def trace(cell_id):
+        return [json.loads(line) for line in (out / "cells" / cell_id / "trace.jsonl").read_text().splitlines()]
+
+    return proc, cells, trace
+
+
+def test_the_run_exits_0_and_says_what_it_overrode(your_config_run):
+    proc, _, _ = your_config_run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "overridden: train_batch_size: the file's 64 → 16 per cell" in proc.stdout
 
-    cells = {c["id"]: c for c in report["cells"]}
-    verdicts = {i: c["verdict"] for i, c in cells.items()}
-    assert verdicts == {
-        "torch-w1-mb16-ga1": "match",
-        "deepspeed-z2-w2-mb2-ga4": "match",
-        "deepspeed-z3-w1-mb2-ga8": "match",
-        "torch-w1-mb16-ga1@clipped": "match",
-        "torch-w2-mb2-ga4@clipped": "match",
-        "deepspeed-z1-w2-mb4-ga2@clipped": "match",
-        "torch-w1-mb4-ga4-bug_unmirrored_default_clipping@clipped": "diverge",
-        "torch-w1-mb16-ga1@comm_bf16": "match",
-        "deepspeed-z2-w2-mb2-ga4@comm_bf16": "diverge",
-        "torch-w1-mb16-ga1@llama": "match",
-        "torch-w1-mb2-ga8@llama": "match",
-        "deepspeed-z3-w2-mb2-ga4@llama": "match",
-        "torch-w1-mb2-ga8-bug_hf_num_items_per_micro_batch@llama": "diverge",
-        "torch-w1-mb16-ga1@gpt2_dropout": "match",
-        "torch-w1-mb4-ga4@gpt2_dropout": "diverge",
-    }, verdicts
-    for i in ("deepspeed-z2-w2-mb2-ga4", "deepspeed-z3-w1-mb2-ga8", "deepspeed-z1-w2-mb4-ga2@clipped"):
-        assert cells[i]["max_abs_loss_diff"] <= 1e-5, (i, cells[i]["max_abs_loss_diff"])  # measured ≤ 2.9e-6
-        ran = cells[i]["ran"]  # the file ran: its optimizer, DeepSpeed's default clipping
-        assert (ran["update_rule"], ran["gradient_clipping"]) == ("AdamW", 1.0), ran
+
+def test_every_cell_gets_its_verdict(your_config_run):
+    _, cells, _ = your_config_run
+    assert {i: c["verdict"] for i, c in cells.items()} == VERDICTS
+
+
+@pytest.mark.parametrize("cell_id", ["deepspeed-z2-w2-mb2-ga4", "deepspeed-z3-w1-mb2-ga8", "deepspeed-z1-w2-mb4-ga2@clipped"])
+def test_the_file_ran_as_written_and_matches_the_mirror(your_config_run, cell_id):
+    """Its optimizer, DeepSpeed's default clipping; measured max |Δloss| ≤ 2.9e-6."""
+    _, cells, _ = your_config_run
+    assert cells[cell_id]["max_abs_loss_diff"] <= 1e-5, cells[cell_id]["max_abs_loss_diff"]
+    ran = cells[cell_id]["ran"]
+    assert (ran["update_rule"], ran["gradient_clipping"]) == ("AdamW", 1.0), ran
     assert cells["torch-w1-mb16-ga1"]["ran"]["update_rule"] == "AdamW"
 
-    def trace(cell_id):
-        return [json.loads(line) for line in (tmp_path / "run" / "cells" / cell_id / "trace.jsonl").read_text().splitlines()]
 
-    # DeepSpeed's own WarmupDecayLR (in the engine) and the torch mirror: the same lr at every step.
+def test_deepspeeds_own_schedule_and_the_mirror_give_the_same_lr_at_every_step(your_config_run):
+    """WarmupDecayLR in the engine; gaeq's mirror of it in the torch cell."""
+    _, _, trace = your_config_run
     ds, mine = trace("deepspeed-z2-w2-mb2-ga4"), trace("torch-w1-mb16-ga1")
     assert [r["lr"] for r in ds] == pytest.approx([r["lr"] for r in mine], abs=1e-12, rel=0)
     assert mine[0]["lr"] == mine[1]["lr"] == 0.0 and max(r["lr"] for r in mine) == 3e-3
-    # The clipped variant's gradients are above DeepSpeed's default threshold at every step: the
-    # default clips them, and only a mirror that clips too can match.
+
+
+def test_only_a_mirror_of_the_default_clipping_matches(your_config_run):
+    """The clipped variant's gradients are above DeepSpeed's default threshold at every step: the
+    default clips them, and only a mirror that clips too can match (its control does not)."""
+    _, cells, trace = your_config_run
     assert min(r["grad_norm"] for r in trace("torch-w1-mb16-ga1@clipped")) > 1.0
     control = cells["torch-w1-mb4-ga4-bug_unmirrored_default_clipping@clipped"]
     assert control["max_abs_loss_diff"] > 1e-3 and control["first_divergent_step"] <= 3
 
-    # A transformers Llama, its own loss given the global batch's token count: ZeRO-3 at world 2 and
-    # GA 8 match (measured 4.5e-7); the model that trained is the one named, without dropout.
-    for i in ("torch-w1-mb2-ga8@llama", "deepspeed-z3-w2-mb2-ga4@llama"):
-        assert cells[i]["max_abs_loss_diff"] <= 1e-5, (i, cells[i]["max_abs_loss_diff"])
-        assert (cells[i]["ran"]["model"], cells[i]["ran"]["dropout"]) == ("LlamaForCausalLM", {}), cells[i]["ran"]
-    # The per-micro-batch count (transformers before its fix): GA × the gradient at once (rel 6.8).
+
+@pytest.mark.parametrize("cell_id", ["torch-w1-mb2-ga8@llama", "deepspeed-z3-w2-mb2-ga4@llama"])
+def test_a_transformers_llama_with_its_own_loss_matches(your_config_run, cell_id):
+    """Its own loss given the global batch's token count: ZeRO-3 at world 2 and GA 8 match (measured
+    4.5e-7); the model that trained is the one named, without dropout."""
+    _, cells, _ = your_config_run
+    assert cells[cell_id]["max_abs_loss_diff"] <= 1e-5, cells[cell_id]["max_abs_loss_diff"]
+    assert (cells[cell_id]["ran"]["model"], cells[cell_id]["ran"]["dropout"]) == ("LlamaForCausalLM", {}), cells[cell_id]["ran"]
+
+
+def test_the_per_micro_batch_token_count_is_caught_at_step_0(your_config_run):
+    """transformers before its fix: GA × the gradient at once (rel 6.8)."""
+    _, cells, _ = your_config_run
     bug = cells["torch-w1-mb2-ga8-bug_hf_num_items_per_micro_batch@llama"]
     assert (bug["caught_by"], bug["first_divergent_step"]) == ("grad_norm", 0) and bug["max_rel_grad_norm_diff"] > 1, bug
-    # GPT-2 with its config's default dropout: caught at step 0, and the reason names the knobs.
+
+
+def test_gpt2s_default_dropout_diverges_with_a_reason_that_names_it(your_config_run):
+    _, cells, _ = your_config_run
     dropout = cells["torch-w1-mb4-ga4@gpt2_dropout"]
     assert dropout["first_divergent_step"] == 0
     assert "the model's config has dropout (attn_pdrop=0.1, embd_pdrop=0.1, resid_pdrop=0.1)" in dropout["reason"], dropout["reason"]
