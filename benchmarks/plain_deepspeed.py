@@ -74,6 +74,11 @@ def main() -> None:
     if rank == 0:
         now = time.perf_counter()
         print(f"trained in {now - training:.3f} s; done in {now - started:.1f} s (after the interpreter's start)", flush=True)
+    # Shut down as a script should: the engine's and the default process group's threads end here,
+    # not in the interpreter's teardown (where gloo on CPU can abort a finished run).
+    dist.barrier()
+    del engine
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
