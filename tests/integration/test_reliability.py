@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import gaeq_run, small_spec
+from tests.helpers import gaeq_run_here, small_spec
 from tests.processes import gaeq_command, leftovers, new_tag, owned, run, running, spawn
 
 pytestmark = pytest.mark.integration
@@ -64,9 +64,8 @@ def test_an_interrupted_run_leaves_only_complete_files_and_resume_finishes_it(si
     if sig != signal.SIGTERM:
         return  # the files are the same whatever stopped the run: resuming them once is enough
 
-    proc = run([*cmd, "--resume"], timeout=600)
+    proc, report, _ = gaeq_run_here(matrix, out, extra=["--resume"])  # the same CLI, on the session's fork server
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    report = json.loads((out / "report.json").read_text())
     assert report["ok"] and report["summary"]["match"] == 4
     for name, stamp in finished.items():  # kept, not trained again
         trace = out / "cells" / name / "trace.jsonl"
@@ -154,29 +153,21 @@ def test_a_run_started_with_sigint_ignored_keeps_it_ignored_and_stops_on_sighup(
     assert not (tmp_path / "run" / "report.json").exists()
 
 
-def test_a_run_under_nohup_in_the_background_keeps_both_ignored_and_stops_on_sigterm(write_matrix, tmp_path):
-    """`nohup gaeq run … &`: SIGHUP and SIGINT inherited ignored stay ignored; SIGTERM stops it.
-    (Which signals stop a run is the CLI's, whatever the cell: a world-1 torch cell is enough.)"""
+def test_a_run_under_nohup_keeps_both_ignored_and_a_failing_test_leaves_nothing_running(write_matrix, tmp_path):
+    """`nohup gaeq run … &`: SIGHUP and SIGINT inherited ignored stay ignored. And the suite's own
+    guarantee (tests/processes.py): a test body that fails while its run trains — here on purpose —
+    still stops gaeq, its fork server and its rank (with SIGTERM, which stops even a nohup run).
+    Which signals stop a run is the CLI's, whatever the cell: a world-1 torch cell is enough."""
     ignored = {signal.SIGINT: signal.SIG_IGN, signal.SIGHUP: signal.SIG_IGN}
-    with endless_run(write_matrix, tmp_path, trainer="torch", world_size=1, signals=ignored) as (proc, partial):
-        proc.send_signal(signal.SIGHUP)
-        proc.send_signal(signal.SIGINT)
-        assert still_training(proc, partial), "a signal the run was started with ignored stopped it"
-        proc.send_signal(signal.SIGTERM)
-        output, _ = proc.communicate(timeout=60)
-        assert proc.returncode == 130 and "interrupted" in output, output
-        assert leftovers(proc.tag) == []
-
-
-def test_a_test_that_fails_inside_an_owned_run_leaves_nothing_running(write_matrix, tmp_path):
-    """The suite's own guarantee (tests/processes.py): a test body that fails while its run trains
-    — here on purpose — still stops gaeq, its fork server and its ranks."""
     with pytest.raises(AssertionError, match="on purpose"):
-        with endless_run(write_matrix, tmp_path) as (proc, partial):
+        with endless_run(write_matrix, tmp_path, trainer="torch", world_size=1, signals=ignored) as (proc, partial):
             tag = proc.tag
-            assert len(leftovers(tag, grace=0)) >= 4  # gaeq, its fork server, two ranks
+            proc.send_signal(signal.SIGHUP)
+            proc.send_signal(signal.SIGINT)
+            assert still_training(proc, partial), "a signal the run was started with ignored stopped it"
+            assert len(leftovers(tag, grace=0)) >= 3  # gaeq, its fork server, the rank
             raise AssertionError("a test failing on purpose while its run trains")
-    assert proc.returncode is not None
+    assert proc.returncode == 130  # stopped by SIGTERM as an interrupted run, not killed
     assert leftovers(tag, grace=0) == []
 
 
@@ -198,7 +189,7 @@ def test_a_killed_gaeq_takes_every_process_with_it_and_the_next_run_frees_its_sh
     assert all(path.exists() for path in left)
 
     spec = small_spec(axes={"trainer": ["torch"], "world_size": [1], "micro_batch_size": [4]})
-    next_run, report, _ = gaeq_run(write_matrix(spec, "next.yaml"), tmp_path / "next")
+    next_run, report, _ = gaeq_run_here(write_matrix(spec, "next.yaml"), tmp_path / "next")
     assert next_run.returncode == 0, next_run.stdout + next_run.stderr
     assert f"freed {megabytes} MB of /dev/shm: 2 all-reduce buffer(s) left by gaeq runs that were killed" in next_run.stdout
     assert not any(path.exists() for path in left) and not markers[0].exists()
