@@ -7,7 +7,7 @@
 - :mod:`~gaeq.matrix.load` — a file or a mapping → a :class:`Matrix`, or one :class:`MatrixError` line.
 """
 
-from gaeq.matrix.cell import DEEPSPEED_TRAINERS, Cell, Fault, Matrix, Resume, Split, group_key, indivisible_message
+from gaeq.matrix.cell import DEEPSPEED_TRAINERS, Cell, Fault, Matrix, Resume, Role, Split, group_key, indivisible_message
 from gaeq.matrix.load import load_matrix, matrix_from_dict
 from gaeq.matrix.schema import BASE, MATRIX_FILE, MatrixError, MatrixSpec
 
@@ -21,6 +21,7 @@ __all__ = [
     "MatrixError",
     "MatrixSpec",
     "Resume",
+    "Role",
     "Split",
     "group_key",
     "indivisible_message",

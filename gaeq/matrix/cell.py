@@ -10,9 +10,24 @@ accumulation is never chosen, always derived::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 from gaeq.matrix.schema import BASE, MatrixError, MatrixSpec, Offload, Trainer
 from gaeq.problem.spec import Dtype, ProblemSpec
+
+
+class Role(str, Enum):
+    """What a cell is for in its group (dtype[@variant])."""
+
+    CELL = "cell"
+    """A split under test, judged against the baseline."""
+    BASELINE = "baseline"
+    """The group's reference: plain full-batch training, its grad norm computed as accurately as gaeq
+    can (float64 in the torch trainer), whatever the cells do."""
+    FLOOR = "floor"
+    """The baseline's twin: the same batch in more micro-batches, the grad norm computed as users do.
+    Nothing but rounding separates it from the baseline: how far it drifts is this problem's noise
+    floor, measured in this run (gaeq.results.floor)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,6 +99,8 @@ class Cell(Split):
     """Checkpoint after these many optimizer steps (for resume experiments)."""
     resume: Resume | None = None
     skip_reason: str | None = field(default=None, compare=False)
+    role: Role = field(default=Role.CELL, compare=False)
+    """Not part of what the cell is: the baseline's split listed among the axes is the same cell."""
 
     @property
     def data_parallel(self) -> int:
@@ -123,6 +140,8 @@ class Cell(Split):
         if self.resume:
             parts.append(f"from_s{self.resume.step}_{'universal' if self.resume.universal else 'plain'}")
             parts += [f"drop_{d}" for d in self.resume.drop]
+        if self.role == Role.FLOOR:
+            parts.append("floor")
         suffix = "" if self.variant == BASE else f"@{self.variant}"
         return "-".join(parts) + suffix
 
@@ -163,6 +182,9 @@ class Matrix:
     cells: tuple[Cell, ...]
     baselines: dict[str, str]
     """group (dtype[@variant]) → id of its baseline cell."""
+    floors: dict[str, str] = field(default_factory=dict)
+    """group → id of the cell that measures its noise floor: its twin, or a cell of the group that is
+    the twin's computation (a group whose baseline has one micro-batch of 1 sample has none)."""
     plugin_dirs: tuple[str, ...] = ()
     """Folders searched for plugin modules: the matrix file's folder and the working directory."""
     source: dict = field(default_factory=dict, compare=False, repr=False)

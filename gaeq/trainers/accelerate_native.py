@@ -84,7 +84,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
                 if accelerator.sync_gradients:
                     if recorder.wants("grads", step):
                         recorder.snapshot(step=step, kind="grads", gather=lambda: {n: p.grad for n, p in model.named_parameters()})
-                    grad_norm = accelerator.clip_grad_norm_(net.parameters(), max_norm=max_norm).item()
+                    grad_norm = ran.grad_norm(accelerator.clip_grad_norm_(net.parameters(), max_norm=max_norm))
                 # ACCUMULATION: called every micro-step, acting on the sync step only.
                 optimizer.step()
                 if accelerator.sync_gradients:

@@ -28,7 +28,7 @@ from gaeq.problem.spec import ProblemSpec
 from gaeq.problem.tp import tp_plan
 from gaeq.trainers.base import RunContext, StepRecorder, build_cell_problem, inject_fault
 from gaeq.trainers.checkpoint import load_deepspeed, save_deepspeed
-from gaeq.trainers.provenance import Provenance
+from gaeq.trainers.provenance import Provenance, engine_norm_dtype
 
 
 def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
@@ -75,6 +75,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         fp16_enabled=engine.fp16_enabled(),
         bf16_enabled=engine.bfloat16_enabled(),
         gradient_clipping=engine.gradient_clipping(),
+        grad_norm_dtype=engine_norm_dtype(engine),
         cpu_offload=engine.zero_cpu_offload(),
         nvme_offload_optimizer=bool(engine.zero_nvme_offload_optimizer()),
         model_dtype=_name(model_dtype),

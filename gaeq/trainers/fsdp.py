@@ -92,7 +92,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         # reduce over the shards (a DTensor norm), then step, schedule, zero — as torch_manual.
         if recorder.wants("grads", step):  # full tensors, gathered from every shard: all ranks call it
             recorder.snapshot(step=step, kind="grads", gather=lambda: {n: full(p.grad) for n, p in model.named_parameters()})
-        grad_norm = full(clip_grad_norm_(model.parameters(), max_norm=max_norm)).item()
+        grad_norm = ran.grad_norm(full(clip_grad_norm_(model.parameters(), max_norm=max_norm)))
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)

@@ -29,7 +29,7 @@ from gaeq.problem.models import sample_keys
 from gaeq.problem.spec import ProblemSpec
 from gaeq.trainers.accelerate_native import reset_accelerate_state
 from gaeq.trainers.base import RunContext, StepRecorder, build_cell_problem, inject_fault
-from gaeq.trainers.provenance import Provenance
+from gaeq.trainers.provenance import Provenance, engine_norm_dtype
 
 SCHEDULES = {"constant": "constant", "warmup_cosine": "cosine_with_min_lr"}
 """gaeq's schedule → transformers' lr_scheduler_type (the same lr at every step without warmup:
@@ -193,6 +193,9 @@ class Recording(TrainerCallback):
             self.ran.ran["engine"] = type(wrapped).__name__
             if self.trainer.is_deepspeed_enabled:
                 self.ran.ran["zero_stage"] = wrapped.zero_optimization_stage()
+                self.ran.ran["grad_norm_dtype"] = engine_norm_dtype(wrapped)
+            else:  # accelerate's clip_grad_norm_ → torch's, in the gradients' dtype
+                self.ran.ran["grad_norm_dtype"] = str(next(wrapped.parameters()).dtype).removeprefix("torch.")
         inject_fault(self.cell, rank=self.rank, step=self.step)
         self.started = time.perf_counter()
         self.lr = optimizer.param_groups[0]["lr"]

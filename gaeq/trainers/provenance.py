@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from gaeq.accelerator import fp16_emulated
-from gaeq.matrix import Cell
+from gaeq.matrix import Cell, Role
 from gaeq.problem.optim import gradient_clipping
 from gaeq.problem.spec import ProblemSpec
 
@@ -42,7 +42,12 @@ def label_of(cell: Cell, problem: ProblemSpec) -> dict[str, Any]:
     if cell.trainer in ("torch", "fsdp", "deepspeed"):
         label["tensor_parallel"] = cell.tensor_parallel  # measured: ranks a layer's parameters are split over
     if cell.trainer == "torch":
-        return label | {"ddp": cell.world_size > 1 and cell.tensor_parallel == 1, "grad_scaler": cell.dtype == "fp16"}
+        return label | {
+            "ddp": cell.world_size > 1 and cell.tensor_parallel == 1,
+            "grad_scaler": cell.dtype == "fp16",
+            # the baseline is the reference: its norm summed in float64; every other cell's as users sum it
+            "grad_norm_dtype": "float64" if cell.role == Role.BASELINE else "float32",
+        }
     if cell.trainer == "fsdp":
         return label | {"fsdp": True, "sharded_parameters": True}
     if cell.trainer in ("hf", "hf_deepspeed"):
@@ -111,6 +116,12 @@ class Provenance:
             yield
         self.ran["compute_dtype"] = lowest_precision(seen)
 
+    def grad_norm(self, norm: torch.Tensor) -> float:
+        """The norm a trainer's clipping returned, as a number; the first records the precision its
+        squares were summed in (float32 and float64 sums of a million squares differ by ~1e-5)."""
+        self.ran.setdefault("grad_norm_dtype", str(norm.dtype).removeprefix("torch."))
+        return norm.item()
+
     def step_done(self) -> None:
         """After the first optimizer step: compare with the label (LabelMismatch names both)."""
         if self._checked:
@@ -124,6 +135,17 @@ class Provenance:
         wrong = [f"{key}: label {want!r}, ran {self.ran.get(key)!r}" for key, want in self.label.items() if self.ran.get(key) != want]
         if wrong:
             raise LabelMismatch("the cell did not run what its label says — " + "; ".join(wrong))
+
+
+def engine_norm_dtype(engine) -> str:
+    """The precision the engine sums the squares of the norm it clips with: ZeRO ≥ 1 in DeepSpeed's
+    norm dtype (``zero.utils.get_norm_dtype``: float64 where the accelerator has it), ZeRO-0 in
+    float32 (``runtime.utils.clip_grad_norm_`` takes ``.float()`` of each gradient)."""
+    if engine.zero_optimization_stage() == 0:
+        return "float32"
+    from deepspeed.runtime.zero.utils import get_norm_dtype
+
+    return str(get_norm_dtype()).removeprefix("torch.")
 
 
 @contextlib.contextmanager

@@ -52,15 +52,18 @@ class TensorParallel:
             offset += g.numel()
 
 
-def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float, *, per_shard: bool = False) -> torch.Tensor:
+def clip_grad_norm_(
+    params: Iterable[torch.nn.Parameter], max_norm: float, *, per_shard: bool = False, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """torch's clip_grad_norm_ for a model whose parameters are DTensors on any mesh mixed with plain
     tensors: the norm of the whole model's gradient (each tensor's norm reduced over its shards),
-    then every gradient × min(1, max_norm / (norm + 1e-6)). Returns the norm before clipping.
+    then every gradient × min(1, max_norm / (norm + 1e-6)). Returns the norm before clipping, in the
+    precision its squares were summed in: ``dtype`` (the baseline's float64), else the gradients' own.
 
     ``per_shard``: each rank's norm of the slices it holds — the tensor-parallel mistake of
     measuring a sharded gradient locally (planted bug ``tp_grad_norm_per_shard``)."""
     grads = [p.grad for p in params if p.grad is not None]
-    norms = [full(torch.linalg.vector_norm(local(g) if per_shard else g)) for g in grads]
+    norms = [full(torch.linalg.vector_norm(local(g) if per_shard else g, dtype=dtype)) for g in grads]
     total = torch.linalg.vector_norm(torch.stack(norms))
     if math.isfinite(max_norm):
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gaeq.matrix import Cell
+from gaeq.matrix import Cell, Role
 from gaeq.problem.optim import build_optimizer, build_scheduler, gradient_clipping
 from gaeq.problem.spec import ProblemSpec
 from gaeq.trainers import tensor_parallel
@@ -54,6 +54,8 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     # clip_grad_norm_ returns the pre-clipping norm; max_norm=inf measures without clipping.
     max_norm = gradient_clipping(problem) or math.inf
     clip_grad_norm_ = torch.nn.utils.clip_grad_norm_ if split is None else tensor_parallel.clip_grad_norm_  # a sharded model's norm
+    if cell.role == Role.BASELINE:  # the reference sums the norm that clips in float64, not in float32 as users do
+        clip_grad_norm_ = functools.partial(tensor_parallel.clip_grad_norm_, dtype=torch.float64)
     if cell.bug == "tp_grad_norm_per_shard":
         clip_grad_norm_ = functools.partial(tensor_parallel.clip_grad_norm_, per_shard=True)  # planted bug: each rank its slices' norm
     if cell.bug == "unmirrored_default_clipping":  # planted bug: no key in the file, so "no clipping"
@@ -108,12 +110,12 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         # ACCUMULATION: at the boundary we unscale (fp16), clip, step the optimizer, step the
         # schedule, zero.
         if cell.bug == "loss_scale_not_unscaled_before_clip":
-            grad_norm = clip_grad_norm_(model.parameters(), max_norm=max_norm).item()  # planted bug
+            grad_norm = ran.grad_norm(clip_grad_norm_(model.parameters(), max_norm=max_norm))  # planted bug
         scaler.unscale_(optimizer)
         if recorder.wants("grads", step):
             recorder.snapshot(step=step, kind="grads", gather=lambda: {n: full(p.grad) for n, p in model.named_parameters()})
         if cell.bug != "loss_scale_not_unscaled_before_clip":
-            grad_norm = clip_grad_norm_(model.parameters(), max_norm=max_norm).item()
+            grad_norm = ran.grad_norm(clip_grad_norm_(model.parameters(), max_norm=max_norm))
         scale = scaler.get_scale()
         scaler.step(optimizer)  # fp16: no update when the gradient overflowed
         scaler.update()
