@@ -21,7 +21,7 @@ from rich.table import Table
 from gaeq import api
 from gaeq.matrix import Matrix, MatrixError
 from gaeq.files import atomic_write
-from gaeq.results.render import cost_table, verdict_table, versions_line
+from gaeq.results.render import cost_table, floor_lines, verdict_table, versions_line
 from gaeq.results.report import EXIT_BAD_INPUT
 from gaeq.results.tensorboard import TB_DIR
 
@@ -349,6 +349,8 @@ def _print_result(result: api.RunResult) -> int:
     for c in report.cells:
         if c.reason and c.reason != "baseline" and c.verdict != "skipped":
             console.print(f"[bold]{c.id}[/] ({c.verdict}): {escape(c.reason)}", highlight=False, soft_wrap=True)
+    for line in floor_lines(report):
+        console.print(line, highlight=False, soft_wrap=True)
     console.print(versions_line(report), highlight=False)
     s = report.summary
     status = "[bold green]OK[/]" if report.ok else "[bold red]NOT OK[/]"

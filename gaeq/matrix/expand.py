@@ -13,7 +13,7 @@ import itertools
 from pydantic import ValidationError
 
 from gaeq.bugs import BUGS
-from gaeq.matrix.cell import DEEPSPEED_ONLY, DEEPSPEED_TRAINERS, SPLIT_AXES, Cell, Fault, Matrix, Split, group_key
+from gaeq.matrix.cell import DEEPSPEED_ONLY, DEEPSPEED_TRAINERS, SPLIT_AXES, Cell, Fault, Matrix, Role, Split, group_key
 from gaeq.matrix.schema import BASE, TENSOR_METRICS, FaultSpec, MatrixError, MatrixSpec, describe
 from gaeq.problem.spec import ProblemSpec
 
@@ -33,6 +33,8 @@ def expand(spec: MatrixSpec, *, plugin_dirs: tuple[str, ...] = ()) -> Matrix:
         ex.add(ex.split_of(c), bug=c.bug, expect=c.expect, fault=c.fault)
     for r in spec.resume:
         add_resume(ex, r)
+    if spec.noise_floor:
+        ex.add_floor_twins()
     return ex.matrix(plugin_dirs=plugin_dirs)
 
 
@@ -43,6 +45,8 @@ class Expander:
         self.cells: list[Cell] = []
         self.baselines: dict[str, str] = {}
         """group (dtype[@variant]) → id of its baseline cell."""
+        self.floors: dict[str, str] = {}
+        """group → id of its noise-floor twin."""
 
     def problem(self, variant: str) -> ProblemSpec:
         if variant not in self.problems:
@@ -109,11 +113,42 @@ class Expander:
             return
         b = (self.spec.variants[variant].baseline if variant in self.spec.variants else None) or self.spec.baseline
         micro = b.micro_batch_size or self.problems[variant].train_batch_size
-        baseline = self.cell(self.split_of(b, micro_batch_size=micro, dtype=dtype, variant=variant))
+        baseline = dataclasses.replace(self.cell(self.split_of(b, micro_batch_size=micro, dtype=dtype, variant=variant)), role=Role.BASELINE)
         if not baseline.divisible:  # (a baseline skipped for want of fp16 skips its group with it)
             raise MatrixError(f"the baseline of {key} cannot run: {baseline.skip_reason}")
         self.baselines[key] = baseline.id
         self.cells.append(baseline)
+
+    def add_floor_twins(self) -> None:
+        """After every cell: what measures each group's noise floor. A cell of the group that already
+        is the twin's computation (the baseline's split but for the micro-batch, no bug, no fault)
+        measures it; otherwise the twin (`Role.FLOOR`) is added right after the baseline."""
+        for key, base_id in self.baselines.items():
+            baseline = next(c for c in self.cells if c.id == base_id)
+            group = [c for c in self.cells if c.group == key and c.role == Role.CELL and c.skip_reason is None]
+            twin = self.floor_twin(baseline, micro_batches=sorted({c.micro_batch_size for c in group}))
+            if twin is None:
+                continue
+            same = [c for c in group if c.id == dataclasses.replace(twin, role=Role.CELL).id and c.expect == "match" and not c.save_at]
+            if same:
+                self.floors[key] = same[0].id
+            else:
+                self.floors[key] = twin.id
+                self.cells.insert(self.cells.index(baseline) + 1, twin)
+
+    def floor_twin(self, baseline: Cell, *, micro_batches: list[int]) -> Cell | None:
+        """The baseline's split with micro-batches as small as the smallest of its group's cells
+        (which sets how the gradient's sums round: a twin at half the batch may round like the
+        baseline itself), else cut by the batch's smallest factor. The same optimisation, summed
+        in another order. None when the baseline's micro-batch is a single sample."""
+        micro = baseline.micro_batch_size
+        rows = baseline.train_batch_size // baseline.data_parallel
+        fits = [m for m in micro_batches if m < micro and rows % m == 0]
+        smaller = fits[0] if fits else next((micro // f for f in range(2, micro + 1) if micro % f == 0), None)
+        if smaller is None:
+            return None
+        split = Split(**{a: getattr(baseline, a) for a in SPLIT_AXES} | {"micro_batch_size": smaller})
+        return dataclasses.replace(self.cell(split), role=Role.FLOOR)
 
     def add(self, split: Split, **planted) -> Cell:
         """Check `split` (and what is planted in it), append its cell after its group's baseline."""
@@ -207,7 +242,10 @@ class Expander:
             if cell.id in unique and unique[cell.id] != cell:
                 raise MatrixError(f"two different cells share the id {cell.id}")
             unique.setdefault(cell.id, cell)
-        return Matrix(spec=self.spec, problems=self.problems, cells=tuple(unique.values()), baselines=self.baselines, plugin_dirs=plugin_dirs)
+        return Matrix(
+            spec=self.spec, problems=self.problems, cells=tuple(unique.values()), baselines=self.baselines, floors=self.floors,
+            plugin_dirs=plugin_dirs,
+        )  # fmt: skip
 
 
 def _variant_problems(spec: MatrixSpec) -> dict[str, ProblemSpec]:

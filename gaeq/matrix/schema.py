@@ -149,6 +149,11 @@ class MatrixSpec(_Spec):
     keep_nvme_swap: bool = Field(
         False, description="Keep each nvme cell's swap folder (cells/<id>/nvme_swap) when the cell ends; default: removed."
     )
+    noise_floor: bool = Field(
+        True,
+        description="Train a twin of each group's baseline (its batch in more micro-batches) and widen the loss and grad "
+        "norm tolerances to what rounding alone does to this problem (never below the dtype's constants).",
+    )
 
 
 def describe(exc: ValidationError) -> str:

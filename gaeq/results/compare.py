@@ -4,6 +4,8 @@ Two runs of the same optimisation differ only by float summation order (micro-ba
 another order, gradients reduced across ranks in another order). The fp32 ladder is set just above
 what that produces on the default matrix (measured: max |Δloss| 7.5e-8 over 50 steps) and far
 below what a real accumulation bug produces (≥ 1e-3 on the loss, or a grad norm off by a factor).
+Those constants are floors: a larger model rounds more, and the noise floor measured in the run
+(gaeq.results.floor) widens the loss and grad norm tolerances to what rounding does to it.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from gaeq.results.floor import NoiseFloor, envelope, nanmax, rel_diff
 from gaeq.results.snapshots import KINDS as TENSOR_KINDS
 from gaeq.results.snapshots import TensorComparison
 from gaeq.results.trace import StepRecord
@@ -86,6 +89,8 @@ class Comparison:
     divergence_steps: dict[str, int | None]
     """Each compared metric's first divergent step (None: it never diverged)."""
     reason: str
+    margin: float = 0.0
+    """The largest share of its tolerance a loss or grad norm difference used (≥ 1: diverged)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,7 +109,7 @@ def step_diffs(base: Sequence[StepRecord], other: Sequence[StepRecord]) -> list[
     if missing:
         raise ValueError(f"steps {missing[:3]} are not in the baseline's trace")
     return [
-        StepDiff(step=o.step, abs_loss=abs(o.loss - b.loss), rel_grad_norm=_rel(o.grad_norm, b.grad_norm))
+        StepDiff(step=o.step, abs_loss=abs(o.loss - b.loss), rel_grad_norm=rel_diff(o.grad_norm, b.grad_norm))
         for o, b in ((o, by_step[o.step]) for o in other)
     ]
 
@@ -117,30 +122,38 @@ def compare_traces(
     tracked: Sequence[str] = ("loss", "grad_norm"),
     tensors: TensorComparison | None = None,
     first_step: int = 0,
+    floor: NoiseFloor | None = None,
 ) -> Comparison:
     """Compare step by step from `first_step` (a resumed cell's first step) on — and, given
-    `tensors`, parameter by parameter; the verdict names the first divergence. Raises ValueError
-    if `other` does not cover exactly the baseline's steps from `first_step`."""
+    `tensors`, parameter by parameter; the verdict names the first divergence. The loss and grad
+    norm tolerances at each step are the constants of `tol`, widened by the `floor` measured in the
+    run (:func:`tolerances_at`). Raises ValueError if `other` does not cover exactly the baseline's
+    steps from `first_step`."""
     base = [r for r in base if r.step >= first_step]
     if [r.step for r in other] != [r.step for r in base]:
         raise ValueError(f"trace has {len(other)} steps, the baseline has {len(base)} from step {first_step}")
     diffs = step_diffs(base, other)
-    max_loss = max_grad = 0.0
+    max_loss = max_grad = margin = 0.0
     first: dict[str, tuple[int, str]] = {}  # metric → (step, reason) of its first divergence
     for b, o, d in zip(base, other, diffs):
+        loss_tol, grad_tol = tolerances_at(tol, b, floor)
         if b.skipped != o.skipped and "skipped" not in first:
             who = "the cell" if o.skipped else "the baseline"
             first["skipped"] = (d.step, f"{who} skipped the update of step {d.step} (fp16 overflow), the other did not")
         both_skipped = b.skipped and o.skipped  # an overflowed step has no grad norm to compare
-        max_loss = _nanmax(max_loss, d.abs_loss)
-        max_grad = max_grad if both_skipped else _nanmax(max_grad, d.rel_grad_norm)
-        d_lr = _rel(o.lr, b.lr) if b.lr else abs(o.lr)
-        if "loss" in tracked and "loss" not in first and not tol.loss_ok(b.loss, o.loss):
-            first["loss"] = (d.step, f"loss diverged at step {d.step}: |Δ| {d.abs_loss:.2e} > tol {tol.loss_tol(b.loss):.1e}")
-        if "grad_norm" in tracked and "grad_norm" not in first and not both_skipped and not d.rel_grad_norm <= tol.grad_norm_rtol:
+        max_loss = nanmax(max_loss, d.abs_loss)
+        max_grad = max_grad if both_skipped else nanmax(max_grad, d.rel_grad_norm)
+        d_lr = rel_diff(o.lr, b.lr) if b.lr else abs(o.lr)
+        if "loss" in tracked:
+            margin = nanmax(margin, _share(d.abs_loss, loss_tol.value))
+        if "grad_norm" in tracked and not both_skipped:
+            margin = nanmax(margin, _share(d.rel_grad_norm, grad_tol.value))
+        if "loss" in tracked and "loss" not in first and not d.abs_loss <= loss_tol.value:
+            first["loss"] = (d.step, f"loss diverged at step {d.step}: |Δ| {d.abs_loss:.2e} > {loss_tol.describe()}")
+        if "grad_norm" in tracked and "grad_norm" not in first and not both_skipped and not d.rel_grad_norm <= grad_tol.value:
             first["grad_norm"] = (
                 d.step,
-                f"grad norm diverged at step {d.step}: rel {d.rel_grad_norm:.2e} > tol {tol.grad_norm_rtol:.1e}"
+                f"grad norm diverged at step {d.step}: rel {d.rel_grad_norm:.2e} > {grad_tol.describe()}"
                 f" ({o.grad_norm:.4g} vs {b.grad_norm:.4g})",
             )
         if "lr" not in first and not d_lr <= tol.lr_rtol:
@@ -162,14 +175,18 @@ def compare_traces(
         caught_by=caught_by,
         divergence_steps={m: first[m][0] if m in first else None for m in compared},
         reason=reason,
+        margin=margin,
     )
 
 
-def _rel(value: float, base: float) -> float:
-    if math.isnan(value) or math.isnan(base):
-        return math.nan
-    return abs(value - base) / max(abs(base), 1e-30)
+def tolerances_at(tol: Tolerance, base: StepRecord, floor: NoiseFloor | None):
+    """(loss, grad norm) tolerance at the baseline's step `base` (gaeq.results.floor.Allowed)."""
+    loss_floor, grad_floor = floor.at(base.step) if floor is not None else (None, None)
+    return envelope(tol.loss_tol(base.loss), loss_floor), envelope(tol.grad_norm_rtol, grad_floor)
 
 
-def _nanmax(a: float, b: float) -> float:
-    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
+def _share(diff: float, allowed: float) -> float:
+    """diff / allowed; a zero tolerance (`gaeq report --atol 0 --rtol 0`) allows only zero."""
+    if allowed > 0 or math.isnan(diff):
+        return diff / allowed if allowed > 0 else diff
+    return math.inf if diff > 0 else 0.0

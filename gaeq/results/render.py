@@ -77,6 +77,7 @@ COLUMNS = (
     Column("verdict", lambda c: c.verdict),
     Column("max |Δloss|", lambda c: _sci(c.max_abs_loss_diff)),
     Column("max rel Δ‖g‖", lambda c: _sci(c.max_rel_grad_norm_diff)),
+    Column("margin", lambda c: "-" if c.role == "baseline" else _fmt(c.margin, "{:.2f}" if (c.margin or 0) < 100 else "{:.0e}"), right=True),
     Column("max |Δgrad|", lambda c: _sci(c.max_abs_grad_diff), "tensors"),
     Column("max |Δparam|", lambda c: _sci(c.max_abs_param_diff), "tensors"),
     Column("caught", _caught),
@@ -133,6 +134,21 @@ def versions_line(report: Report) -> str:
     return "Versions: " + ", ".join(f"{name} {version}" for name, version in report.versions.items())
 
 
+def floor_lines(report: Report) -> list[str]:
+    """What each group's noise floor was (gaeq.results.floor): the twin, how far rounding alone
+    moved it, what that allowed. `margin` in the tables is each cell's share of its tolerance."""
+    lines = []
+    for group, floor in report.floors.items():
+        f = floor.summary()
+        lines.append(
+            f"Noise floor {group}: {f['twin']} drifted max |Δloss| {f['max_abs_loss_diff']:.1e}, max rel Δ‖g‖ "
+            f"{f['max_rel_grad_norm_diff']:.1e} by rounding alone; tolerances are {f['factor']:g}× that where it is "
+            f"larger than the constants (at most {f['ceiling']:g}× them)"
+        )
+    lines += [f"Noise floor {group}: none — {why}" for group, why in report.floor_notes.items()]
+    return lines
+
+
 def render_markdown(report: Report, *, figure: str | None = None) -> str:
     s = report.summary
     cols = columns(report)
@@ -153,6 +169,7 @@ def render_markdown(report: Report, *, figure: str | None = None) -> str:
             for d, t in report.tolerances.items()
         ),
         "",
+        *(line for floor in floor_lines(report) for line in (floor, "")),
         "| " + " | ".join(col.name.replace("|", "\\|") for col in cols) + " | ok |",
         "|" + "---|" * (len(cols) + 1),
     ]

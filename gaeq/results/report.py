@@ -11,8 +11,9 @@ from importlib import metadata
 from pathlib import Path
 
 from gaeq.files import atomic_write
-from gaeq.matrix import Cell, Matrix, group_key
+from gaeq.matrix import Cell, Matrix, Role, group_key
 from gaeq.results.compare import Comparison, Tolerance, compare_traces, tolerance_for
+from gaeq.results.floor import NoiseFloor
 from gaeq.results.outcome import CellOutcome
 from gaeq.results.snapshots import compare_snapshots, read_snapshots
 from gaeq.results.trace import TraceStore, cell_dir
@@ -54,10 +55,10 @@ class Cost:
 _FROM_CELL = ("id", "trainer", "world_size", "tensor_parallel", "micro_batch_size", "grad_accum_steps", "zero_stage", "offload", "dtype", "variant", "bug", "expect")
 _FROM_COMPARISON = (
     "max_abs_loss_diff", "max_rel_grad_norm_diff", "max_abs_grad_diff", "max_abs_param_diff",
-    "first_divergent_step", "caught_by", "divergence_steps",
+    "first_divergent_step", "caught_by", "divergence_steps", "margin",
 )  # fmt: skip
 _FROM_COST = tuple(f.name for f in fields(Cost))
-JSON_FIELDS = (*_FROM_CELL, "verdict", *_FROM_COMPARISON, "reason", "seconds", *_FROM_COST, "ran")
+JSON_FIELDS = (*_FROM_CELL, "role", "verdict", *_FROM_COMPARISON, "reason", "seconds", *_FROM_COST, "ran")
 """A cell's entry in report.json, in this order."""
 
 
@@ -79,6 +80,10 @@ class CellReport:
     @property
     def id(self) -> str:
         return self.cell.id
+
+    @property
+    def role(self) -> str:
+        return self.cell.role.value
 
     @property
     def grad_accum_steps(self) -> int | None:
@@ -104,7 +109,9 @@ class CellReport:
 
     @property
     def as_expected(self) -> bool:
-        return self.verdict == "skipped" or self.verdict == self.expect
+        """The verdict the cell expects; a noise-floor twin is gaeq's instrument, not a claim: whatever
+        it shows is reported (an error still fails the run)."""
+        return self.verdict == "skipped" or self.verdict == self.expect or (self.cell.role == Role.FLOOR and self.verdict != "error")
 
     def to_json(self) -> dict:
         return {name: _finite(getattr(self, name)) for name in JSON_FIELDS}
@@ -117,6 +124,11 @@ class Report:
     tolerances: dict[str, Tolerance]
     """dtype → the tolerances the cells were judged with."""
     cells: list[CellReport]
+    floors: dict[str, NoiseFloor] = field(default_factory=dict)
+    """group → the noise floor its cells were judged with (gaeq.results.floor); a group without one
+    was judged with the constants alone."""
+    floor_notes: dict[str, str] = field(default_factory=dict)
+    """group → why its twin set no floor (it failed, or drifted beyond rounding)."""
     versions: dict[str, str] = field(default_factory=dict)
     """The libraries a verdict certifies (installed versions of LIBRARIES), in the report's header."""
 
@@ -144,6 +156,8 @@ class Report:
             "baseline": next(iter(self.baselines.values())),
             "baselines": self.baselines,
             "tolerances": {dtype: asdict(tol) for dtype, tol in self.tolerances.items()},
+            "noise_floors": {group: floor.summary() for group, floor in self.floors.items()},
+            "noise_floor_notes": self.floor_notes,
             "cells": [c.to_json() for c in self.cells],
             "summary": self.summary,
             "versions": self.versions,
@@ -170,6 +184,7 @@ def judge(
 ) -> Report:
     """Compare every cell's trace with the baseline of its dtype group."""
     tolerances = dict(tolerances or resolve_tolerances(matrix))
+    floors, notes = measure_floors(matrix, outcomes, traces, tolerances)
     cells = []
     for cell in matrix.cells:
         base_id = matrix.baselines[cell.group]
@@ -180,6 +195,7 @@ def judge(
             traces=traces,
             tolerance=tolerances[cell.dtype],
             tracked=tuple(matrix.spec.track),
+            floor=floors.get(cell.group),
         )
         cells.append(
             CellReport(
@@ -191,7 +207,36 @@ def judge(
                 cost=Cost.of(traces.usable(cell.id) if verdict in ("match", "diverge") else None),
             )
         )
-    return Report(baselines=dict(matrix.baselines), tolerances=tolerances, cells=cells, versions=dict(versions or installed_versions()))
+    return Report(
+        baselines=dict(matrix.baselines), tolerances=tolerances, cells=cells, floors=floors, floor_notes=notes,
+        versions=dict(versions or installed_versions()),
+    )  # fmt: skip
+
+
+def measure_floors(
+    matrix: Matrix, outcomes: Mapping[str, CellOutcome], traces: TraceStore, tolerances: Mapping[str, Tolerance]
+) -> tuple[dict[str, NoiseFloor], dict[str, str]]:
+    """Each group's noise floor (its twin's distance from its baseline, where both finished and the
+    drift is rounding's); and, for a group whose twin sets none, why."""
+    floors, notes = {}, {}
+    cells = {c.id: c for c in matrix.cells}
+    for group, twin in matrix.floors.items():
+        base = matrix.baselines[group]
+        if cells[twin].skip_reason:  # the group is skipped with it (fp16 on a CPU without it, ...)
+            continue
+        if not all(outcomes.get(i) is not None and outcomes[i].status == "done" for i in (base, twin)):
+            notes[group] = f"its twin {twin} or its baseline did not finish: judged by the constants alone"
+            continue
+        try:
+            floor = NoiseFloor.measure(twin, traces.get(base), traces.get(twin))
+        except (OSError, ValueError, TypeError) as exc:
+            notes[group] = f"its twin's trace cannot be read ({exc}): judged by the constants alone"
+            continue
+        if (why := floor.beyond_rounding(traces.get(base), tolerances[cells[twin].dtype])) is not None:
+            notes[group] = why
+        else:
+            floors[group] = floor
+    return floors, notes
 
 
 LIBRARIES = ("torch", "deepspeed", "transformers", "accelerate")
@@ -226,7 +271,9 @@ def installed_versions() -> dict[str, str]:
     return versions
 
 
-def _judge_cell(cell: Cell, *, base_id: str, outcomes, traces: TraceStore, tolerance: Tolerance, tracked: tuple[str, ...]):
+def _judge_cell(
+    cell: Cell, *, base_id: str, outcomes, traces: TraceStore, tolerance: Tolerance, tracked: tuple[str, ...], floor: NoiseFloor | None
+):
     if cell.skip_reason:
         return "skipped", cell.skip_reason, None
     outcome = outcomes.get(cell.id)
@@ -248,7 +295,8 @@ def _judge_cell(cell: Cell, *, base_id: str, outcomes, traces: TraceStore, toler
                 first_step=cell.first_step,
             )
         comparison = compare_traces(
-            traces.get(base_id), traces.get(cell.id), tolerance, tracked=tracked, tensors=tensors, first_step=cell.first_step
+            traces.get(base_id), traces.get(cell.id), tolerance, tracked=tracked, tensors=tensors, first_step=cell.first_step,
+            floor=floor,
         )
     except (OSError, ValueError, TypeError) as exc:
         return "error", f"unreadable or incomplete results: {exc}", None

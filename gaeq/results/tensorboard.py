@@ -19,7 +19,7 @@ import socket
 import time
 from pathlib import Path
 
-from gaeq.results.compare import step_diffs
+from gaeq.results.compare import step_diffs, tolerances_at
 from gaeq.results.report import Report
 from gaeq.results.trace import TraceStore
 
@@ -30,6 +30,9 @@ GRAD_NORM = "train/grad_norm"
 LR = "train/lr"
 ABS_LOSS_DIFF = "vs_baseline/abs_loss_diff"
 REL_GRAD_NORM_DIFF = "vs_baseline/rel_grad_norm_diff"
+LOSS_TOLERANCE = "vs_baseline/loss_tolerance"
+"""What |Δloss| may reach at each step: the constant, or the noise floor's envelope (gaeq.results.floor)."""
+GRAD_NORM_TOLERANCE = "vs_baseline/grad_norm_tolerance"
 STEP_SECONDS = "cost/step_seconds"
 COMM_BYTES = "cost/comm_bytes"
 PEAK_MEM = "cost/peak_mem_bytes"
@@ -40,8 +43,8 @@ MAX_REL_GRAD_NORM_DIFF = "summary/max_rel_grad_norm_diff"
 LAYOUT = {
     "equivalence": {
         "loss — every cell": ["Multiline", [f"^{LOSS}$"]],
-        "|Δloss| vs baseline": ["Multiline", [f"^{ABS_LOSS_DIFF}$"]],
-        "rel Δ grad norm vs baseline": ["Multiline", [f"^{REL_GRAD_NORM_DIFF}$"]],
+        "|Δloss| vs baseline, and its tolerance": ["Multiline", [f"^{ABS_LOSS_DIFF}$", f"^{LOSS_TOLERANCE}$"]],
+        "rel Δ grad norm vs baseline, and its tolerance": ["Multiline", [f"^{REL_GRAD_NORM_DIFF}$", f"^{GRAD_NORM_TOLERANCE}$"]],
         "grad norm (before clipping) — every cell": ["Multiline", [f"^{GRAD_NORM}$"]],
     },
     "cost": {
@@ -74,9 +77,14 @@ def write_tensorboard(run_dir: Path, report: Report, traces: TraceStore) -> Path
                 writer.add_scalar(COMM_BYTES, r.comm_bytes, r.step)
                 writer.add_scalar(PEAK_MEM, r.peak_mem_bytes, r.step)
             if base is not None and {r.step for r in trace} <= {r.step for r in base}:
+                tol, floor = report.tolerances[cell.dtype], report.floors.get(cell.cell.group)
+                by_step = {r.step: r for r in base}
                 for d in step_diffs(base, trace):
                     writer.add_scalar(ABS_LOSS_DIFF, d.abs_loss, d.step)
                     writer.add_scalar(REL_GRAD_NORM_DIFF, d.rel_grad_norm, d.step)
+                    loss_tol, grad_tol = tolerances_at(tol, by_step[d.step], floor)
+                    writer.add_scalar(LOSS_TOLERANCE, loss_tol.value, d.step)
+                    writer.add_scalar(GRAD_NORM_TOLERANCE, grad_tol.value, d.step)
             writer.add_custom_scalars(LAYOUT)
             _add_hparams(writer, params[cell.id], domains, cell)
         finally:
