@@ -1,0 +1,111 @@
+"""The scale ladder's numbers: noise floor and control effect against the number of parameters.
+
+    gaeq run --matrix experiments/scale.yaml --out runs/scale
+    python benchmarks/noise_floor.py runs/scale            # prints the table, writes docs/noise_floor.png
+
+For each group of the run (a model size × configuration × dtype): the parameters, how far the
+baseline's twin drifted by rounding alone (its max |Δloss| and max rel Δ‖g‖: the floor), the
+largest margin of a correct split (its largest share of its tolerance: < 1 is a match), and the
+smallest margin of a planted control (> 1 is caught). A verdict holds at a size when the first
+stays below 1 and the second above it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def parameters(run_dir: Path) -> dict[str, int]:
+    """variant → parameters of its model, built from the run's own matrix."""
+    from gaeq.matrix import load_matrix
+    from gaeq.problem.build import build_problem
+
+    matrix = load_matrix(run_dir / "matrix.yaml")
+    return {v: sum(p.numel() for p in build_problem(problem).model.parameters()) for v, problem in matrix.problems.items()}
+
+
+def ladder(run_dir: Path) -> list[dict]:
+    report = json.loads((run_dir / "report.json").read_text())
+    sizes = parameters(run_dir)
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for c in report["cells"]:
+        group = c["dtype"] if c["variant"] == "base" else f"{c['dtype']}@{c['variant']}"
+        groups[group].append(c)
+    rows = []
+    for group, cells in groups.items():
+        floor = report["noise_floors"].get(group, {})
+        splits = [c for c in cells if c["role"] == "cell" and c["bug"] is None and c["verdict"] != "skipped"]
+        controls = [c for c in cells if c["bug"] is not None]
+        variant = cells[0]["variant"]
+        rows.append({
+            "group": group,
+            "parameters": sizes[variant],
+            "floor_loss": floor.get("max_abs_loss_diff"),
+            "floor_grad": floor.get("max_rel_grad_norm_diff"),
+            "max_loss": max((c["max_abs_loss_diff"] for c in splits), default=None),
+            "max_grad": max((c["max_rel_grad_norm_diff"] for c in splits), default=None),
+            "worst_split": max((c["margin"] for c in splits), default=None),
+            "false_alarms": sum(c["verdict"] != "match" for c in splits),
+            "weakest_control": min((c["margin"] for c in controls), default=None),
+            "missed_controls": sum(c["verdict"] != "diverge" for c in controls),
+        })  # fmt: skip
+    return sorted(rows, key=lambda r: (r["group"].split("@")[0], r["parameters"], r["group"]))
+
+
+def figure(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for dtype, marker in (("fp32", "o"), ("bf16", "s")):
+        mine = [r for r in rows if r["group"].split("@")[0] == dtype and r["floor_loss"] is not None]
+        x = [r["parameters"] for r in mine]
+        left.scatter(x, [max(r["floor_loss"], 1e-12) for r in mine], marker=marker, label=f"{dtype}: twin's drift (the floor)")
+        left.scatter(x, [max(r["max_loss"] or 0, 1e-12) for r in mine], marker=marker, facecolors="none", edgecolors="C2",
+                     label=f"{dtype}: largest |Δloss| of a correct split")  # fmt: skip
+        margins = [(r["parameters"], r["worst_split"], r["weakest_control"]) for r in mine]
+        right.scatter([m[0] for m in margins], [m[1] for m in margins], marker=marker, color="C2", label=f"{dtype}: worst correct split")
+        right.scatter([m[0] for m in margins if m[2]], [m[2] for m in margins if m[2]], marker=marker, color="C3",
+                      label=f"{dtype}: weakest control")  # fmt: skip
+    left.set(xscale="log", yscale="log", xlabel="parameters", ylabel="max |Δloss| vs baseline",
+             title="Rounding grows with the model; the twin measures it")  # fmt: skip
+    right.axhline(1.0, color="black", lw=1)
+    right.set(xscale="log", yscale="log", xlabel="parameters", ylabel="share of the tolerance used (margin)",
+              title="Correct splits stay below 1, controls above it")  # fmt: skip
+    for ax in (left, right):
+        ax.legend(fontsize=7)
+        ax.grid(True, which="major", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--figure", type=Path, default=REPO / "docs" / "noise_floor.png")
+    args = parser.parse_args()
+    rows = ladder(args.run_dir)
+    print(f"{'group':<22} {'params':>10} {'floor |Δloss|':>13} {'floor rel Δ‖g‖':>14} {'max |Δloss|':>11} "
+          f"{'worst split':>11} {'weakest control':>15}  false alarms / missed controls")  # fmt: skip
+    for r in rows:
+        def f(x, spec=".1e"):
+            return "-" if x is None else format(x, spec)
+
+        print(f"{r['group']:<22} {r['parameters']:>10,} {f(r['floor_loss']):>13} {f(r['floor_grad']):>14} {f(r['max_loss']):>11} "
+              f"{f(r['worst_split'], '.2f'):>11} {f(r['weakest_control'], '.3g'):>15}  {r['false_alarms']} / {r['missed_controls']}")  # fmt: skip
+    figure(rows, args.figure)
+    print(f"figure: {args.figure}")
+    if any(r["false_alarms"] or r["missed_controls"] for r in rows):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
