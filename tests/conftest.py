@@ -33,15 +33,15 @@ def pitfalls_run(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def default_run(tmp_path_factory):
-    """`gaeq run --matrix experiments/ga.yaml` (the README's), once per session. Its traces are the
-    reference of the tests that run some of its cells another way (--isolate, external launchers):
-    a cell's trace depends only on its problem and split, so theirs must be bitwise these."""
-    from tests.helpers import gaeq_run
+    """`gaeq run --matrix experiments/ga.yaml` (the README's), once per session, through the CLI on
+    the session's fork server. Its traces are the reference of the tests that run some of its cells
+    another way (--isolate and external launchers, in child processes of their own): a cell's trace
+    depends only on its problem and split, so theirs must be bitwise these."""
+    from tests.helpers import gaeq_run_here
 
     out = tmp_path_factory.mktemp("default") / "run"
-    proc, report, tag = gaeq_run(REPO / "experiments" / "ga.yaml", out)
+    proc, report, tag = gaeq_run_here(REPO / "experiments" / "ga.yaml", out)
     return proc, report, tag, out
-
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from gaeq.matrix import matrix_from_dict
 from tests.helpers import gaeq_run_here, small_spec
 from tests.processes import gaeq_command, leftovers, new_tag, owned, run, running, spawn
 
@@ -66,7 +67,7 @@ def test_an_interrupted_run_leaves_only_complete_files_and_resume_finishes_it(si
 
     proc, report, _ = gaeq_run_here(matrix, out, extra=["--resume"])  # the same CLI, on the session's fork server
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert report["ok"] and report["summary"]["match"] == 4
+    assert report["ok"] and report["summary"]["match"] == len(matrix_from_dict(spec).cells)
     for name, stamp in finished.items():  # kept, not trained again
         trace = out / "cells" / name / "trace.jsonl"
         assert (trace.stat().st_ino, trace.stat().st_mtime_ns) == stamp, name
@@ -103,7 +104,7 @@ def test_two_runs_at_once_do_not_collide_and_fp32_traces_are_bitwise_identical(w
     runs = sorted((tmp_path / "runs").iterdir())
     assert len(runs) == 2, runs
     traces = [{t.parent.name: training(t) for t in run.glob("cells/*/trace.jsonl")} for run in runs]
-    assert len(traces[0]) == 8 and traces[0] == traces[1]
+    assert len(traces[0]) == len(matrix_from_dict(spec).cells) and traces[0] == traces[1]
     cells = {c["id"]: c for c in json.loads((runs[0] / "report.json").read_text())["cells"]}
     assert {c["verdict"] for c in cells.values() if c["trainer"] == "deepspeed"} == {"match"}
     control = cells["torch-w2-mb4-ga2-bug_no_loss_division"]

@@ -32,6 +32,10 @@ CELLS = [
 
 VERDICTS = {
     "torch-w1-mb16-ga1": "match",
+    "torch-w1-mb2-ga8-floor": "match",
+    "torch-w1-mb2-ga8-floor@clipped": "match",
+    "torch-w1-mb2-ga8-floor@comm_bf16": "match",
+    "torch-w1-mb4-ga4-floor@gpt2_dropout": "diverge",  # dropout from the global RNG: not rounding (no floor set)
     "deepspeed-z2-w2-mb2-ga4": "match",
     "deepspeed-z3-w1-mb2-ga8": "match",
     "torch-w1-mb16-ga1@clipped": "match",
@@ -47,7 +51,7 @@ VERDICTS = {
     "torch-w1-mb16-ga1@gpt2_dropout": "match",
     "torch-w1-mb4-ga4@gpt2_dropout": "diverge",
 }
-"""CELLS (and each group's baseline) and the verdict each must get."""
+"""CELLS (and each group's baseline and its noise-floor twin) and the verdict each must get."""
 
 
 @pytest.fixture(scope="module")

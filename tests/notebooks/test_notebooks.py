@@ -28,20 +28,48 @@ def test_outputs_are_stripped_in_git(path):
             assert cell["outputs"] == [] and cell["execution_count"] is None, f"{path.name}: strip the outputs"
 
 
-@pytest.mark.integration
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs_and_asserts_hold(path, tmp_path, request, monkeypatch):
-    # Notebooks 3 and 4 re-judge the suite's own runs of experiments/universal.yaml and pitfalls.yaml
-    # (they say so) instead of training them again.
-    shared = {"03_changing_world_size": ("universal_run", "GAEQ_UNIVERSAL_RUN"), "04_pitfalls": ("pitfalls_run", "GAEQ_PITFALLS_RUN")}
-    if path.stem in shared:
-        fixture, variable = shared[path.stem]
-        monkeypatch.setenv(variable, str(request.getfixturevalue(fixture)[3]))
+SHARED = {"03_changing_world_size": ("universal_run", "GAEQ_UNIVERSAL_RUN"), "04_pitfalls": ("pitfalls_run", "GAEQ_PITFALLS_RUN")}
+"""Notebooks 3 and 4 re-judge the suite's own runs of experiments/universal.yaml and pitfalls.yaml
+(they say so) instead of training them again."""
+ALONE = ("02_deepspeed_and_zero",)
+"""Runs a world-2 DeepSpeed group (both cores): executed after the others, which run side by side
+(each on one core: a world-1 run or a re-judged one)."""
+
+
+def execute(path):
+    """The executed notebook, or the exception (CellExecutionError names the failing cell)."""
     nb = nbformat.read(path, as_version=4)
     # Each cell gets 5 minutes: the first DeepSpeed start on a fresh machine JIT-builds an op (~30 s).
     client = NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}})
-    client.execute()  # raises CellExecutionError with the failing cell's traceback
+    try:
+        client.execute()
+    except Exception as exc:  # noqa: BLE001 - reported by the notebook's own test
+        return exc
+    return nb
+
+
+@pytest.fixture(scope="session")
+def executed(request):
+    """Every notebook executed once for the session: the one-core ones side by side, then the rest."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with pytest.MonkeyPatch.context() as env:
+        for fixture, variable in SHARED.values():
+            env.setenv(variable, str(request.getfixturevalue(fixture)[3]))  # kernels inherit it when they start
+        side_by_side = [p for p in NOTEBOOKS if p.stem not in ALONE]
+        with ThreadPoolExecutor(len(side_by_side)) as pool:
+            results = dict(zip((p.stem for p in side_by_side), pool.map(execute, side_by_side)))
+        results |= {p.stem: execute(p) for p in NOTEBOOKS if p.stem in ALONE}
+    return results
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_runs_and_asserts_hold(path, tmp_path, executed):
+    nb = executed[path.stem]
+    if isinstance(nb, Exception):
+        raise nb  # the failing cell, its traceback
     images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
     assert images, f"{path.name} shows no plot"
     (tmp_path / path.name).write_text(nbformat.writes(nb))  # the executed copy, for a look after a failure

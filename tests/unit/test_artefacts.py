@@ -63,7 +63,7 @@ def test_every_cell_is_one_run_with_identical_tags_and_the_trace_values(judged):
     assert all(len(list((tb / c).iterdir())) == 1 for c in CELLS)
 
     expected_tags = {tbmod.LOSS, tbmod.GRAD_NORM, tbmod.LR, tbmod.ABS_LOSS_DIFF, tbmod.REL_GRAD_NORM_DIFF,
-                     tbmod.STEP_SECONDS, tbmod.COMM_BYTES, tbmod.PEAK_MEM,
+                     tbmod.LOSS_TOLERANCE, tbmod.GRAD_NORM_TOLERANCE, tbmod.STEP_SECONDS, tbmod.COMM_BYTES, tbmod.PEAK_MEM,
                      tbmod.MAX_ABS_LOSS_DIFF, tbmod.MAX_REL_GRAD_NORM_DIFF, tbmod.SAMPLES_PER_S}
     baseline = read_trace(run_dir / "cells" / CELLS[0])
     for cell_id in CELLS:
@@ -82,13 +82,18 @@ def test_every_cell_is_one_run_with_identical_tags_and_the_trace_values(judged):
             np.array(diffs, dtype=np.float32),
             np.array([abs(r.loss - b.loss) for r, b in zip(trace, baseline)], dtype=np.float32),
         )
+        # the tolerance each step was judged with: the constant, or the noise floor's envelope above it
+        tol = report.tolerances["fp32"]
+        allowed = [e.value for e in acc.Scalars(tbmod.LOSS_TOLERANCE)]
+        assert len(allowed) == 12 and all(a >= np.float32(tol.loss_tol(b.loss)) for a, b in zip(allowed, baseline))
+        assert all(e.value >= np.float32(tol.grad_norm_rtol) for e in acc.Scalars(tbmod.GRAD_NORM_TOLERANCE))
         # custom-scalars layout and hparams live in the cell's own run
         layout = layout_pb2.Layout()
         layout.ParseFromString(acc.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
         assert [c.title for c in layout.category] == ["equivalence", "cost"]
         charts = {ch.title: list(ch.multiline.tag) for ch in layout.category[0].chart}
         assert charts["loss — every cell"] == [f"^{tbmod.LOSS}$"]
-        assert charts["|Δloss| vs baseline"] == [f"^{tbmod.ABS_LOSS_DIFF}$"]
+        assert charts["|Δloss| vs baseline, and its tolerance"] == [f"^{tbmod.ABS_LOSS_DIFF}$", f"^{tbmod.LOSS_TOLERANCE}$"]
         hparams = acc.PluginTagToContent("hparams")
         assert {"_hparams_/experiment", "_hparams_/session_start_info", "_hparams_/session_end_info"} <= set(hparams)
         cell = next(c for c in report.cells if c.id == cell_id)

@@ -32,7 +32,7 @@ def gpt_spec(**overrides) -> dict:
 def test_world_counts_every_rank_and_ga_counts_data_parallel_ranks(write_matrix):
     m = load_matrix(write_matrix(gpt_spec(axes={"trainer": ["torch"], "world_size": [2, 4], "tensor_parallel": [2], "micro_batch_size": [2]})))
     by_id = {c.id: c for c in m.cells}
-    assert set(by_id) == {"torch-w1-mb16-ga1", "torch-w2-tp2-mb2-ga8", "torch-w4-tp2-mb2-ga4"}
+    assert set(by_id) == {"torch-w1-mb16-ga1", "torch-w1-mb2-ga8-floor", "torch-w2-tp2-mb2-ga8", "torch-w4-tp2-mb2-ga4"}
     cell = by_id["torch-w4-tp2-mb2-ga4"]
     assert (cell.world_size, cell.tensor_parallel, cell.data_parallel, cell.grad_accum_steps) == (4, 2, 2, 4)  # 16 / (2 × 2)
 

@@ -1,0 +1,161 @@
+"""The noise floor (gaeq.results.floor): a twin of each baseline, the envelope it sets, and the
+false alarm it removes at the sizes people train — with the controls that must still be caught."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from gaeq.matrix import Role, load_matrix
+from gaeq.results.compare import DEFAULT_TOLERANCES, compare_traces
+from gaeq.results.floor import CEILING, FACTOR, NoiseFloor
+from gaeq.results.report import judge
+from gaeq.results.trace import StepRecord, TraceStore
+from tests.helpers import run_in_process, small_spec
+
+FP32 = DEFAULT_TOLERANCES["fp32"]
+
+
+def trace(losses, norms=None):
+    norms = norms or [1.0] * len(losses)
+    return [StepRecord(step=i, loss=l, grad_norm=g, lr=1e-3, samples=8 * (i + 1), seconds=0.0) for i, (l, g) in enumerate(zip(losses, norms))]
+
+
+def test_every_group_gets_a_twin_of_its_baseline_in_more_micro_batches(write_matrix):
+    spec = small_spec(axes={"trainer": ["deepspeed"], "world_size": [1], "micro_batch_size": [4], "dtype": ["fp32", "bf16"]})
+    matrix = load_matrix(write_matrix(spec))
+    # the baseline's trainer with micro-batches as small as the group's smallest (4): the size that sets how the sums round
+    assert matrix.floors == {"fp32": "torch-w1-mb4-ga4-floor", "bf16": "torch-w1-mb4-ga4-bf16-floor"}
+    cells = {c.id: c for c in matrix.cells}
+    assert cells["torch-w1-mb16-ga1"].role == Role.BASELINE and cells["torch-w1-mb4-ga4-floor"].role == Role.FLOOR
+    assert [c.role for c in matrix.cells].count(Role.CELL) == 2
+    # a cell of the group that already is that computation measures the floor: nothing trains twice
+    spec["axes"]["trainer"] = ["torch", "deepspeed"]
+    shared = load_matrix(write_matrix(spec, "shared.yaml"))
+    assert shared.floors == {"fp32": "torch-w1-mb4-ga4", "bf16": "torch-w1-mb4-ga4-bf16"}
+    assert Role.FLOOR not in [c.role for c in shared.cells]
+    # none of the group's micro-batches divides the baseline's rows at world 2: the batch's smallest factor
+    odd = small_spec(axes={"trainer": ["torch"], "world_size": [1], "micro_batch_size": [16]})
+    assert load_matrix(write_matrix(odd, "odd.yaml")).floors == {"fp32": "torch-w1-mb8-ga2-floor"}
+
+    spec["noise_floor"] = False
+    assert load_matrix(write_matrix(spec, "off.yaml")).floors == {}
+    # A baseline of one sample per micro-batch has no summation order to change: no twin.
+    single = small_spec(axes={"trainer": ["torch"], "world_size": [2], "micro_batch_size": [1]})
+    single["problem"]["train_batch_size"] = 2
+    single["baseline"] = {"trainer": "torch", "world_size": 2, "micro_batch_size": 1}
+    assert load_matrix(write_matrix(single, "single.yaml")).floors == {}
+
+
+def test_a_baselines_split_among_the_axes_is_the_baseline():
+    """The role takes no part in what a cell is: the axes' copy of the baseline's split is it."""
+    matrix = load_matrix("experiments/ga.yaml")
+    assert sum(c.id == matrix.baselines["fp32"] for c in matrix.cells) == 1
+
+
+def test_the_envelope_is_the_twins_drift_times_the_factor_never_below_the_constants_nor_above_the_ceiling():
+    base = trace([1.0, 0.9, 0.8, 0.7])
+    twin = trace([1.0, 0.9 + 1e-6, 0.8 + 2e-6, 0.7 + 1e-6])  # drifts 2e-6 at most, by step 2
+    floor = NoiseFloor.measure("twin", base, twin)
+    assert floor.loss == (0.0, pytest.approx(1e-6), pytest.approx(2e-6), pytest.approx(2e-6))  # running max
+
+    near = trace([1.0, 0.9, 0.8 + 1.5e-5, 0.7 + 1.5e-5])  # 1.5e-5: above the constant (~2.8e-6), within 10 × 2e-6
+    assert compare_traces(base, near, FP32).verdict == "diverge"  # what the constants alone say
+    judged = compare_traces(base, near, FP32, floor=floor)
+    assert judged.verdict == "match" and 0.5 < judged.margin < 1
+    too_far = trace([1.0, 0.9, 0.8 + 3e-5, 0.7])
+    assert compare_traces(base, too_far, FP32, floor=floor).reason == (
+        f"loss diverged at step 2: |Δ| 3.00e-05 > tol 2.0e-05 ({FACTOR:g} × the noise floor)"
+    )
+    # Before the twin drifted (step 1: 1e-6 × 10 = 1e-5) a cell is held to that.
+    early = trace([1.0, 0.9 + 1.2e-5, 0.8, 0.7])
+    assert compare_traces(base, early, FP32, floor=floor).first_divergent_step == 1
+
+    # A floor under the constants changes nothing; a twin gone wrong widens them CEILING × at most.
+    tiny = NoiseFloor.measure("twin", base, trace([1.0, 0.9, 0.8 + 1e-9, 0.7]))
+    assert compare_traces(base, trace([1.0, 0.9 + 2e-6, 0.8, 0.7]), FP32, floor=tiny).margin == pytest.approx(2e-6 / FP32.loss_tol(0.9))
+    broken = NoiseFloor.measure("twin", base, trace([1.0, 0.5, 0.5, 0.5]))
+    hidden = compare_traces(base, trace([1.0, 0.9 + 1e-2, 0.8, 0.7]), FP32, floor=broken)
+    assert hidden.verdict == "diverge" and CEILING * FP32.loss_tol(0.9) < 1e-2
+
+
+def test_a_twin_that_drifts_beyond_rounding_sets_no_floor_and_says_why():
+    """A problem that changes with the split (dropout from a global RNG): its twin is no measure of
+    rounding; its group is judged by the constants, and the report says why."""
+    base = trace([1.0, 0.9, 0.8])
+    floor = NoiseFloor.measure("twin-floor", base, trace([1.0, 0.9 + 1e-2, 0.8]))
+    assert floor.beyond_rounding(base, FP32).startswith("its twin twin-floor drifted beyond what rounding explains by step 1")
+    assert NoiseFloor.measure("twin-floor", base, trace([1.0, 0.9 + 1e-5, 0.8])).beyond_rounding(base, FP32) is None
+
+
+def test_the_grad_norm_envelope_is_relative_like_its_constant():
+    base = trace([1.0] * 3, [2.0, 2.0, 2.0])
+    floor = NoiseFloor.measure("twin", base, trace([1.0] * 3, [2.0 * (1 + 7e-6), 2.0, 2.0]))
+    cell = trace([1.0] * 3, [2.0 * (1 + 2e-5), 2.0, 2.0])
+    assert compare_traces(base, cell, FP32).caught_by == "grad_norm"
+    assert compare_traces(base, cell, FP32, floor=floor).verdict == "match"
+
+
+@pytest.fixture(scope="module")
+def million(tmp_path_factory):
+    """A user's matrix, in this process: a 1 M-parameter MLP (16 → 1024 → 1024 → 4), AdamW lr 2e-3, clipping
+    1.0 (active: the gradients' norm is above it), 8 steps, B 8 at world 1 — a torch split and the
+    planted controls. A torch cell's norm is summed in float32, the baseline's in float64."""
+    tmp = tmp_path_factory.mktemp("million")
+    spec = small_spec(
+        axes={"trainer": ["torch"], "world_size": [1], "micro_batch_size": [1, 2]},
+        cells=[
+            {"trainer": "torch", "micro_batch_size": 2, "bug": "no_loss_division"},
+            {"trainer": "torch", "micro_batch_size": 2, "bug": "clip_every_micro_step"},
+            {"trainer": "torch", "micro_batch_size": 2, "bug": "scheduler_every_micro_step"},
+        ],
+    )
+    spec["problem"] |= {
+        "model": {"kind": "mlp", "hidden": 1024, "depth": 2},
+        "data": {"kind": "regression", "in_features": 16, "out_features": 4},
+        "optimizer": {"name": "adamw", "lr": 2e-3, "weight_decay": 0.01},
+        "schedule": {"name": "warmup_cosine", "warmup_steps": 2, "min_lr_ratio": 0.1},
+        "gradient_clipping": 1.0,
+        "steps": 8,
+        "train_batch_size": 8,
+    }
+    path = tmp / "million.yaml"
+    import yaml
+
+    path.write_text(yaml.safe_dump(spec))
+    matrix = load_matrix(path)
+    outcomes = run_in_process(matrix, tmp)
+    return matrix, outcomes, TraceStore(tmp)
+
+
+def test_at_a_million_parameters_the_splits_match_and_the_controls_are_caught(million):
+    matrix, outcomes, traces = million
+    report = judge(matrix, outcomes, traces)
+    cells = {c.id: c for c in report.cells}
+    assert sum(p.numel() for p in _model(matrix).parameters()) > 1_000_000
+    assert cells["torch-w1-mb8-ga1"].ran["grad_norm_dtype"] == "float64"  # the reference
+    assert cells["torch-w1-mb2-ga4"].ran["grad_norm_dtype"] == "float32"  # as users clip
+    assert min(r.grad_norm for r in traces.get("torch-w1-mb8-ga1")) > 1.0  # clipping is active
+    for twin_id in ("torch-w1-mb1-ga8", "torch-w1-mb2-ga4", matrix.floors["fp32"]):
+        assert cells[twin_id].verdict == "match", cells[twin_id].reason
+    for bug in ("no_loss_division", "clip_every_micro_step", "scheduler_every_micro_step"):
+        control = cells[f"torch-w1-mb2-ga4-bug_{bug}"]
+        assert control.verdict == "diverge" and control.margin > 3, (bug, control.margin)
+    floor = report.floors["fp32"].summary()
+    assert floor["max_rel_grad_norm_diff"] > 1e-6  # float32 against float64 sums of a million squares
+
+
+def test_the_control_without_the_floor_the_same_run_cries_wolf(million):
+    """Judged by the constants alone, a correct split at a million parameters diverges: the false
+    alarm the floor removes (nothing about accumulation is wrong: the twin is the same optimisation)."""
+    matrix, outcomes, traces = million
+    report = judge(dataclasses.replace(matrix, floors={}), outcomes, traces)
+    verdicts = {c.id: c.verdict for c in report.cells if c.bug is None and c.role != Role.BASELINE}
+    assert "diverge" in verdicts.values(), verdicts
+
+
+def _model(matrix):
+    from gaeq.problem.build import build_problem
+
+    return build_problem(matrix.problem).model
