@@ -134,7 +134,7 @@ def endless_run(write_matrix, tmp_path, *, trainer="deepspeed", world_size=2, si
         yield proc, partial
 
 
-def still_training(proc, partial, seconds: float = 3.0) -> bool:
+def still_training(proc, partial, seconds: float = 2.0) -> bool:
     size = partial.stat().st_size
     time.sleep(seconds)
     return proc.poll() is None and partial.stat().st_size > size
