@@ -56,14 +56,14 @@ def validate(matrix: Annotated[Path, typer.Argument(help="Matrix YAML file.")]) 
     tp = any(c.tensor_parallel > 1 for c in m.cells)
     for name in ("cell", "trainer", "world", *(("TP",) if tp else ()), "micro", "GA", "ZeRO", "dtype", "expect", "note"):
         table.add_column(name, justify="right" if name in {"world", "TP", "micro", "GA", "ZeRO"} else "left", no_wrap=name == "cell")
-    baselines = set(m.baselines.values())
+    baselines, floors = set(m.baselines.values()), set(m.floors.values())
     for c in m.cells:
         if c.skip_reason:
             note = f"skipped: {c.skip_reason}"
         elif c.bug:
             note = f"planted bug: {c.bug}"
         else:
-            note = "baseline" if c.id in baselines else ""
+            note = "baseline" if c.id in baselines else "measures the noise floor" if c.id in floors else ""
         table.add_row(
             c.id,
             c.trainer,

@@ -7,7 +7,9 @@ import dataclasses
 
 import pytest
 import yaml
+from typer.testing import CliRunner
 
+from gaeq.cli import app
 from gaeq.matrix import Role, load_matrix
 from gaeq.results.compare import DEFAULT_TOLERANCES, compare_traces
 from gaeq.results.floor import CEILING, FACTOR, NoiseFloor
@@ -38,6 +40,9 @@ def test_every_group_gets_a_twin_of_its_baseline_in_more_micro_batches(write_mat
     shared = load_matrix(write_matrix(spec, "shared.yaml"))
     assert shared.floors == {"fp32": "torch-w1-mb4-ga4", "bf16": "torch-w1-mb4-ga4-bf16"}
     assert Role.FLOOR not in [c.role for c in shared.cells]
+    # gaeq validate says which cell measures each floor
+    shown = CliRunner().invoke(app, ["validate", str(write_matrix(spec, "shared.yaml"))], env={"COLUMNS": "200"})
+    assert shown.exit_code == 0 and shown.output.count("measures the noise floor") == 2, shown.output
     # none of the group's micro-batches divides the baseline's rows at world 2: the batch's smallest factor
     odd = small_spec(axes={"trainer": ["torch"], "world_size": [1], "micro_batch_size": [16]})
     assert load_matrix(write_matrix(odd, "odd.yaml")).floors == {"fp32": "torch-w1-mb8-ga2-floor"}
