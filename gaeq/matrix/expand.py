@@ -46,7 +46,7 @@ class Expander:
         self.baselines: dict[str, str] = {}
         """group (dtype[@variant]) → id of its baseline cell."""
         self.floors: dict[str, str] = {}
-        """group → id of its noise-floor twin."""
+        """group → id of the cell that measures its noise floor (its twin, or a cell that is that computation)."""
 
     def problem(self, variant: str) -> ProblemSpec:
         if variant not in self.problems:
@@ -129,7 +129,7 @@ class Expander:
             twin = self.floor_twin(baseline, micro_batches=sorted({c.micro_batch_size for c in group}))
             if twin is None:
                 continue
-            same = [c for c in group if c.id == dataclasses.replace(twin, role=Role.CELL).id and c.expect == "match" and not c.save_at]
+            same = [c for c in group if c == twin]  # a cell's role is not part of what it is
             if same:
                 self.floors[key] = same[0].id
             else:

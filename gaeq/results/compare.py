@@ -39,9 +39,6 @@ class Tolerance:
     lr_rtol: float = 1e-12
     """The schedule is a pure function of the optimizer step: the lr must agree to rounding."""
 
-    def loss_ok(self, base: float, other: float) -> bool:
-        return abs(other - base) <= self.loss_tol(base)
-
     def loss_tol(self, base: float) -> float:
         return self.loss_atol + self.loss_rtol * abs(base)
 
@@ -187,6 +184,8 @@ def tolerances_at(tol: Tolerance, base: StepRecord, floor: NoiseFloor | None):
 
 def _share(diff: float, allowed: float) -> float:
     """diff / allowed; a zero tolerance (`gaeq report --atol 0 --rtol 0`) allows only zero."""
-    if allowed > 0 or math.isnan(diff):
-        return diff / allowed if allowed > 0 else diff
+    if allowed > 0:
+        return diff / allowed
+    if math.isnan(diff):
+        return diff
     return math.inf if diff > 0 else 0.0
