@@ -14,7 +14,7 @@ import yaml
 
 from gaeq.results.outcome import CellOutcome, write_outcome
 from gaeq.trainers import RunContext, trainer_for
-from tests.processes import CHILDREN_OF, gaeq_command, new_tag, run
+from tests.processes import CHILDREN_OF, gaeq_command, new_tag, run, start_session_fork_server
 
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -89,15 +89,6 @@ def gaeq_run(matrix: Path, out: Path, *, timeout: float = 600, extra: list[str] 
     return proc, report, tag
 
 
-PRELOAD_EVERYTHING = (
-    "gaeq.runtime.preload",
-    "gaeq.runtime.preload_deepspeed",
-    "gaeq.runtime.preload_accelerate",
-    "gaeq.runtime.preload_hf",
-    "gaeq.trainers.hf_trainer",
-)
-
-
 def gaeq_run_here(matrix: Path, out: Path, *, extra: list[str] = ()) -> tuple[subprocess.CompletedProcess, dict, str]:
     """`gaeq run` through the CLI in this process (typer's CliRunner): the same code path, exit code
     and output as :func:`gaeq_run`, but the ranks fork from this session's fork server — started
@@ -114,11 +105,8 @@ def gaeq_run_here(matrix: Path, out: Path, *, extra: list[str] = ()) -> tuple[su
     from typer.testing import CliRunner
 
     from gaeq.cli import app
-    from gaeq.runtime import launch, lifeline
 
-    lifeline.mark_parent()  # the session's fork server and its ranks die with pytest
-    launch._context(isolate=False, preload=PRELOAD_EVERYTHING)
-    forkserver.ensure_running()
+    start_session_fork_server()
     shm_before = deepspeed_shm()
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:

@@ -178,3 +178,25 @@ def _live_processes(matches, *, grace: float) -> list[int]:
         if not pids or time.monotonic() > deadline:
             return pids
         time.sleep(0.2)
+
+
+PRELOAD_EVERYTHING = (
+    "gaeq.runtime.preload",
+    "gaeq.runtime.preload_deepspeed",
+    "gaeq.runtime.preload_accelerate",
+    "gaeq.runtime.preload_hf",
+    "gaeq.trainers.hf_trainer",
+)
+
+
+def start_session_fork_server() -> None:
+    """The fork server every in-process run's ranks fork from, with every
+    preload (:func:`tests.helpers.gaeq_run_here`); started once — by tests/conftest.py as the session starts, when it will train, so that
+    its imports overlap pytest's collection."""
+    from multiprocessing import forkserver
+
+    from gaeq.runtime import launch, lifeline
+
+    lifeline.mark_parent()  # the session's fork server and its ranks die with pytest
+    launch._context(isolate=False, preload=PRELOAD_EVERYTHING)
+    forkserver.ensure_running()

@@ -20,7 +20,7 @@ from tests.processes import gaeq_command, leftovers, new_tag, owned, run, runnin
 pytestmark = pytest.mark.integration
 
 TRAINING = ("step", "loss", "grad_norm", "lr", "samples")
-STEPS = 250
+STEPS = 150
 
 
 def training(trace_path) -> list[dict]:
@@ -35,7 +35,7 @@ def test_an_interrupted_run_leaves_only_complete_files_and_resume_finishes_it(si
         axes={"trainer": ["torch"], "world_size": [1], "micro_batch_size": [4, 8]},
         cells=[{"trainer": "deepspeed", "world_size": 2, "micro_batch_size": 2, "zero_stage": 1}],
     )
-    spec["problem"]["steps"] = STEPS  # the DeepSpeed cell trains for ~2 s: the signal lands inside it
+    spec["problem"]["steps"] = STEPS  # the DeepSpeed cell trains for over a second: the signal lands inside it
     matrix, out = write_matrix(spec), tmp_path / "run"
     cmd = gaeq_command("run", "--matrix", str(matrix), "--out", str(out))
     long_cell = out / "cells" / "deepspeed-z1-w2-mb2-ga4"
@@ -89,7 +89,7 @@ def test_two_runs_at_once_do_not_collide_and_fp32_traces_are_bitwise_identical(w
     The matrix is SGD with momentum judged on the loss alone: DeepSpeed matches torch there too,
     and the missing ÷ GA is caught on the loss once the first update has been made."""
     spec = small_spec(
-        axes={"trainer": ["torch", "deepspeed"], "world_size": [1, 2], "micro_batch_size": [4], "zero_stage": [2, 3]},
+        axes={"trainer": ["torch", "deepspeed"], "world_size": [1, 2], "micro_batch_size": [4], "zero_stage": [3]},
         cells=[{"trainer": "torch", "world_size": 2, "micro_batch_size": 4, "bug": "no_loss_division"}],
         tolerances={"fp32": {"grad_norm_rtol": 1e9}},  # judge on the loss alone
     )
@@ -143,8 +143,10 @@ def still_training(proc, partial, seconds: float = 2.0) -> bool:
 def test_a_run_started_with_sigint_ignored_keeps_it_ignored_and_stops_on_sighup(write_matrix, tmp_path):
     """The choice (README, "Signals"): a background run (`gaeq run … &` from a script, a CI
     runner) inherits SIGINT ignored and keeps it so — a stray Ctrl-C in that terminal does not stop
-    it; SIGHUP (its terminal closed) and SIGTERM always do."""
-    with endless_run(write_matrix, tmp_path, signals={signal.SIGINT: signal.SIG_IGN}) as (proc, partial):
+    it; SIGHUP (its terminal closed) and SIGTERM always do. Which signals stop a run is the CLI's,
+    whatever the cell: a world-1 torch cell is enough."""
+    ignored = {signal.SIGINT: signal.SIG_IGN}
+    with endless_run(write_matrix, tmp_path, trainer="torch", world_size=1, signals=ignored) as (proc, partial):
         proc.send_signal(signal.SIGINT)
         assert still_training(proc, partial), "SIGINT stopped a run that was started with it ignored"
         proc.send_signal(signal.SIGHUP)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
+import yaml
 
 from gaeq.matrix import load_matrix
 from gaeq.results.trace import read_trace
@@ -43,37 +44,50 @@ def test_universal_experiment(universal_run):
     assert leftovers(tag) == []
 
 
-@pytest.mark.parametrize("damage", ["missing", "corrupted"])
-def test_a_broken_checkpoint_is_an_error_with_a_readable_reason(write_matrix, tmp_path, damage):
-    source = {"trainer": "deepspeed", "world_size": 2, "micro_batch_size": 4, "zero_stage": 1}
+SOURCE = {"trainer": "deepspeed", "world_size": 2, "micro_batch_size": 4, "zero_stage": 1}
+DAMAGED_AT = {"missing": 4, "corrupted": 6}
+"""How the source's checkpoint at each step is broken, between saving and converting/loading."""
+
+
+@pytest.fixture(scope="module")
+def broken_run(tmp_path_factory):
+    """One run: the source saves at steps 4 and 6, then one checkpoint is deleted and the other
+    overwritten with garbage; each is resumed through a universal conversion and plainly."""
     spec = small_spec(
         axes={"trainer": ["torch"], "world_size": [1], "micro_batch_size": [16]},
         resume=[
-            {"from": source, "at_step": 4, "universal": True, "to": [{"world_size": 1, "micro_batch_size": 8, "zero_stage": 1}]},
-            {"from": source, "at_step": 4, "universal": False, "to": [{"world_size": 2, "micro_batch_size": 4, "zero_stage": 1}]},
+            {"from": SOURCE, "at_step": step, "universal": universal, "to": [{"world_size": world, "micro_batch_size": micro, "zero_stage": 1}]}
+            for step in DAMAGED_AT.values()
+            for universal, world, micro in ((True, 1, 8), (False, 2, 4))
         ],
     )
-    matrix = load_matrix(write_matrix(spec))
-    run_dir = tmp_path / "run"
-    checkpoint = checkpoint_root(run_dir, "deepspeed-z1-w2-mb4-ga2") / deepspeed_tag(4)
+    run_dir = tmp_path_factory.mktemp("broken") / "run"
+    run_dir.mkdir()
+    (run_dir.parent / "matrix.yaml").write_text(yaml.safe_dump(spec))
+    matrix = load_matrix(run_dir.parent / "matrix.yaml")
+    checkpoints = {damage: checkpoint_root(run_dir, "deepspeed-z1-w2-mb4-ga2") / deepspeed_tag(step) for damage, step in DAMAGED_AT.items()}
 
-    def break_checkpoint(event) -> None:  # between the phases: after saving, before converting/loading
-        if event.kind == "convert":
-            if damage == "missing":
-                shutil.rmtree(checkpoint)
-            else:
-                for state in checkpoint.glob("*.pt"):
-                    state.write_bytes(b"not a checkpoint")
+    def break_checkpoints(event) -> None:  # after the source has saved both, before any is converted or loaded
+        if event.kind == "convert" and checkpoints["missing"].exists():
+            shutil.rmtree(checkpoints["missing"])
+            for state in checkpoints["corrupted"].glob("*.pt"):
+                state.write_bytes(b"not a checkpoint")
 
-    opts = RunOptions(problems=matrix.problems, run_dir=run_dir, timeout_s=120, on_event=break_checkpoint)
-    outcomes = run_all(matrix.runnable(), opts)
+    opts = RunOptions(problems=matrix.problems, run_dir=run_dir, timeout_s=120, on_event=break_checkpoints)
+    return run_all(matrix.runnable(), opts), checkpoints
+
+
+@pytest.mark.parametrize("damage", list(DAMAGED_AT))
+def test_a_broken_checkpoint_is_an_error_with_a_readable_reason(broken_run, damage):
+    outcomes, checkpoints = broken_run
+    step = DAMAGED_AT[damage]
     assert outcomes["deepspeed-z1-w2-mb4-ga2"].status == "done"
-    converted = outcomes["deepspeed-z1-w1-mb8-ga2-from_s4_universal"]
-    plain = outcomes["deepspeed-z1-w2-mb4-ga2-from_s4_plain"]
+    converted = outcomes[f"deepspeed-z1-w1-mb8-ga2-from_s{step}_universal"]
+    plain = outcomes[f"deepspeed-z1-w2-mb4-ga2-from_s{step}_plain"]
     assert converted.status == plain.status == "error"
-    assert converted.reason.startswith("universal conversion of deepspeed-z1-w2-mb4-ga2 at step 4 failed: ")
+    assert converted.reason.startswith(f"universal conversion of deepspeed-z1-w2-mb4-ga2 at step {step} failed: ")
     if damage == "missing":
-        assert "no DeepSpeed checkpoint" in converted.reason and str(checkpoint) in converted.reason
+        assert "no DeepSpeed checkpoint" in converted.reason and str(checkpoints[damage]) in converted.reason
         assert "FileNotFoundError: no DeepSpeed checkpoint" in plain.reason
     else:
         assert "ds_to_universal failed (exit 1)" in converted.reason
