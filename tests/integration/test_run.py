@@ -38,7 +38,7 @@ def test_a_crashing_or_hanging_rank_errors_its_cell_and_the_rest_still_run(write
             {"trainer": "deepspeed", "world_size": 1, "micro_batch_size": 4, "zero_stage": 1},
         ],
         baseline={"trainer": "torch", "world_size": 2, "micro_batch_size": 4},  # every cell at world 2
-        timeout_s=5,
+        timeout_s=3,
     )
     started = time.monotonic()
     proc, report, tag = gaeq_run_here(write_matrix(spec), tmp_path / "run")
@@ -52,7 +52,7 @@ def test_a_crashing_or_hanging_rank_errors_its_cell_and_the_rest_still_run(write
     exited = cells["torch-w2-mb8-ga1-fault_exit_r0_s2"]
     assert (exited["verdict"], exited["reason"]) == ("error", "rank 0 exited with code 17 before the cell finished")
     hung = cells["torch-w2-mb1-ga8-fault_hang_r1_s2"]
-    assert hung["verdict"] == "error" and hung["reason"].startswith("timed out: no progress for 5 s")
+    assert hung["verdict"] == "error" and hung["reason"].startswith("timed out: no progress for 3 s")
     lane_raised = cells["torch-w1-mb2-ga8-fault_raise_r0_s2"]
     assert lane_raised["verdict"] == "error" and lane_raised["reason"].startswith("rank 0 failed: RuntimeError: injected fault")
     for ok in ("torch-w2-mb4-ga2", "torch-w2-mb2-ga4", "deepspeed-z2-w2-mb2-ga4", "torch-w2-mb1-ga8", "torch-w1-mb4-ga4", "torch-w1-mb8-ga2", "deepspeed-z1-w1-mb4-ga4"):
