@@ -22,8 +22,9 @@ from tests.processes import gaeq_command, leftovers, new_tag, owned, run, spawn
 pytestmark = pytest.mark.integration
 
 # Cells of the default matrix: `default_run` (tests/conftest.py) is the local launcher's reference.
+# World 2, and its baseline (torch, world 1, the full batch): a cluster's two kinds of launch.
 SPEC = ga_spec(
-    axes={"trainer": ["torch", "deepspeed"], "world_size": [1, 2], "micro_batch_size": [8], "zero_stage": [1, 3]},
+    axes={"trainer": ["torch", "deepspeed"], "world_size": [2], "micro_batch_size": [8], "zero_stage": [1, 3]},
     cells=[{"trainer": "torch", "world_size": 2, "micro_batch_size": 4, "bug": "no_loss_division"}],
     noise_floor=False,  # these tests compare launch paths: the default run's cells, without a twin of their own
 )
@@ -147,12 +148,12 @@ def nodes(launcher: str, matrix, out, *, count: int, hostfile=None) -> list[list
 
 def test_the_cluster_recipe_run_as_two_nodes_gives_the_local_traces_bitwise(local_run, tmp_path):
     """What a cluster does (README, "On a cluster"), with two nodes of one rank each on this
-    machine: the baseline launched on its own while world 2 runs as two torchrun agents (c10d
-    rendezvous), all into the same shared directory, then `gaeq report`; and world 2 as DeepSpeed's launcher on each of
-    two hosts of a hostfile. Traces bitwise those of gaeq's own launcher, verdicts the same."""
+    machine: the baseline launched on its own (`torchrun --standalone`) while world 2 runs as two
+    torchrun agents (c10d rendezvous), all into the same shared directory, then `gaeq report`; and
+    world 2 as DeepSpeed's launcher on each of two hosts of a hostfile. Traces bitwise those of gaeq's own launcher, verdicts the same."""
     matrix, shared = tmp_path / "m.yaml", tmp_path / "shared"
     matrix.write_text(json.dumps(SPEC))
-    # the baseline and the other world-1 cells on one node, world 2 on two others, at the same time
+    # the baseline on one node, world 2 on two others, at the same time
     launch(*nodes("torchrun", matrix, shared, count=1), *nodes("torchrun", matrix, shared, count=2))
     report = CliRunner().invoke(app, ["report", str(shared)])
     assert report.exit_code == 0, report.output
