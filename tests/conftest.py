@@ -6,8 +6,6 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-
-
 TRAINING_TESTS = (REPO / "tests" / "integration", REPO / "tests" / "notebooks")
 
 
@@ -20,11 +18,6 @@ def pytest_sessionstart(session):
         from tests.processes import start_session_fork_server
 
         start_session_fork_server()
-
-
-def pytest_collection_modifyitems(items):
-    """The notebook tests last: their kernels start with the unit tests (tests/notebook_runs.py)."""
-    items.sort(key=lambda item: item.path.parent.name == "notebooks")  # stable: the rest keep their order
 
 
 @pytest.fixture
@@ -73,15 +66,3 @@ def universal_run(tmp_path_factory):
     proc, report, tag = gaeq_run_here(REPO / "experiments" / "universal.yaml", out)
     return proc, report, tag, out
 
-
-@pytest.fixture(scope="session")
-def notebooks_running(request):
-    """The one-core notebooks started in kernels of their own (tests/notebook_runs.py): a future
-    per notebook. Started by the unit tests when the session runs the notebook tests too, else by
-    those; the session waits for the kernels before it ends."""
-    from tests.notebook_runs import SHARED, start_side_by_side
-
-    runs = {variable: request.getfixturevalue(fixture)[3] for fixture, variable in SHARED.values()}
-    pool, futures = start_side_by_side(runs)
-    yield futures
-    pool.shutdown(wait=True)
