@@ -24,6 +24,9 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
+from gaeq.registry import TRAINERS
+from gaeq.runtime import server
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 TAG = "GAEQ_TEST_TAG"
@@ -45,7 +48,9 @@ def dispositions(overrides: Mapping[signal.Signals, object] | None = None) -> di
     return chosen
 
 
-def spawn(cmd: list[str], *, tag: str, signals: Mapping[signal.Signals, object] | None = None, **popen) -> subprocess.Popen:
+def spawn(
+    cmd: list[str], *, tag: str, signals: Mapping[signal.Signals, object] | None = None, **popen
+) -> subprocess.Popen:
     """Start ``cmd`` tagged, with SIGINT, SIGTERM and SIGHUP set explicitly (:func:`dispositions`)
     and unblocked.
 
@@ -88,7 +93,9 @@ def running(cmd: list[str], *, tag: str | None = None, signals=None, **popen) ->
             stop(proc)
 
 
-def run(cmd: list[str], *, timeout: float, tag: str | None = None, signals=None, **popen) -> subprocess.CompletedProcess:
+def run(
+    cmd: list[str], *, timeout: float, tag: str | None = None, signals=None, **popen
+) -> subprocess.CompletedProcess:
     """``subprocess.run`` for a test: tagged, known dispositions, and on a timeout (or anything
     else) the whole tree is stopped before the exception leaves."""
     with running(cmd, tag=tag, signals=signals, **popen) as proc:
@@ -180,23 +187,20 @@ def _live_processes(matches, *, grace: float) -> list[int]:
         time.sleep(0.2)
 
 
-PRELOAD_EVERYTHING = (
-    "gaeq.runtime.preload",
-    "gaeq.runtime.preload_deepspeed",
-    "gaeq.runtime.preload_accelerate",
-    "gaeq.runtime.preload_hf",
-    "gaeq.trainers.hf_trainer",
+PRELOAD_EVERYTHING = tuple(
+    dict.fromkeys([server.PRELOAD, *(m for spec in TRAINERS.values() for m in spec.preload), server.PRELOAD_HF])
 )
+"""What the session's fork server imports: what every trainer's cells need (gaeq/registry.py)."""
 
 
 def start_session_fork_server() -> None:
-    """The fork server every in-process run's ranks fork from, with every
-    preload (:func:`tests.helpers.gaeq_run_here`); started once — by tests/conftest.py as the session starts, when it will train, so that
-    its imports overlap pytest's collection."""
+    """The fork server every in-process run's ranks fork from (:func:`tests.helpers.gaeq_run_here`),
+    with every preload; started once — by tests/conftest.py as a session that will train starts, so
+    that its imports overlap pytest's collection."""
     from multiprocessing import forkserver
 
-    from gaeq.runtime import launch, lifeline
+    from gaeq.runtime import lifeline
 
     lifeline.mark_parent()  # the session's fork server and its ranks die with pytest
-    launch._context(isolate=False, preload=PRELOAD_EVERYTHING)
+    server.rank_context(isolate=False, preload=PRELOAD_EVERYTHING)
     forkserver.ensure_running()

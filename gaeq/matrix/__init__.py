@@ -7,13 +7,20 @@
 - :mod:`~gaeq.matrix.load` — a file or a mapping → a :class:`Matrix`, or one :class:`MatrixError` line.
 """
 
-from gaeq.matrix.cell import DEEPSPEED_TRAINERS, Cell, Fault, Matrix, Resume, Role, Split, group_key, indivisible_message
+from gaeq.matrix.cell import (
+    Cell,
+    Fault,
+    Matrix,
+    Resume,
+    Role,
+    Split,
+    group_key,
+)
 from gaeq.matrix.load import load_matrix, matrix_from_dict
 from gaeq.matrix.schema import BASE, MATRIX_FILE, MatrixError, MatrixSpec
 
 __all__ = [
     "BASE",
-    "DEEPSPEED_TRAINERS",
     "MATRIX_FILE",
     "Cell",
     "Fault",
@@ -24,7 +31,6 @@ __all__ = [
     "Role",
     "Split",
     "group_key",
-    "indivisible_message",
     "load_matrix",
     "matrix_from_dict",
 ]

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from gaeq.matrix.schema import BASE, MatrixError, MatrixSpec, Offload, Trainer
-from gaeq.problem.spec import Dtype, ProblemSpec
+from gaeq.problem.spec import Dtype, ProblemSpec, indivisible_message
 
 
 class Role(str, Enum):
@@ -52,14 +52,22 @@ def group_key(*, dtype: str, variant: str) -> str:
     return dtype if variant == BASE else f"{dtype}@{variant}"
 
 
-SPLIT_AXES = ("trainer", "world_size", "tensor_parallel", "micro_batch_size", "zero_stage", "offload", "dtype", "variant")
+SPLIT_AXES = (
+    "trainer",
+    "world_size",
+    "tensor_parallel",
+    "micro_batch_size",
+    "zero_stage",
+    "offload",
+    "dtype",
+    "variant",
+)
 """The matrix's axes: the fields of a :class:`Split`, in the order the axes are expanded. A new axis
 is a field here, in :class:`Split`, in the schema (AxesSpec, CellSpec) and in :attr:`Cell.id`."""
 
 DEEPSPEED_ONLY = {"zero_stage": None, "offload": "none"}
 """Axes only DeepSpeed cells have, and what a torch cell has instead."""
 
-DEEPSPEED_TRAINERS = frozenset({"deepspeed", "hf_deepspeed"})
 """Trainers whose ranks run a DeepSpeed engine (a ZeRO stage, DeepSpeed's process group)."""
 
 
@@ -106,7 +114,9 @@ class Cell(Split):
     def data_parallel(self) -> int:
         """Ranks that see different samples (world_size ÷ tensor_parallel)."""
         if self.world_size % self.tensor_parallel:
-            raise MatrixError(f"world_size {self.world_size} is not divisible by tensor_parallel {self.tensor_parallel}")
+            raise MatrixError(
+                f"world_size {self.world_size} is not divisible by tensor_parallel {self.tensor_parallel}"
+            )
         return self.world_size // self.tensor_parallel
 
     @property
@@ -157,19 +167,15 @@ class Cell(Split):
     def _indivisible(self) -> str:
         if self.tensor_parallel == 1:
             return indivisible_message(
-                train_batch_size=self.train_batch_size, micro_batch_size=self.micro_batch_size, world_size=self.world_size
+                train_batch_size=self.train_batch_size,
+                micro_batch_size=self.micro_batch_size,
+                world_size=self.world_size,
             )
         return (
             f"train_batch_size {self.train_batch_size} is not divisible by micro_batch_size {self.micro_batch_size} × "
-            f"data-parallel ranks {self.data_parallel} (world_size {self.world_size} ÷ tensor_parallel {self.tensor_parallel})"
+            f"data-parallel ranks {self.data_parallel} (world_size {self.world_size} ÷ tensor_parallel "
+            f"{self.tensor_parallel})"
         )
-
-
-def indivisible_message(*, train_batch_size: int, micro_batch_size: int, world_size: int) -> str:
-    return (
-        f"train_batch_size {train_batch_size} is not divisible by "
-        f"micro_batch_size {micro_batch_size} × world_size {world_size}"
-    )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -13,29 +13,10 @@ import itertools
 from pydantic import ValidationError
 
 from gaeq.bugs import BUGS
-from gaeq.matrix.cell import DEEPSPEED_ONLY, DEEPSPEED_TRAINERS, SPLIT_AXES, Cell, Fault, Matrix, Role, Split, group_key
+from gaeq.matrix.cell import DEEPSPEED_ONLY, SPLIT_AXES, Cell, Fault, Matrix, Role, Split, group_key
 from gaeq.matrix.schema import BASE, TENSOR_METRICS, FaultSpec, MatrixError, MatrixSpec, describe
 from gaeq.problem.spec import ProblemSpec
-
-
-def expand(spec: MatrixSpec, *, plugin_dirs: tuple[str, ...] = ()) -> Matrix:
-    """Baselines + axes × variants + explicit cells + resume experiments → a :class:`Matrix`."""
-    from gaeq.matrix.resume import add_resume
-
-    if spec.axes is None and not spec.cells and not spec.resume:
-        raise MatrixError("no cells: give axes, cells or resume (or several)")
-    if spec.axes and spec.axes.dtype and "dtype" in spec.problem.model_fields_set:
-        raise MatrixError("set dtype either in problem.dtype or in axes.dtype, not both")
-    ex = Expander(spec)
-    if spec.axes is not None:
-        ex.add_axes()
-    for c in spec.cells:
-        ex.add(ex.split_of(c), bug=c.bug, expect=c.expect, fault=c.fault)
-    for r in spec.resume:
-        add_resume(ex, r)
-    if spec.noise_floor:
-        ex.add_floor_twins()
-    return ex.matrix(plugin_dirs=plugin_dirs)
+from gaeq.registry import DEEPSPEED_TRAINERS, INSTALL_HF, TENSOR_PARALLEL_TRAINERS, TRAINERS, dtypes_said
 
 
 class Expander:
@@ -113,7 +94,9 @@ class Expander:
             return
         b = (self.spec.variants[variant].baseline if variant in self.spec.variants else None) or self.spec.baseline
         micro = b.micro_batch_size or self.problems[variant].train_batch_size
-        baseline = dataclasses.replace(self.cell(self.split_of(b, micro_batch_size=micro, dtype=dtype, variant=variant)), role=Role.BASELINE)
+        baseline = dataclasses.replace(
+            self.cell(self.split_of(b, micro_batch_size=micro, dtype=dtype, variant=variant)), role=Role.BASELINE
+        )
         if not baseline.divisible:  # (a baseline skipped for want of fp16 skips its group with it)
             raise MatrixError(f"the baseline of {key} cannot run: {baseline.skip_reason}")
         self.baselines[key] = baseline.id
@@ -157,7 +140,9 @@ class Expander:
         self.cells.append(cell)
         return cell
 
-    def cell(self, split: Split, *, bug: str | None = None, expect: str | None = None, fault: FaultSpec | None = None) -> Cell:
+    def cell(
+        self, split: Split, *, bug: str | None = None, expect: str | None = None, fault: FaultSpec | None = None
+    ) -> Cell:
         """The one place a split is checked and becomes a cell (or a skipped cell, with the reason)."""
         problem = self.problem(split.variant)
         trainer, world, micro, dtype = split.trainer, split.world_size, split.micro_batch_size, split.dtype
@@ -174,14 +159,17 @@ class Expander:
                 "dtype ds_bf16 is DeepSpeed's bf16 mixed precision: DeepSpeed cells at ZeRO ≥ 1 only "
                 "(at ZeRO-0 DeepSpeed 0.19 cannot accumulate bf16 gradients in fp32)"
             )
-        if trainer in LIBRARY_TRAINERS and importlib.util.find_spec(LIBRARY_TRAINERS[trainer]) is None:
-            raise MatrixError(f"trainer {trainer} needs {LIBRARY_TRAINERS[trainer]}: pip install 'gaeq[hf]'")
-        if trainer in ("fsdp", "accelerate", "hf") and dtype not in ("fp32", "bf16"):
-            raise MatrixError(f"the {trainer} trainer runs fp32 and bf16 (autocast over fp32 weights), not {dtype}")
+        if (package := TRAINERS[trainer].package) and importlib.util.find_spec(package) is None:
+            raise MatrixError(f"trainer {trainer} needs {package}: {INSTALL_HF}")
         if split.offload == "nvme" and problem.deepspeed_config is not None:
-            raise MatrixError("nvme offload runs gaeq's own DeepSpeed config (with its swap folder and aio section), not a deepspeed_config")
+            raise MatrixError(
+                "nvme offload runs gaeq's own DeepSpeed config (with its swap folder and aio section), not a "
+                "deepspeed_config"
+            )
         if trainer == "hf_deepspeed" and (dtype != "fp32" or split.offload != "none"):
-            raise MatrixError("the hf_deepspeed trainer runs fp32 without offload (the Trainer's DeepSpeed config: ZeRO stage only)")
+            raise MatrixError(
+                "the hf_deepspeed trainer runs fp32 without offload (the Trainer's DeepSpeed config: ZeRO stage only)"
+            )
         if trainer == "hf_deepspeed" and split.zero_stage == 0:
             raise MatrixError(
                 "the hf_deepspeed trainer needs ZeRO ≥ 1: at ZeRO-0 DeepSpeed's engine reports no global grad norm, "
@@ -191,6 +179,8 @@ class Expander:
             _check_hf_trainer(problem, self.spec)
         if dtype == "ds_fp16" and trainer != "deepspeed":
             raise MatrixError("dtype ds_fp16 is DeepSpeed's fp16 mixed precision: DeepSpeed cells only (torch: fp16)")
+        if dtype not in TRAINERS[trainer].dtypes:
+            raise MatrixError(f"the {trainer} trainer runs {dtypes_said(TRAINERS[trainer].dtypes)}, not {dtype}")
         if problem.mirror is not None and trainer == "deepspeed":
             _check_precision(problem.mirror.precision, dtype)
         if bug is not None:
@@ -203,7 +193,10 @@ class Expander:
             if world < BUGS[bug].min_world_size:
                 raise MatrixError(f"bug {bug!r} needs world_size ≥ {BUGS[bug].min_world_size}, the cell has {world}")
             if split.tensor_parallel < BUGS[bug].min_tensor_parallel:
-                raise MatrixError(f"bug {bug!r} needs tensor_parallel ≥ {BUGS[bug].min_tensor_parallel}, the cell has {split.tensor_parallel}")
+                raise MatrixError(
+                    f"bug {bug!r} needs tensor_parallel ≥ {BUGS[bug].min_tensor_parallel}, the cell has "
+                    f"{split.tensor_parallel}"
+                )
             if BUGS[bug].loss is not None and problem.loss != BUGS[bug].loss:
                 raise MatrixError(f"bug {bug!r} exists only with loss {BUGS[bug].loss}, not {problem.loss!r}")
             if BUGS[bug].dtypes and dtype not in BUGS[bug].dtypes:
@@ -223,7 +216,9 @@ class Expander:
             keep_nvme_swap=self.spec.keep_nvme_swap and split.offload == "nvme",
         )
         if split.offload != "none" and split.zero_stage == 0:
-            cell = dataclasses.replace(cell, skip_reason="offload needs ZeRO ≥ 1 (ZeRO-0 has no partitioned optimizer to offload)")
+            cell = dataclasses.replace(
+                cell, skip_reason="offload needs ZeRO ≥ 1 (ZeRO-0 has no partitioned optimizer to offload)"
+            )
         elif split.offload == "nvme" and split.zero_stage < 3:
             cell = dataclasses.replace(cell, skip_reason=NVME_NEEDS_ZERO3)
         elif split.offload == "nvme" and (reason := _nvme_unsupported()):
@@ -243,9 +238,13 @@ class Expander:
                 raise MatrixError(f"two different cells share the id {cell.id}")
             unique.setdefault(cell.id, cell)
         return Matrix(
-            spec=self.spec, problems=self.problems, cells=tuple(unique.values()), baselines=self.baselines, floors=self.floors,
+            spec=self.spec,
+            problems=self.problems,
+            cells=tuple(unique.values()),
+            baselines=self.baselines,
+            floors=self.floors,
             plugin_dirs=plugin_dirs,
-        )  # fmt: skip
+        )
 
 
 def _variant_problems(spec: MatrixSpec) -> dict[str, ProblemSpec]:
@@ -263,8 +262,8 @@ def _variant_problems(spec: MatrixSpec) -> dict[str, ProblemSpec]:
 
 def _deep_merge(base: dict, override: dict) -> dict:
     """`override` onto `base`, mapping by mapping — except where a mapping names another built-in
-    (`kind`), another plugin (`import`) or another transformers class (`hf`): that one starts afresh, its old keys (`args`) belong to
-    something else."""
+    (`kind`), another plugin (`import`) or another transformers class (`hf`): that one starts afresh,
+    its old keys (`args`) belong to something else."""
     merged = dict(base)
     for key, value in override.items():
         if isinstance(value, dict) and isinstance(merged.get(key), dict) and _same_thing(merged[key], value):
@@ -291,29 +290,28 @@ def _check_precision(precision: str, dtype: str) -> None:
         )
 
 
-TENSOR_PARALLEL_TRAINERS = frozenset({"torch", "fsdp", "deepspeed"})
-"""Trainers that split layers over ranks (DTensor in torch and FSDP2, AutoTP in DeepSpeed)."""
-
-
 def _check_tensor_parallel(split: Split, problem: ProblemSpec) -> None:
     """A tensor-parallel split that can run exactly as labelled — else bad input, naming the numbers."""
     from gaeq.problem.tp import plan_problem
 
     where = f"the {split.trainer} cell w{split.world_size} tp{split.tensor_parallel} mb{split.micro_batch_size}"
     if split.trainer not in TENSOR_PARALLEL_TRAINERS:
-        raise MatrixError(f"tensor_parallel runs in the {', '.join(sorted(TENSOR_PARALLEL_TRAINERS))} trainers, not {split.trainer} ({where})")
+        raise MatrixError(
+            f"tensor_parallel runs in the {', '.join(sorted(TENSOR_PARALLEL_TRAINERS))} trainers, not "
+            f"{split.trainer} ({where})"
+        )
     if split.world_size % split.tensor_parallel:
-        raise MatrixError(f"world_size {split.world_size} is not divisible by tensor_parallel {split.tensor_parallel} ({where})")
+        raise MatrixError(
+            f"world_size {split.world_size} is not divisible by tensor_parallel {split.tensor_parallel} ({where})"
+        )
     if split.dtype not in ("fp32", "bf16"):
-        raise MatrixError(f"tensor-parallel cells run fp32 and bf16 (autocast over fp32 weights), not {split.dtype} ({where})")
+        raise MatrixError(
+            f"tensor-parallel cells run fp32 and bf16 (autocast over fp32 weights), not {split.dtype} ({where})"
+        )
     if split.trainer == "deepspeed" and (problem.deepspeed_config is not None or split.offload != "none"):
         raise MatrixError(f"DeepSpeed AutoTP cells run gaeq's own DeepSpeed config, without offload ({where})")
     if why := plan_problem(problem, split.tensor_parallel):
         raise MatrixError(f"tensor_parallel {split.tensor_parallel}: {why}")
-
-
-LIBRARY_TRAINERS = {"accelerate": "accelerate", "hf": "transformers", "hf_deepspeed": "transformers"}
-"""Trainers that are a library's own loop → the package they need (the hf extra installs it)."""
 
 
 def _check_hf_trainer(problem: ProblemSpec, spec: MatrixSpec) -> None:
@@ -326,7 +324,10 @@ def _check_hf_trainer(problem: ProblemSpec, spec: MatrixSpec) -> None:
     elif problem.optimizer.name != "adamw":
         why = f"its optimizer is AdamW (optim=adamw_torch), the problem's is {problem.optimizer.name}"
     elif problem.schedule.warmup_steps:
-        why = "transformers' linear warmup starts at lr 0 at step 0, gaeq's at lr / warmup_steps: no lr_scheduler_type gives this schedule (use warmup_steps: 0)"
+        why = (
+            "transformers' linear warmup starts at lr 0 at step 0, gaeq's at lr / warmup_steps: "
+            "no lr_scheduler_type gives this schedule (use warmup_steps: 0)"
+        )
     elif "grads" in spec.track:
         why = "the Trainer clips before a callback sees the gradients: track params, not grads"
     if why:

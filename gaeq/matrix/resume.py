@@ -8,6 +8,7 @@ import dataclasses
 from gaeq.matrix.cell import Resume
 from gaeq.matrix.expand import Expander
 from gaeq.matrix.schema import MatrixError, ResumeSpec
+from gaeq.registry import CHECKPOINT_TRAINERS
 
 
 def add_resume(ex: Expander, r: ResumeSpec) -> None:
@@ -21,10 +22,16 @@ def add_resume(ex: Expander, r: ResumeSpec) -> None:
         raise MatrixError(f"resume at_step {r.at_step} must lie between 1 and steps - 1 = {steps - 1}")
     ex.ensure_baseline(dtype=split.dtype, variant=src.variant)
     source = ex.cell(split)
-    if source.trainer not in ("torch", "deepspeed"):
-        raise MatrixError(f"checkpoints are written and resumed by the torch and deepspeed trainers; source {source.id} is {source.trainer}")
+    if source.trainer not in CHECKPOINT_TRAINERS:
+        raise MatrixError(
+            f"checkpoints are written and resumed by the {' and '.join(CHECKPOINT_TRAINERS)} trainers; "
+            f"source {source.id} is {source.trainer}"
+        )
     if source.tensor_parallel > 1:
-        raise MatrixError(f"checkpoints are written without tensor parallelism; source {source.id} has tensor_parallel {source.tensor_parallel}")
+        raise MatrixError(
+            f"checkpoints are written without tensor parallelism; source {source.id} has tensor_parallel "
+            f"{source.tensor_parallel}"
+        )
     if source.skip_reason:
         raise MatrixError(f"the resume source {source.id} cannot run: {source.skip_reason}")
     if r.universal and (source.trainer != "deepspeed" or source.zero_stage == 0):
@@ -52,13 +59,21 @@ def add_resume(ex: Expander, r: ResumeSpec) -> None:
                 f"(source {source.id} is ZeRO-{source.zero_stage}: the ZeRO-3 loader finds no model-state files)"
             )
         if r.universal and "optimizer" in t.drop:
-            raise MatrixError("DeepSpeed always loads the optimizer state of a universal checkpoint: drop it only with universal: false")
-        if not r.universal and source.trainer == "deepspeed" and (
-            target.world_size, target.zero_stage) != (source.world_size, source.zero_stage):
+            raise MatrixError(
+                "DeepSpeed always loads the optimizer state of a universal checkpoint: drop it only with universal: "
+                "false"
+            )
+        if (
+            not r.universal
+            and source.trainer == "deepspeed"
+            and (target.world_size, target.zero_stage) != (source.world_size, source.zero_stage)
+        ):
             raise MatrixError(
                 f"a plain DeepSpeed checkpoint resumes at the same world size and ZeRO stage "
                 f"(source w{source.world_size} z{source.zero_stage}); use universal: true to change them"
             )
         ex.cells.append(
-            dataclasses.replace(target, resume=Resume(source=source.id, step=r.at_step, universal=r.universal, drop=tuple(t.drop)))
+            dataclasses.replace(
+                target, resume=Resume(source=source.id, step=r.at_step, universal=r.universal, drop=tuple(t.drop))
+            )
         )

@@ -12,11 +12,12 @@ from pydantic import Field, ValidationError
 from gaeq.bugs import BUGS
 from gaeq.problem.spec import Dtype, PositiveInt, ProblemSpec, Samples
 from gaeq.problem.spec import Spec as _Spec
+from gaeq.registry import TRAINER_NAMES
 
 WorldSize = Annotated[int, Field(gt=0, le=4096)]
 TensorParallel = Annotated[int, Field(gt=0, le=4096)]
 
-Trainer = Literal["torch", "deepspeed", "fsdp", "accelerate", "hf", "hf_deepspeed"]
+Trainer = Literal[TRAINER_NAMES]  # gaeq/registry.py: one entry per trainer
 Expect = Literal["match", "diverge"]
 ZeroStage = Literal[0, 1, 2, 3]
 Offload = Literal["none", "cpu", "nvme"]
@@ -37,9 +38,13 @@ class MatrixError(ValueError):
 
 class AxesSpec(_Spec):
     trainer: list[Trainer] = Field(["torch", "deepspeed"], min_length=1)
-    world_size: list[WorldSize] = Field([1], min_length=1, description="Ranks in all (data-parallel × tensor-parallel).")
+    world_size: list[WorldSize] = Field(
+        [1], min_length=1, description="Ranks in all (data-parallel × tensor-parallel)."
+    )
     tensor_parallel: list[TensorParallel] = Field(
-        [1], min_length=1, description="Ranks each layer is split over (torch, fsdp, deepspeed); data-parallel ranks = world_size ÷ this."
+        [1],
+        min_length=1,
+        description="Ranks each layer is split over (torch, fsdp, deepspeed); data-parallel ranks = world_size ÷ this.",
     )
     micro_batch_size: list[Samples] = Field(min_length=1)
     zero_stage: list[ZeroStage] = Field([0], min_length=1, description="DeepSpeed cells only.")
@@ -132,7 +137,9 @@ class MatrixSpec(_Spec):
     variants: dict[VariantName, VariantSpec] = {}
     axes: AxesSpec | None = Field(None, description="The cartesian product of splits; optional with explicit cells.")
     cells: list[CellSpec] = []
-    resume: list[ResumeSpec] = Field([], description="Checkpoint → resume experiments; resumed cells are compared from their resume step on.")
+    resume: list[ResumeSpec] = Field(
+        [], description="Checkpoint → resume experiments; resumed cells are compared from their resume step on."
+    )
     baseline: BaselineSpec = BaselineSpec()
     on_indivisible: Literal["error", "skip"] = Field(
         "error", description="A split where B is not divisible by micro × world: fail validation, or skip the cell."
@@ -145,14 +152,17 @@ class MatrixSpec(_Spec):
         "at every boundary: gradients before the update, parameters after it.",
     )
     track_every: PositiveInt = Field(1, description="Save params/grads every N optimizer steps (and at the last).")
-    timeout_s: float = Field(300.0, gt=0, le=86400, description="Per cell; a rank silent for longer makes the cell `error`.")
+    timeout_s: float = Field(
+        300.0, gt=0, le=86400, description="Per cell; a rank silent for longer makes the cell `error`."
+    )
     keep_nvme_swap: bool = Field(
-        False, description="Keep each nvme cell's swap folder (cells/<id>/nvme_swap) when the cell ends; default: removed."
+        False,
+        description="Keep each nvme cell's swap folder (cells/<id>/nvme_swap) when the cell ends; default: removed.",
     )
     noise_floor: bool = Field(
         True,
-        description="Train a twin of each group's baseline (its batch in more micro-batches) and widen the loss and grad "
-        "norm tolerances to what rounding alone does to this problem (never below the dtype's constants).",
+        description="Train a twin of each group's baseline (its batch in more micro-batches) and widen the loss and "
+        "grad norm tolerances to what rounding alone does to this problem (never below the dtype's constants).",
     )
 
 

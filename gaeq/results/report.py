@@ -12,6 +12,7 @@ from pathlib import Path
 
 from gaeq.files import atomic_write
 from gaeq.matrix import Cell, Matrix, Role, group_key
+from gaeq.registry import TRAINERS
 from gaeq.results.compare import Comparison, Tolerance, compare_traces, tolerance_for
 from gaeq.results.floor import NoiseFloor
 from gaeq.results.outcome import CellOutcome
@@ -52,7 +53,20 @@ class Cost:
         )
 
 
-_FROM_CELL = ("id", "trainer", "world_size", "tensor_parallel", "micro_batch_size", "grad_accum_steps", "zero_stage", "offload", "dtype", "variant", "bug", "expect")
+_FROM_CELL = (
+    "id",
+    "trainer",
+    "world_size",
+    "tensor_parallel",
+    "micro_batch_size",
+    "grad_accum_steps",
+    "zero_stage",
+    "offload",
+    "dtype",
+    "variant",
+    "bug",
+    "expect",
+)
 _FROM_COMPARISON = (
     "max_abs_loss_diff", "max_rel_grad_norm_diff", "max_abs_grad_diff", "max_abs_param_diff",
     "first_divergent_step", "caught_by", "divergence_steps", "margin",
@@ -111,7 +125,11 @@ class CellReport:
     def as_expected(self) -> bool:
         """The verdict the cell expects; a noise-floor twin is gaeq's instrument, not a claim: whatever
         it shows is reported (an error still fails the run)."""
-        return self.verdict == "skipped" or self.verdict == self.expect or (self.cell.role == Role.FLOOR and self.verdict != "error")
+        return (
+            self.verdict == "skipped"
+            or self.verdict == self.expect
+            or (self.cell.role == Role.FLOOR and self.verdict != "error")
+        )
 
     def to_json(self) -> dict:
         return {name: _finite(getattr(self, name)) for name in JSON_FIELDS}
@@ -239,8 +257,8 @@ def measure_floors(
     return floors, notes
 
 
-LIBRARIES = ("torch", "deepspeed", "transformers", "accelerate")
-"""What trains the cells: a verdict holds for these versions."""
+LIBRARIES = ("torch", "deepspeed", *dict.fromkeys(s.package for s in TRAINERS.values() if s.package))
+"""What trains the cells — torch, DeepSpeed and the trainers' libraries: a verdict holds for these versions."""
 
 
 VERSIONS_FILE = "versions.json"
@@ -272,7 +290,14 @@ def installed_versions() -> dict[str, str]:
 
 
 def _judge_cell(
-    cell: Cell, *, base_id: str, outcomes, traces: TraceStore, tolerance: Tolerance, tracked: tuple[str, ...], floor: NoiseFloor | None
+    cell: Cell,
+    *,
+    base_id: str,
+    outcomes,
+    traces: TraceStore,
+    tolerance: Tolerance,
+    tracked: tuple[str, ...],
+    floor: NoiseFloor | None,
 ):
     if cell.skip_reason:
         return "skipped", cell.skip_reason, None
@@ -295,7 +320,12 @@ def _judge_cell(
                 first_step=cell.first_step,
             )
         comparison = compare_traces(
-            traces.get(base_id), traces.get(cell.id), tolerance, tracked=tracked, tensors=tensors, first_step=cell.first_step,
+            traces.get(base_id),
+            traces.get(cell.id),
+            tolerance,
+            tracked=tracked,
+            tensors=tensors,
+            first_step=cell.first_step,
             floor=floor,
         )
     except (OSError, ValueError, TypeError) as exc:

@@ -22,7 +22,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from gaeq.matrix import DEEPSPEED_TRAINERS, MATRIX_FILE, Cell, Matrix
+from gaeq.matrix import MATRIX_FILE, Cell, Matrix
+from gaeq.registry import TRAINERS
 from gaeq.results.outcome import CellOutcome, read_outcome, write_outcome
 from gaeq.results.trace import cell_dir
 from gaeq.runtime import dist, lifeline, shm, worker
@@ -57,7 +58,7 @@ def launched_main(*, matrix: Matrix, run_dir: Path, only: Sequence[str] = (), in
     dist.set_accelerator_env()
     worker.set_up_rank()
     dist.join_from_env(
-        with_deepspeed=any(c.trainer in DEEPSPEED_TRAINERS for c in cells),
+        with_deepspeed=any(TRAINERS[c.trainer].deepspeed for c in cells),
         with_nvme=any(c.offload == "nvme" for c in cells),
         timeout_s=init_timeout_s,
     )
@@ -109,7 +110,9 @@ def _resume_ready(cell: Cell, *, rank: int, run_dir: Path, matrix: Matrix) -> bo
         reason = resume_blocker(
             cell,
             source=read_outcome(cell_dir(run_dir, source)),
-            convert=lambda: convert_to_universal(run_dir=run_dir, source_id=source, step=step, timeout_s=matrix.spec.timeout_s),
+            convert=lambda: convert_to_universal(
+                run_dir=run_dir, source_id=source, step=step, timeout_s=matrix.spec.timeout_s
+            ),
         )
         if reason:
             fail_cell(cell.id, reason, run_dir=run_dir)
@@ -206,7 +209,9 @@ def run_launched_group(*, world_size: int, cells: Sequence[Cell], opts: RunOptio
 
 def _fail(cell: Cell, why: str, *, log: Path, outcomes: dict, world_size: int, opts: RunOptions) -> None:
     logs = [cell_dir(opts.run_dir, cell.id) / f"rank{r}.log" for r in range(world_size)] + [log]
-    outcomes[cell.id] = fail_cell(cell.id, why, run_dir=opts.run_dir, logs=logs, world_size=world_size, on_event=opts.on_event)
+    outcomes[cell.id] = fail_cell(
+        cell.id, why, run_dir=opts.run_dir, logs=logs, world_size=world_size, on_event=opts.on_event
+    )
 
 
 def _wait(proc: subprocess.Popen, *, seconds: float) -> None:

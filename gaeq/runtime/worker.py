@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from gaeq.matrix import DEEPSPEED_TRAINERS, Cell
+from gaeq.matrix import Cell
 from gaeq.problem.spec import ProblemSpec
+from gaeq.registry import TRAINERS
 from gaeq.results.outcome import CellOutcome
 from gaeq.results.trace import cell_dir
 from gaeq.runtime import lifeline
@@ -90,12 +91,15 @@ def worker_main(rank: int, job: GroupJob, events: Any, commands: Any) -> None:
         rank=rank,
         world_size=job.world_size,
         port=job.port,
-        with_deepspeed=any(c.trainer in DEEPSPEED_TRAINERS for c in job.cells),
+        with_deepspeed=any(TRAINERS[c.trainer].deepspeed for c in job.cells),
         with_nvme=any(c.offload == "nvme" for c in job.cells),
         timeout_s=job.init_timeout_s,
     )
     group_ready()
-    print(f"gaeq: process group ready (world {job.world_size}, rank {rank}, lane {job.lane}, cores {list(job.cores)})", flush=True)
+    print(
+        f"gaeq: process group ready (world {job.world_size}, rank {rank}, lane {job.lane}, cores {list(job.cores)})",
+        flush=True,
+    )
     events.put(Msg(READY, rank))
 
     # The parent answers within a moment (it dispatches as soon as the group is ready or a cell is
@@ -139,10 +143,10 @@ def set_up_rank(*, cores: tuple[int, ...] = ()) -> None:
     # One intra-op thread per rank, whatever the machine and however the run is scheduled: the
     # thread count changes summation order (the GPT's traces differ bitwise between 1 and 2), so a
     # cell's numbers would otherwise depend on the core count and on its neighbours. The models a
-    # CPU lab trains are far too small for intra-op threads to pay (1 thread measured as fast as 2).
+    # CPU lab trains are too small for intra-op threads to pay (README, "How fast the lab is").
     # The variables tell the libraries too: accelerate, where OMP_NUM_THREADS is unset, sets torch's
-    # threads to physical cores ÷ local ranks — 2 threads on a rank pinned to one core, cells 100×
-    # slower, and every later cell of the rank on 2 threads.
+    # threads to physical cores ÷ local ranks — 2 threads on a rank pinned to one core, its cells
+    # many times slower, and every later cell of the rank on 2 threads.
     os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     torch.set_num_threads(1)
 

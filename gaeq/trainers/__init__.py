@@ -3,8 +3,11 @@ DeepSpeed), and the libraries people train with (accelerate, the transformers Tr
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Any
+
+from gaeq.registry import TRAINERS
 
 
 def __getattr__(name: str) -> Any:
@@ -17,21 +20,11 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(name)
 
 
-def trainer_for(name: str) -> Callable[..., None]:
-    """The train function of a trainer name (imports DeepSpeed only when asked for)."""
-    if name == "torch":
-        from gaeq.trainers.torch_manual import train
-    elif name == "deepspeed":
-        from gaeq.trainers.deepspeed_native import train
-    elif name == "fsdp":
-        from gaeq.trainers.fsdp import train
-    elif name == "accelerate":
-        from gaeq.trainers.accelerate_native import train
-    elif name in ("hf", "hf_deepspeed"):
-        from gaeq.trainers.hf_trainer import train
-    else:
+def trainer_for(name: str) -> Callable[..., dict]:
+    """The train function of a trainer name (gaeq/registry.py; imports its libraries only when asked for)."""
+    if name not in TRAINERS:
         raise ValueError(f"unknown trainer {name!r}")
-    return train
+    return importlib.import_module(TRAINERS[name].module).train
 
 
 __all__ = ["RunContext", "trainer_for"]

@@ -1,0 +1,117 @@
+"""What each trainer is and can do: one :class:`TrainerSpec` per trainer, everything else derived.
+
+The matrix's rules (which axes a cell may set, which dtypes it runs, which cells can be a resume
+source), the trainer a rank imports, what the ranks' fork server preloads and which libraries a
+verdict certifies all read these entries. Adding a trainer is one entry here and one module in
+`gaeq/trainers/` with ``train(*, cell, problem, ctx) -> dict`` (docs/architecture.md, recipes).
+
+A leaf: no torch, no gaeq imports — the matrix (below the trainers) reads it too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ALL_DTYPES = ("fp32", "bf16", "fp16", "ds_bf16", "ds_fp16")
+AUTOCAST_DTYPES = ("fp32", "bf16")
+"""fp32, and bf16 autocast over fp32 weights: what a trainer without a loss scaler runs."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerSpec:
+    name: str
+    """The matrix's `trainer` value, and part of each cell's id."""
+    module: str
+    """The module whose ``train(*, cell, problem, ctx)`` trains a cell on one rank."""
+    description: str
+    deepspeed: bool = False
+    """Trains through a DeepSpeed engine: the `zero_stage` and `offload` axes apply, the ranks join
+    their group through DeepSpeed, and the fork server preloads it."""
+    tensor_parallel: bool = False
+    """Runs cells whose layers are split over ranks (`tensor_parallel` > 1)."""
+    checkpoints: bool = False
+    """Writes and resumes checkpoints: a resume experiment's source (and a plain resume's target)."""
+    dtypes: tuple[str, ...] = ALL_DTYPES
+    """The dtypes its cells may run (the matrix refuses the others)."""
+    package: str | None = None
+    """The library it needs beyond gaeq's own dependencies (`pip install 'gaeq[hf]'`)."""
+    preload: tuple[str, ...] = ()
+    """Modules the ranks' fork server imports for its cells, beyond torch (a rank then forks with them)."""
+
+
+INSTALL_HF = "pip install 'gaeq[hf]'"
+"""The install line of every trainer's `package` (the `hf` extra pins them)."""
+
+
+def dtypes_said(dtypes: tuple[str, ...]) -> str:
+    """A trainer's dtypes, as its error messages say them."""
+    if dtypes == AUTOCAST_DTYPES:
+        return "fp32 and bf16 (autocast over fp32 weights)"
+    return " and ".join(dtypes)
+
+
+TRAINERS: dict[str, TrainerSpec] = {
+    spec.name: spec
+    for spec in (
+        TrainerSpec(
+            name="torch",
+            module="gaeq.trainers.torch_manual",
+            description="manual PyTorch accumulation: loss ÷ GA, DDP no_sync until the boundary micro-step",
+            tensor_parallel=True,
+            checkpoints=True,
+            dtypes=("fp32", "bf16", "fp16"),
+        ),
+        TrainerSpec(
+            name="deepspeed",
+            module="gaeq.trainers.deepspeed_native",
+            description="DeepSpeed's own micro-step accumulation (engine.backward / engine.step), ZeRO 0-3",
+            deepspeed=True,
+            tensor_parallel=True,
+            checkpoints=True,
+            preload=("gaeq.runtime.preload_deepspeed",),
+        ),
+        TrainerSpec(
+            name="fsdp",
+            module="gaeq.trainers.fsdp",
+            description="torch FSDP2 (fully_shard), gradients reduce-scattered on the boundary micro-step only",
+            tensor_parallel=True,
+            dtypes=AUTOCAST_DTYPES,
+        ),
+        TrainerSpec(
+            name="accelerate",
+            module="gaeq.trainers.accelerate_native",
+            description="accelerate's own loop: Accelerator(gradient_accumulation_steps), accumulate(), backward()",
+            dtypes=AUTOCAST_DTYPES,
+            package="accelerate",
+            preload=("gaeq.runtime.preload_accelerate",),
+        ),
+        TrainerSpec(
+            name="hf",
+            module="gaeq.trainers.hf_trainer",
+            description="the transformers Trainer, which owns its loop (TrainingArguments from the problem)",
+            dtypes=AUTOCAST_DTYPES,
+            package="transformers",
+            preload=("gaeq.runtime.preload_accelerate", "gaeq.runtime.preload_hf", "gaeq.trainers.hf_trainer"),
+        ),
+        TrainerSpec(
+            name="hf_deepspeed",
+            module="gaeq.trainers.hf_trainer",
+            description="the transformers Trainer with TrainingArguments(deepspeed=...): its DeepSpeed integration",
+            deepspeed=True,
+            dtypes=("fp32",),
+            package="transformers",
+            preload=(
+                "gaeq.runtime.preload_deepspeed",
+                "gaeq.runtime.preload_accelerate",
+                "gaeq.runtime.preload_hf",
+                "gaeq.trainers.hf_trainer",
+            ),
+        ),
+    )
+}
+"""Every trainer, by name, in the order the schema lists them."""
+
+TRAINER_NAMES = tuple(TRAINERS)
+DEEPSPEED_TRAINERS = frozenset(name for name, spec in TRAINERS.items() if spec.deepspeed)
+TENSOR_PARALLEL_TRAINERS = frozenset(name for name, spec in TRAINERS.items() if spec.tensor_parallel)
+CHECKPOINT_TRAINERS = tuple(name for name, spec in TRAINERS.items() if spec.checkpoints)
