@@ -25,10 +25,10 @@ from typing import Any
 
 import yaml
 
+from gaeq.files import atomic_write
 from gaeq.matrix import MATRIX_FILE, Matrix, MatrixError, load_matrix, matrix_from_dict  # noqa: F401  (matrix_from_dict: API)
 from gaeq.results.outcome import CellOutcome, read_outcome
 from gaeq.results.overlay import OVERLAY_FILE, overlay_figure, plot_overlay
-from gaeq.files import atomic_write
 from gaeq.results.render import write_report
 from gaeq.results.report import CellReport, Report, judge, record_versions, resolve_tolerances, run_versions
 from gaeq.results.tensorboard import TB_DIR, write_tensorboard
@@ -158,17 +158,23 @@ def run(
     Ctrl-C stops every rank and raises KeyboardInterrupt.
     """
     from gaeq.runtime import lifeline, shm
-    from gaeq.runtime.external import LAUNCHERS
     from gaeq.runtime.cells import RunOptions
     from gaeq.runtime.events import Event, ignore
-    from gaeq.runtime.launch import run_all, warm_up
+    from gaeq.runtime.external import LAUNCHERS
+    from gaeq.runtime.launch import run_all
+    from gaeq.runtime.server import warm_up
 
     if launcher not in LAUNCHERS:
         raise ValueError(f"unknown launcher {launcher!r}; one of {', '.join(LAUNCHERS)}")
     if isolate and launcher != "local":
-        raise ValueError("isolate is a mode of the local launcher (an external launcher starts one group per world size)")
+        raise ValueError(
+            "isolate is a mode of the local launcher (an external launcher starts one group per world size)"
+        )
     if lanes is not None and (lanes < 1 or isolate or launcher != "local"):
-        raise ValueError(f"lanes={lanes}: at least 1, with the local launcher only, without isolate (one group per cell, one after another)")
+        raise ValueError(
+            f"lanes={lanes}: at least 1, with the local launcher only, without isolate (one group per cell, one "
+            "after another)"
+        )
     # Everything that can be checked without a process comes first: a bad matrix file never starts
     # one. (Plugins are imported and problems built after the fork server has been started, so that
     # its imports overlap with theirs; a plugin that fails stops the server with the run.)
@@ -182,7 +188,9 @@ def run(
     check_world_sizes(m, gpus=False)  # without torch: its import would delay the fork server below
     lifeline.mark_parent()  # every process started from here on dies with this one
     if launcher == "local":
-        warm_up(m.runnable(), m.problems, isolate=isolate)  # the ranks' fork server imports torch/DeepSpeed while the problems are checked
+        warm_up(
+            m.runnable(), m.problems, isolate=isolate
+        )  # the ranks' fork server imports torch/DeepSpeed while the problems are checked
     check_problems(m)
     check_world_sizes(m, gpus=True)
     run_dir = Path(out) if out is not None else new_run_dir(m.spec.name)
@@ -286,7 +294,11 @@ def open_run(run_dir: str | Path, **tolerances: float | None) -> RunResult:
 
 
 def judge_run(
-    m: Matrix, run_dir: Path, outcomes: Mapping[str, CellOutcome], *, overrides: Mapping[str, float | None] | None = None
+    m: Matrix,
+    run_dir: Path,
+    outcomes: Mapping[str, CellOutcome],
+    *,
+    overrides: Mapping[str, float | None] | None = None,
 ) -> RunResult:
     """Judge every cell against its baseline and (re)write report.json/.md, TensorBoard and the figure."""
     traces = TraceStore(run_dir)

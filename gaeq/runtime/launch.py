@@ -14,19 +14,15 @@ kills its group (its peers may be stuck in a collective); its lane goes on in a 
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import queue
 import signal
-import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
-from gaeq.matrix import DEEPSPEED_TRAINERS, Cell
-from gaeq.problem.spec import HFModelSpec, ProblemSpec
+from gaeq.matrix import Cell
 from gaeq.results.outcome import CellOutcome, write_outcome
 from gaeq.results.trace import cell_dir
 from gaeq.runtime import shm, worker
@@ -35,9 +31,13 @@ from gaeq.runtime.convert import convert_to_universal
 from gaeq.runtime.dist import free_port
 from gaeq.runtime.events import Event
 from gaeq.runtime.external import run_launched_group
+from gaeq.runtime.lanes import CellPool, plan_lanes
+from gaeq.runtime.server import preload_modules, rank_context
 
 
-def run_all(cells: Sequence[Cell], opts: RunOptions, *, done: Mapping[str, CellOutcome] | None = None) -> dict[str, CellOutcome]:
+def run_all(
+    cells: Sequence[Cell], opts: RunOptions, *, done: Mapping[str, CellOutcome] | None = None
+) -> dict[str, CellOutcome]:
     """Every cell, in two phases: first the cells that start from scratch (resume sources among
     them), then — after converting the sources' checkpoints where asked — the resumed cells.
     `done`: cells of an earlier attempt that finished (resume sources among them)."""
@@ -47,7 +47,9 @@ def run_all(cells: Sequence[Cell], opts: RunOptions, *, done: Mapping[str, CellO
     def convert(source: str, step: int) -> str | None:  # once per (source, step)
         if (source, step) not in conversions:
             opts.on_event(Event(kind="convert", world_size=0, cell_id=source, step=step))
-            conversions[(source, step)] = convert_to_universal(run_dir=opts.run_dir, source_id=source, step=step, timeout_s=opts.timeout_s)
+            conversions[(source, step)] = convert_to_universal(
+                run_dir=opts.run_dir, source_id=source, step=step, timeout_s=opts.timeout_s
+            )
         return conversions[(source, step)]
 
     ready = []
@@ -57,7 +59,9 @@ def run_all(cells: Sequence[Cell], opts: RunOptions, *, done: Mapping[str, CellO
         if blocker is None:
             ready.append(cell)
         else:
-            outcomes[cell.id] = fail_cell(cell.id, blocker, run_dir=opts.run_dir, world_size=cell.world_size, on_event=opts.on_event)
+            outcomes[cell.id] = fail_cell(
+                cell.id, blocker, run_dir=opts.run_dir, world_size=cell.world_size, on_event=opts.on_event
+            )
     outcomes.update(run_cells(ready, opts))
     return {c.id: outcomes[c.id] for c in cells if c.id in outcomes}
 
@@ -87,40 +91,6 @@ def run_cells(cells: Sequence[Cell], opts: RunOptions) -> dict[str, CellOutcome]
     return outcomes
 
 
-def plan_lanes(*, world_size: int, cells: int, cores: Sequence[int], limit: int | None = None) -> list[tuple[int, ...]]:
-    """The cores of each group of `world_size` that runs side by side with the others: as many
-    groups as the cores hold without two sharing one (⌊cores ÷ world size⌋), no more than there are
-    `cells` (nor than `limit`), each with an equal slice of the cores. One group gets every core
-    (a world size above the core count shares them, as ranks always did)."""
-    lanes = max(1, min(len(cores) // world_size, cells, limit or len(cores)))
-    if lanes == 1:
-        return [tuple(cores)]
-    per = len(cores) // lanes
-    return [tuple(cores[i * per : (i + 1) * per]) for i in range(lanes)]
-
-
-class CellPool:
-    """The cells of one world size not yet handed to a group. Each group takes the next one (in
-    matrix order) when it becomes free, so lanes stay balanced however long their cells take."""
-
-    def __init__(self, cells: Sequence[Cell]) -> None:
-        self._cells = deque(cells)
-        self._lock = threading.Lock()
-
-    def take(self) -> Cell | None:
-        with self._lock:
-            return self._cells.popleft() if self._cells else None
-
-    def take_all(self) -> list[Cell]:
-        with self._lock:
-            cells, self._cells = list(self._cells), deque()
-            return cells
-
-    def __bool__(self) -> bool:
-        with self._lock:
-            return bool(self._cells)
-
-
 def _run_lanes(*, world_size: int, cells: Sequence[Cell], opts: RunOptions) -> dict[str, CellOutcome]:
     """The cells of one world size, in one group per lane, each lane in a thread of its own that
     starts a fresh group whenever its group is lost while cells are left. Ctrl-C (or any failure
@@ -135,7 +105,9 @@ def _run_lanes(*, world_size: int, cells: Sequence[Cell], opts: RunOptions) -> d
         try:
             while pool and not stop.is_set():
                 opts.on_event(Event(kind="group", world_size=world_size, lane=lane))
-                finished = _run_group(world_size=world_size, cells=cells, pool=pool, lane=lane, cores=cores, opts=opts, stop=stop)
+                finished = _run_group(
+                    world_size=world_size, cells=cells, pool=pool, lane=lane, cores=cores, opts=opts, stop=stop
+                )
                 with lock:
                     outcomes.update(finished)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
@@ -175,7 +147,9 @@ def _one_at_a_time(on_event):
 class _GroupRun:
     """Book-keeping of one process group: which cell it runs, what each rank has said."""
 
-    def __init__(self, *, world_size: int, lane: int, cells: Sequence[Cell], pool: CellPool, commands: list, opts: RunOptions) -> None:
+    def __init__(
+        self, *, world_size: int, lane: int, cells: Sequence[Cell], pool: CellPool, commands: list, opts: RunOptions
+    ) -> None:
         self.world_size = world_size
         self.lane = lane
         self.index = {c.id: i for i, c in enumerate(cells)}
@@ -215,7 +189,9 @@ class _GroupRun:
             self.cell_started = time.monotonic()
             self.on_event(Event(kind="start", world_size=self.world_size, lane=self.lane, cell_id=msg.cell_id))
         elif msg.kind == worker.STEP:
-            self.on_event(Event(kind="step", world_size=self.world_size, lane=self.lane, cell_id=msg.cell_id, step=msg.step))
+            self.on_event(
+                Event(kind="step", world_size=self.world_size, lane=self.lane, cell_id=msg.cell_id, step=msg.step)
+            )
         elif msg.kind == worker.DONE:
             ranks = self.done.setdefault(msg.cell_id, {})
             ranks[msg.rank] = (msg.seconds, msg.ran)
@@ -247,18 +223,31 @@ class _GroupRun:
             ]
             seconds = time.monotonic() - self.cell_started if started else 0.0
             self.outcomes[cell.id] = fail_cell(
-                cell.id, why, run_dir=self.run_dir, logs=logs, seconds=seconds, world_size=self.world_size, on_event=self.on_event
+                cell.id,
+                why,
+                run_dir=self.run_dir,
+                logs=logs,
+                seconds=seconds,
+                world_size=self.world_size,
+                on_event=self.on_event,
             )
 
 
 def _run_group(
-    *, world_size: int, cells: Sequence[Cell], pool: CellPool, lane: int, cores: tuple[int, ...], opts: RunOptions, stop: threading.Event
+    *,
+    world_size: int,
+    cells: Sequence[Cell],
+    pool: CellPool,
+    lane: int,
+    cores: tuple[int, ...],
+    opts: RunOptions,
+    stop: threading.Event,
 ) -> dict[str, CellOutcome]:
     """One process group of `world_size` on `cores`, running cells from `pool` until it is empty
     (or the group is lost, or `stop` is set: then its ranks are killed). `cells`: all the cells it
     may be handed."""
     # The server already runs when api.run warmed it up (then its preload list stands).
-    ctx = _context(isolate=opts.isolate, preload=preload_modules(cells, opts.problems))
+    ctx = rank_context(isolate=opts.isolate, preload=preload_modules(cells, opts.problems))
     events = ctx.Queue()
     commands = [ctx.Queue() for _ in range(world_size)]
     timeout_s, init_timeout_s = opts.timeout_s, opts.init_timeout_s
@@ -274,7 +263,11 @@ def _run_group(
         init_timeout_s=init_timeout_s,
     )
     procs = [
-        ctx.Process(target=worker.worker_main, args=(rank, job, events, commands[rank]), name=f"gaeq-w{world_size}-l{lane}-r{rank}")
+        ctx.Process(
+            target=worker.worker_main,
+            args=(rank, job, events, commands[rank]),
+            name=f"gaeq-w{world_size}-l{lane}-r{rank}",
+        )
         for rank in range(world_size)
     ]
     state = _GroupRun(world_size=world_size, lane=lane, cells=cells, pool=pool, commands=commands, opts=opts)
@@ -312,47 +305,6 @@ def _run_group(
                 q.close()
                 q.cancel_join_thread()
     return state.outcomes
-
-
-def warm_up(cells: Sequence[Cell], problems: Mapping[str, ProblemSpec], *, isolate: bool = False) -> None:
-    """Start the fork server now (its imports take seconds), so that it is ready by the time the
-    first process group is launched; call it before other start-up work."""
-    if not isolate and sys.platform == "linux":
-        _context(isolate=False, preload=preload_modules(cells, problems))
-        from multiprocessing import forkserver
-
-        forkserver.ensure_running()
-
-
-def preload_modules(cells: Sequence[Cell], problems: Mapping[str, ProblemSpec]) -> list[str]:
-    """What the fork server imports before it forks a rank: torch and the manual trainer always;
-    DeepSpeed, accelerate, transformers only when a cell needs them (the server's imports are on
-    the critical path of every run: the first group cannot start before they are done)."""
-    trainers = {c.trainer for c in cells}
-    hf_trainer = bool(trainers & {"hf", "hf_deepspeed"})  # the transformers Trainer (on accelerate)
-    modules = ["gaeq.runtime.preload"]
-    if trainers & DEEPSPEED_TRAINERS:
-        modules.append("gaeq.runtime.preload_deepspeed")
-    if hf_trainer or "accelerate" in trainers:
-        modules.append("gaeq.runtime.preload_accelerate")
-    if hf_trainer or any(isinstance(problems[c.variant].model, HFModelSpec) for c in cells):
-        modules.append("gaeq.runtime.preload_hf")
-    if hf_trainer:
-        modules.append("gaeq.trainers.hf_trainer")
-    return modules
-
-
-def _context(*, isolate: bool, preload: Sequence[str]):
-    """Ranks fork from a server that has imported torch (and what the cells need, `preload`) once
-    (Linux); with `isolate`, every group is a fresh interpreter — exactly what one launch per config
-    costs."""
-    if isolate or sys.platform != "linux":
-        return mp.get_context("spawn")
-    # DS_ACCELERATOR: set by the fork server's preload (and by a spawned rank) before DeepSpeed
-    # is imported — not here, where asking torch about CUDA would import it before the server starts.
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(preload))
-    return ctx
 
 
 def _drain(events, state: _GroupRun, *, seconds: float = 1.0) -> None:

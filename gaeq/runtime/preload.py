@@ -3,7 +3,7 @@ starts with torch and the trainers already loaded: a process group then starts i
 second instead of paying ~2 s of imports per rank, and the first cell of a group no longer pays the
 lazy imports (torch._dynamo, which torch's optimizer constructors pull in, ~1.5 s).
 
-What else the server imports depends on the matrix (`launch.preload_modules`): DeepSpeed
+What else the server imports depends on the matrix (`server.preload_modules`): DeepSpeed
 (preload_deepspeed.py), accelerate (preload_accelerate.py), transformers (preload_hf.py) — each only
 when a cell needs it, since the ranks cannot start before the server has finished.
 """

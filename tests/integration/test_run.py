@@ -10,7 +10,7 @@ import time
 import pytest
 
 from gaeq.matrix import load_matrix
-from gaeq.runtime.launch import plan_lanes
+from gaeq.runtime.lanes import plan_lanes
 from tests.conftest import REPO
 from tests.helpers import cells_by_id, gaeq_run_here, small_spec
 from tests.processes import leftovers
@@ -26,13 +26,34 @@ def test_a_crashing_or_hanging_rank_errors_its_cell_and_the_rest_still_run(write
     spec = small_spec(
         axes={"trainer": ["torch", "deepspeed"], "world_size": [2], "micro_batch_size": [2], "zero_stage": [2]},
         cells=[
-            {"trainer": "deepspeed", "world_size": 2, "micro_batch_size": 4, "zero_stage": 1, "fault": {"rank": 1, "step": 3, "kind": "raise"}},
-            {"trainer": "torch", "world_size": 2, "micro_batch_size": 8, "fault": {"rank": 0, "step": 2, "kind": "exit"}},
-            {"trainer": "torch", "world_size": 2, "micro_batch_size": 1, "fault": {"rank": 1, "step": 2, "kind": "hang"}},
+            {
+                "trainer": "deepspeed",
+                "world_size": 2,
+                "micro_batch_size": 4,
+                "zero_stage": 1,
+                "fault": {"rank": 1, "step": 3, "kind": "raise"},
+            },
+            {
+                "trainer": "torch",
+                "world_size": 2,
+                "micro_batch_size": 8,
+                "fault": {"rank": 0, "step": 2, "kind": "exit"},
+            },
+            {
+                "trainer": "torch",
+                "world_size": 2,
+                "micro_batch_size": 1,
+                "fault": {"rank": 1, "step": 2, "kind": "hang"},
+            },
             {"trainer": "torch", "world_size": 2, "micro_batch_size": 1},
             # World 1 runs in two lanes at once (on 2 cores): a lane that loses its group goes on in a
             # fresh one while the other keeps training.
-            {"trainer": "torch", "world_size": 1, "micro_batch_size": 2, "fault": {"rank": 0, "step": 2, "kind": "raise"}},
+            {
+                "trainer": "torch",
+                "world_size": 1,
+                "micro_batch_size": 2,
+                "fault": {"rank": 0, "step": 2, "kind": "raise"},
+            },
             {"trainer": "torch", "world_size": 1, "micro_batch_size": 4},
             {"trainer": "torch", "world_size": 1, "micro_batch_size": 8},
             {"trainer": "deepspeed", "world_size": 1, "micro_batch_size": 4, "zero_stage": 1},
@@ -54,8 +75,18 @@ def test_a_crashing_or_hanging_rank_errors_its_cell_and_the_rest_still_run(write
     hung = cells["torch-w2-mb1-ga8-fault_hang_r1_s2"]
     assert hung["verdict"] == "error" and hung["reason"].startswith("timed out: no progress for 3 s")
     lane_raised = cells["torch-w1-mb2-ga8-fault_raise_r0_s2"]
-    assert lane_raised["verdict"] == "error" and lane_raised["reason"].startswith("rank 0 failed: RuntimeError: injected fault")
-    for ok in ("torch-w2-mb4-ga2", "torch-w2-mb2-ga4", "deepspeed-z2-w2-mb2-ga4", "torch-w2-mb1-ga8", "torch-w1-mb4-ga4", "torch-w1-mb8-ga2", "deepspeed-z1-w1-mb4-ga4"):
+    assert lane_raised["verdict"] == "error" and lane_raised["reason"].startswith(
+        "rank 0 failed: RuntimeError: injected fault"
+    )
+    for ok in (
+        "torch-w2-mb4-ga2",
+        "torch-w2-mb2-ga4",
+        "deepspeed-z2-w2-mb2-ga4",
+        "torch-w2-mb1-ga8",
+        "torch-w1-mb4-ga4",
+        "torch-w1-mb8-ga2",
+        "deepspeed-z1-w1-mb4-ga4",
+    ):
         assert cells[ok]["verdict"] == "match", cells[ok]
     assert report["summary"]["error"] == 4
     assert leftovers(tag) == []
@@ -89,12 +120,25 @@ def test_default_matrix_from_the_readme(default_run):
 
     # Traces: one line per step, complete; DeepSpeed chatter went to the cell logs.
     trace = (out / "cells" / "deepspeed-z3-w2-mb4-ga4" / "trace.jsonl").read_text().splitlines()
-    assert len(trace) == GA.problem.steps and set(json.loads(trace[0])) == {"step", "loss", "grad_norm", "lr", "samples", "seconds", "skipped", "comm_bytes", "peak_mem_bytes", "model_state_bytes"}
+    assert len(trace) == GA.problem.steps and set(json.loads(trace[0])) == {
+        "step",
+        "loss",
+        "grad_norm",
+        "lr",
+        "samples",
+        "seconds",
+        "skipped",
+        "comm_bytes",
+        "peak_mem_bytes",
+        "model_state_bytes",
+    }
     assert (out / "cells" / "deepspeed-z3-w2-mb4-ga4" / "rank1.log").exists()
     # What ran, read back from the live objects (DDP, the engine), is in report.json per cell.
     for c in cells.values():
         assert (c["ran"]["world_size"], c["ran"]["micro_batch_rows"], c["ran"]["micro_steps"]) == (
-            c["world_size"], c["micro_batch_size"], c["grad_accum_steps"]
+            c["world_size"],
+            c["micro_batch_size"],
+            c["grad_accum_steps"],
         ), c
         assert c["ran"]["intra_op_threads"] == 1  # whatever the lane (worker.set_up_rank)
         if c["trainer"] == "torch":
@@ -102,7 +146,10 @@ def test_default_matrix_from_the_readme(default_run):
         else:
             assert (c["ran"]["zero_stage"], c["ran"]["gradient_clipping"]) == (c["zero_stage"], 1.0)
     assert "DeepSpeed" not in proc.stdout
-    assert "gaeq verdicts" in proc.stdout and f"OK: {EXPECTED['match']} match, {EXPECTED['diverge']} diverge" in proc.stdout
+    assert (
+        "gaeq verdicts" in proc.stdout
+        and f"OK: {EXPECTED['match']} match, {EXPECTED['diverge']} diverge" in proc.stdout
+    )
     # Artefacts for looking at the runs: one TensorBoard run per cell, the overlay figure.
     assert f"tensorboard --logdir {out / 'tb'}" in proc.stdout
     assert sorted(p.name for p in (out / "tb").iterdir()) == sorted(cells)

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from gaeq.runtime.launch import CellPool, plan_lanes
+from gaeq.runtime.lanes import CellPool, plan_lanes
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,57 @@
+"""The ranks' fork server: what it imports before it forks a rank, and the context ranks start from.
+
+Importing torch (and DeepSpeed, accelerate, transformers) takes seconds; a rank forked from a server
+that imported them once starts in a moment. Which modules a run needs comes from its cells'
+trainers (gaeq/registry.py) and models.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import sys
+from collections.abc import Mapping, Sequence
+
+from gaeq.matrix import Cell
+from gaeq.problem.spec import HFModelSpec, ProblemSpec
+from gaeq.registry import TRAINERS
+
+
+def warm_up(cells: Sequence[Cell], problems: Mapping[str, ProblemSpec], *, isolate: bool = False) -> None:
+    """Start the fork server now (its imports take seconds), so that it is ready by the time the
+    first process group is launched; call it before other start-up work."""
+    if not isolate and sys.platform == "linux":
+        rank_context(isolate=False, preload=preload_modules(cells, problems))
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+
+
+PRELOAD = "gaeq.runtime.preload"
+"""What every fork server imports: torch and the manual trainer."""
+PRELOAD_HF = "gaeq.runtime.preload_hf"
+"""transformers, for a cell whose model is a transformers class (whatever its trainer)."""
+
+
+def preload_modules(cells: Sequence[Cell], problems: Mapping[str, ProblemSpec]) -> list[str]:
+    """What the fork server imports before it forks a rank: torch and the manual trainer always;
+    what each cell's trainer needs (gaeq/registry.py: DeepSpeed, accelerate, transformers) and
+    transformers for a transformers model, only when a cell needs them (the server's imports are on
+    the critical path of every run: the first group cannot start before they are done)."""
+    wanted = {module for c in cells for module in TRAINERS[c.trainer].preload}
+    if any(isinstance(problems[c.variant].model, HFModelSpec) for c in cells):
+        wanted.add(PRELOAD_HF)
+    order = dict.fromkeys(module for spec in TRAINERS.values() for module in spec.preload)
+    return [PRELOAD, *(module for module in order | {PRELOAD_HF: None} if module in wanted)]
+
+
+def rank_context(*, isolate: bool, preload: Sequence[str]):
+    """Ranks fork from a server that has imported torch (and what the cells need, `preload`) once
+    (Linux); with `isolate`, every group is a fresh interpreter — exactly what one launch per config
+    costs."""
+    if isolate or sys.platform != "linux":
+        return mp.get_context("spawn")
+    # DS_ACCELERATOR: set by the fork server's preload (and by a spawned rank) before DeepSpeed
+    # is imported — not here, where asking torch about CUDA would import it before the server starts.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(preload))
+    return ctx
