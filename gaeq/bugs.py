@@ -1,17 +1,46 @@
 """Planted bugs: deliberate mistakes a cell can switch on, so the lab proves it can see them.
 
-A bug is a name here plus one ``if cell.bug == ...`` at the line of the trainer where the mistake
-would be made. Adding one is a registry entry and that line.
+A bug is a member of :class:`Bug`, its entry here, and ``if cell.bug == Bug.X`` at the line of the
+trainer where the mistake would be made (a label that depends on it may read it too). Adding one is
+those three; tests/unit/test_house.py checks that every member has its entry and a site, and that
+every site names a member.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
+
+
+class Bug(str, Enum):
+    """A planted bug's name. Compares, hashes and prints as the name itself, so matrix files, cells
+    and report.json keep plain strings; code names it ``Bug.X``, which a typo cannot silently miss."""
+
+    NO_LOSS_DIVISION = "no_loss_division"
+    MEAN_OF_MEANS = "mean_of_means"
+    CLIP_EVERY_MICRO_STEP = "clip_every_micro_step"
+    SCHEDULER_EVERY_MICRO_STEP = "scheduler_every_micro_step"
+    DEEPSPEED_DEFAULT_CLIPPING = "deepspeed_default_clipping"
+    GRAD_ACCUM_BF16 = "grad_accum_bf16"
+    LOSS_SCALE_NOT_UNSCALED_BEFORE_CLIP = "loss_scale_not_unscaled_before_clip"
+    UNMIRRORED_DEFAULT_CLIPPING = "unmirrored_default_clipping"
+    HF_NUM_ITEMS_PER_MICRO_BATCH = "hf_num_items_per_micro_batch"
+    ACCELERATE_SCHEDULER_PER_PROCESS = "accelerate_scheduler_per_process"
+    ACCELERATE_LOSS_DIVIDED_TWICE = "accelerate_loss_divided_twice"
+    HF_LOSS_PER_MICRO_BATCH = "hf_loss_per_micro_batch"
+    HF_TOKENS_PER_DEVICE = "hf_tokens_per_device"
+    HF_DEEPSPEED_LOSS_DIVIDED_TWICE = "hf_deepspeed_loss_divided_twice"
+    ONE_GRAD_SCALED = "one_grad_scaled"
+    TP_GRAD_NORM_PER_SHARD = "tp_grad_norm_per_shard"
+    LR_ZERO = "lr_zero"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(frozen=True)
 class PlantedBug:
-    name: str
+    name: Bug
     trainers: tuple[str, ...]
     """Trainers that implement the bug (the line where the mistake happens exists only there)."""
     description: str
@@ -30,10 +59,10 @@ class PlantedBug:
 
 
 BUGS: dict[str, PlantedBug] = {
-    bug.name: bug
+    bug.name.value: bug
     for bug in (
         PlantedBug(
-            name="no_loss_division",
+            name=Bug.NO_LOSS_DIVISION,
             trainers=("torch",),
             description=(
                 "the manual loop forgets ÷ GA: every micro-step backpropagates its micro-batch mean, "
@@ -41,7 +70,7 @@ BUGS: dict[str, PlantedBug] = {
             ),
         ),
         PlantedBug(
-            name="mean_of_means",
+            name=Bug.MEAN_OF_MEANS,
             trainers=("torch", "deepspeed", "fsdp", "accelerate"),
             description=(
                 "each micro-batch is normalised by its own element count, then ÷ GA: the mean of "
@@ -49,27 +78,27 @@ BUGS: dict[str, PlantedBug] = {
             ),
         ),
         PlantedBug(
-            name="clip_every_micro_step",
+            name=Bug.CLIP_EVERY_MICRO_STEP,
             trainers=("torch",),
             description="gradients are clipped after every micro-step's backward, i.e. partial sums are clipped",
         ),
         PlantedBug(
-            name="scheduler_every_micro_step",
+            name=Bug.SCHEDULER_EVERY_MICRO_STEP,
             trainers=("torch",),
             description="the LR scheduler is stepped every micro-step: the schedule runs GA× too fast",
         ),
         PlantedBug(
-            name="deepspeed_default_clipping",
+            name=Bug.DEEPSPEED_DEFAULT_CLIPPING,
             trainers=("deepspeed",),
             description="gradient_clipping is left out of the DeepSpeed config: 0.19 clips at 1.0 by default",
         ),
         PlantedBug(
-            name="grad_accum_bf16",
+            name=Bug.GRAD_ACCUM_BF16,
             trainers=("deepspeed",),
             description="ds_bf16 gradients accumulated in bf16 (data_types.grad_accum_dtype) instead of fp32",
         ),
         PlantedBug(
-            name="loss_scale_not_unscaled_before_clip",
+            name=Bug.LOSS_SCALE_NOT_UNSCALED_BEFORE_CLIP,
             trainers=("torch",),
             dtypes=("fp16",),
             description=(
@@ -78,7 +107,7 @@ BUGS: dict[str, PlantedBug] = {
             ),
         ),
         PlantedBug(
-            name="unmirrored_default_clipping",
+            name=Bug.UNMIRRORED_DEFAULT_CLIPPING,
             trainers=("torch",),
             needs_deepspeed_config=True,
             description=(
@@ -87,7 +116,7 @@ BUGS: dict[str, PlantedBug] = {
             ),
         ),
         PlantedBug(
-            name="hf_num_items_per_micro_batch",
+            name=Bug.HF_NUM_ITEMS_PER_MICRO_BATCH,
             trainers=("torch", "deepspeed", "accelerate"),
             loss="hf",
             reported="huggingface/transformers#34242",
@@ -98,7 +127,7 @@ BUGS: dict[str, PlantedBug] = {
             ),
         ),
         PlantedBug(
-            name="accelerate_scheduler_per_process",
+            name=Bug.ACCELERATE_SCHEDULER_PER_PROCESS,
             trainers=("accelerate",),
             min_world_size=2,
             reported="accelerate's AcceleratedScheduler (step_scheduler_with_optimizer=True, the default)",
@@ -108,7 +137,7 @@ BUGS: dict[str, PlantedBug] = {
             ),
         ),
         PlantedBug(
-            name="accelerate_loss_divided_twice",
+            name=Bug.ACCELERATE_LOSS_DIVIDED_TWICE,
             trainers=("accelerate",),
             reported="",
             description=(
@@ -117,7 +146,7 @@ BUGS: dict[str, PlantedBug] = {
             ),
         ),
         PlantedBug(
-            name="hf_loss_per_micro_batch",
+            name=Bug.HF_LOSS_PER_MICRO_BATCH,
             trainers=("hf", "hf_deepspeed"),
             reported="huggingface/transformers#34242",
             description=(
@@ -126,7 +155,7 @@ BUGS: dict[str, PlantedBug] = {
             ),
         ),
         PlantedBug(
-            name="hf_tokens_per_device",
+            name=Bug.HF_TOKENS_PER_DEVICE,
             trainers=("hf", "hf_deepspeed"),
             min_world_size=2,
             reported="huggingface/transformers#34373",
@@ -136,7 +165,7 @@ BUGS: dict[str, PlantedBug] = {
             ),
         ),
         PlantedBug(
-            name="hf_deepspeed_loss_divided_twice",
+            name=Bug.HF_DEEPSPEED_LOSS_DIVIDED_TWICE,
             trainers=("hf_deepspeed",),
             reported="huggingface/accelerate#3533, fixed by huggingface/transformers#35808",
             description=(
@@ -145,12 +174,12 @@ BUGS: dict[str, PlantedBug] = {
             ),
         ),
         PlantedBug(
-            name="one_grad_scaled",
+            name=Bug.ONE_GRAD_SCALED,
             trainers=("torch", "fsdp"),
             description="the last parameter's accumulated gradient is 4× too large (a hook that forgets a division)",
         ),
         PlantedBug(
-            name="tp_grad_norm_per_shard",
+            name=Bug.TP_GRAD_NORM_PER_SHARD,
             trainers=("torch", "fsdp"),
             min_tensor_parallel=2,
             description=(
@@ -159,7 +188,7 @@ BUGS: dict[str, PlantedBug] = {
             ),
         ),
         PlantedBug(
-            name="lr_zero",
+            name=Bug.LR_ZERO,
             trainers=("torch",),
             description="a control, not a bug: the optimizer's lr is 0, so the parameters never move",
         ),

@@ -11,7 +11,8 @@ import yaml
 from pydantic import ValidationError
 
 from gaeq.matrix.cell import Matrix
-from gaeq.matrix.expand import expand
+from gaeq.matrix.expand import Expander
+from gaeq.matrix.resume import add_resume
 from gaeq.matrix.schema import MatrixError, MatrixSpec, describe
 from gaeq.problem.dsconfig import ConfigError, read_config
 
@@ -35,7 +36,9 @@ def load_matrix(path: str | Path) -> Matrix:
         raise MatrixError(f"{path}: {exc}") from None
 
 
-def matrix_from_dict(raw: object, *, plugin_dirs: tuple[str, ...] | None = None, base_dir: Path | None = None) -> Matrix:
+def matrix_from_dict(
+    raw: object, *, plugin_dirs: tuple[str, ...] | None = None, base_dir: Path | None = None
+) -> Matrix:
     """Validate and expand a matrix given as data (what a YAML file parses to). Plugins are
     imported from `plugin_dirs` (default: the working directory); a `deepspeed_config` path is read
     relative to `base_dir` (default: the working directory)."""
@@ -57,7 +60,9 @@ def _inline_deepspeed_configs(raw: dict, base_dir: Path) -> dict:
     places = [("problem", raw.get("problem"))]
     variants = raw.get("variants")
     if isinstance(variants, dict):
-        places += [(f"variants.{name}.problem", v.get("problem")) for name, v in variants.items() if isinstance(v, dict)]
+        places += [
+            (f"variants.{name}.problem", v.get("problem")) for name, v in variants.items() if isinstance(v, dict)
+        ]
     for where, problem in places:
         if isinstance(problem, dict) and isinstance(problem.get("deepspeed_config"), str):
             try:
@@ -69,3 +74,21 @@ def _inline_deepspeed_configs(raw: dict, base_dir: Path) -> dict:
 
 def _first_line(exc: BaseException) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+def expand(spec: MatrixSpec, *, plugin_dirs: tuple[str, ...] = ()) -> Matrix:
+    """Baselines + axes × variants + explicit cells + resume experiments → a :class:`Matrix`."""
+    if spec.axes is None and not spec.cells and not spec.resume:
+        raise MatrixError("no cells: give axes, cells or resume (or several)")
+    if spec.axes and spec.axes.dtype and "dtype" in spec.problem.model_fields_set:
+        raise MatrixError("set dtype either in problem.dtype or in axes.dtype, not both")
+    ex = Expander(spec)
+    if spec.axes is not None:
+        ex.add_axes()
+    for c in spec.cells:
+        ex.add(ex.split_of(c), bug=c.bug, expect=c.expect, fault=c.fault)
+    for r in spec.resume:
+        add_resume(ex, r)
+    if spec.noise_floor:
+        ex.add_floor_twins()
+    return ex.matrix(plugin_dirs=plugin_dirs)

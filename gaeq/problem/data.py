@@ -21,8 +21,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from gaeq.matrix import indivisible_message
-from gaeq.problem.spec import RegressionSpec, TokensSpec
+from gaeq.problem.spec import RegressionSpec, TokensSpec, indivisible_message
 
 
 @dataclass(frozen=True, kw_only=True)

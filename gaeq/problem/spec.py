@@ -34,7 +34,9 @@ class PluginSpec(Spec):
     """A user function, imported from the matrix file's folder or the working directory."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
-    import_: str = Field(alias="import", pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", description="package.module:function")
+    import_: str = Field(
+        alias="import", pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", description="package.module:function"
+    )
     args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the function.")
 
 
@@ -227,10 +229,17 @@ class ProblemSpec(Spec):
     def _check(self) -> ProblemSpec:
         if self.schedule.warmup_steps > self.steps:
             raise ValueError(f"schedule.warmup_steps {self.schedule.warmup_steps} exceeds steps {self.steps}")
-        pairs = {"mlp": ("regression", ("mse",)), "gpt": ("tokens", ("cross_entropy",)), "hf": ("tokens", ("cross_entropy", "hf"))}
+        pairs = {
+            "mlp": ("regression", ("mse",)),
+            "gpt": ("tokens", ("cross_entropy",)),
+            "hf": ("tokens", ("cross_entropy", "hf")),
+        }
         kind = getattr(self.model, "kind", None)
         if self.loss == "hf" and kind in ("mlp", "gpt"):  # a model plugin may return a transformers model
-            raise ValueError(f"loss hf is a transformers model's own loss: model {kind} has none (model: {{hf: <class>, config: {{...}}}})")
+            raise ValueError(
+                f"loss hf is a transformers model's own loss: model {kind} has none (model: "
+                f"{{hf: <class>, config: {{...}}}})"
+            )
         if kind in pairs:
             data_kind = getattr(self.data, "kind", None)
             want_data, want_loss = pairs[kind]
@@ -265,3 +274,11 @@ class ProblemSpec(Spec):
     @property
     def num_samples(self) -> int | None:
         return self.data.num_samples
+
+
+def indivisible_message(*, train_batch_size: int, micro_batch_size: int, world_size: int) -> str:
+    """Why a global batch cannot be split so (the matrix's cells and the data plan say it alike)."""
+    return (
+        f"train_batch_size {train_batch_size} is not divisible by "
+        f"micro_batch_size {micro_batch_size} × world_size {world_size}"
+    )

@@ -18,6 +18,7 @@ import time
 
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from gaeq.bugs import Bug
 from gaeq.matrix import Cell
 from gaeq.problem.optim import build_optimizer, build_scheduler, gradient_clipping
 from gaeq.problem.spec import ProblemSpec
@@ -77,13 +78,17 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
                 # hand it GA × this micro-batch's share of the global-batch mean (× dp: DDP
                 # averages over the ranks) — accelerate's recipe for token-normalised losses.
                 loss = micro_loss * task.data_parallel * plan.grad_accum_steps
-                if cell.bug == "accelerate_loss_divided_twice":
+                if cell.bug == Bug.ACCELERATE_LOSS_DIVIDED_TWICE:
                     loss = loss / plan.grad_accum_steps  # planted bug: ÷ GA by hand, then accelerate's ÷ GA
                 accelerator.backward(loss)
-                recorder.measure_model_state(step=step, micro_step=micro_step, model=model, optimizer=optimizer.optimizer)
+                recorder.measure_model_state(
+                    step=step, micro_step=micro_step, model=model, optimizer=optimizer.optimizer
+                )
                 if accelerator.sync_gradients:
                     if recorder.wants("grads", step):
-                        recorder.snapshot(step=step, kind="grads", gather=lambda: {n: p.grad for n, p in model.named_parameters()})
+                        recorder.snapshot(
+                            step=step, kind="grads", gather=lambda: {n: p.grad for n, p in model.named_parameters()}
+                        )
                     grad_norm = ran.grad_norm(accelerator.clip_grad_norm_(net.parameters(), max_norm=max_norm))
                 # ACCUMULATION: called every micro-step, acting on the sync step only.
                 optimizer.step()
@@ -130,5 +135,5 @@ def new_accelerator(cell: Cell, grad_accum_steps: int, *, cpu: bool):
         # By default accelerate steps a prepared scheduler num_processes times per optimizer step
         # (it assumes a schedule written in per-process batches): the schedule would then depend on
         # the world size. Ours is written in optimizer steps: we step it once per sync step.
-        step_scheduler_with_optimizer=cell.bug == "accelerate_scheduler_per_process",  # planted bug: the default
+        step_scheduler_with_optimizer=cell.bug == Bug.ACCELERATE_SCHEDULER_PER_PROCESS,  # planted bug: the default
     )

@@ -16,14 +16,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from gaeq.bugs import Bug
 from gaeq.matrix import Cell
-from gaeq.problem.spec import ProblemSpec
 from gaeq.problem.build import BuiltProblem
 from gaeq.problem.build import build_problem as build
 from gaeq.problem.data import BatchPlan
 from gaeq.problem.hf import dropouts
 from gaeq.problem.loss import mean_of_means_count
 from gaeq.problem.models import sample_keys
+from gaeq.problem.spec import ProblemSpec
 from gaeq.results.snapshots import SnapshotWriter, wanted
 from gaeq.results.trace import StepRecord, TraceWriter
 from gaeq.trainers.cost import CommCounter, PeakMemory, model_state_bytes
@@ -77,11 +78,13 @@ class CellProblem:
         """What a micro-batch's loss sum is divided by: the global batch's element count
         (`normaliser`), so that every element of the global batch weighs the same whatever the
         split (÷ GA included). Counting is where the normalisation bugs are made."""
-        if cell.bug == "mean_of_means":  # planted bug: counts as if every micro-batch were this one
+        if cell.bug == Bug.MEAN_OF_MEANS:  # planted bug: counts as if every micro-batch were this one
             return mean_of_means_count(
-                micro_elements=mb.loss_elements, grad_accum_steps=self.plan.grad_accum_steps, world_size=self.plan.world_size
+                micro_elements=mb.loss_elements,
+                grad_accum_steps=self.plan.grad_accum_steps,
+                world_size=self.plan.world_size,
             )
-        if cell.bug == "hf_num_items_per_micro_batch":
+        if cell.bug == Bug.HF_NUM_ITEMS_PER_MICRO_BATCH:
             return mb.loss_elements  # planted bug: num_items_in_batch of the micro-batch, not the global batch
         return normaliser
 
@@ -202,7 +205,15 @@ class StepRecorder:
             self.snapshots.add(step=step, kind=kind, named=named)
 
     def record(
-        self, *, step: int, local_loss_sum: float, normaliser: int, grad_norm: float, lr: float, seconds: float, skipped: bool = False
+        self,
+        *,
+        step: int,
+        local_loss_sum: float,
+        normaliser: int,
+        grad_norm: float,
+        lr: float,
+        seconds: float,
+        skipped: bool = False,
     ) -> None:
         # float64 end to end: the comparison must not be limited by the logging precision.
         comm_bytes = self.comm.take()

@@ -73,7 +73,12 @@ def save_torch(model, optimizer, scheduler, *, run_dir: str | Path, cell_id: str
         return
     path = torch_checkpoint(run_dir, cell_id, step)
     path.parent.mkdir(parents=True, exist_ok=True)
-    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step}
+    state = {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "step": step,
+    }
     with replacing(path) as partial:
         torch.save(state, partial)
 

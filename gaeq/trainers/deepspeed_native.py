@@ -21,6 +21,7 @@ import torch
 from deepspeed.utils import groups, safe_get_full_fp32_param, safe_get_full_grad
 
 from gaeq.accelerator import allow_emulated_fp16
+from gaeq.bugs import Bug
 from gaeq.matrix import Cell
 from gaeq.problem.dsconfig import cell_config
 from gaeq.problem.optim import build_scheduler, deepspeed_optimizer
@@ -111,7 +112,9 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
             # ranks). Its return value is that ÷ GA; the loss we log is the forward one.
             loss = micro_loss * task.data_parallel * plan.grad_accum_steps
             engine.backward(loss)
-            recorder.measure_model_state(step=step, micro_step=micro_step, model=engine.module, optimizer=engine.optimizer)
+            recorder.measure_model_state(
+                step=step, micro_step=micro_step, model=engine.module, optimizer=engine.optimizer
+            )
             if boundary:
                 with recorder.comm.paused():  # our measurement (the engine clips by its own)
                     grad_norm = _norm_before_step(engine)
@@ -205,7 +208,7 @@ def deepspeed_config(
         # engine wants micro × GA × world (tp ranks counted as if they saw other samples), ZeRO-3's
         # zero.Init micro × GA × dp. Left out, it is derived (and the engine reports tp × B).
         del config["train_batch_size"]
-    if cell.bug == "deepspeed_default_clipping":
+    if cell.bug == Bug.DEEPSPEED_DEFAULT_CLIPPING:
         del config["gradient_clipping"]  # planted bug: trusts DeepSpeed's default (1.0 in 0.19)
     return config
 
@@ -213,7 +216,10 @@ def deepspeed_config(
 def _autotp_config(cell: Cell, plan: dict[str, str]) -> dict[str, Any]:
     """AutoTP training: the plan's layers split column- and row-wise by name, nothing else (no
     preset, no default specs: embeddings, norms and the head stay whole, as in the torch trainer)."""
-    patterns = {style: [rf"^{re.escape(name)}\.weight$" for name, s in plan.items() if s == style] for style in ("colwise", "rowwise")}
+    patterns = {
+        style: [rf"^{re.escape(name)}\.weight$" for name, s in plan.items() if s == style]
+        for style in ("colwise", "rowwise")
+    }
     return {
         "autotp_size": cell.tensor_parallel,
         "partition_config": {
@@ -260,7 +266,7 @@ def _grad_accum_dtype(cell: Cell) -> str:
     ZeRO-0 refuses anything else); the loss scale keeps them out of the subnormals."""
     if cell.dtype == "ds_fp16":
         return "fp16"
-    return "bf16" if cell.bug == "grad_accum_bf16" else "fp32"
+    return "bf16" if cell.bug == Bug.GRAD_ACCUM_BF16 else "fp32"
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -280,7 +286,12 @@ def _zero_config(cell: Cell, nvme_path: Path | None, nvme_buffer_numel: int) -> 
     if cell.offload == "nvme":  # ZeRO-Infinity: the optimizer state and the parameters in files (ZeRO-3)
         swap = {"device": "nvme", "nvme_path": str(nvme_path), "pin_memory": False}
         # 4 buffers: Adam's fp32 parameter, gradient, momentum, variance; no fast_init, no pipelining
-        zero["offload_optimizer"] = swap | {"buffer_count": 4, "fast_init": False, "pipeline_read": False, "pipeline_write": False}
+        zero["offload_optimizer"] = swap | {
+            "buffer_count": 4,
+            "fast_init": False,
+            "pipeline_read": False,
+            "pipeline_write": False,
+        }
         # every partition goes to its file (max_in_cpu 0), through 5 buffers each large enough for any
         # parameter (DeepSpeed's examples say 1e8 elements: 2 GB of buffers for a 2 MB model)
         buffer = -(-nvme_buffer_numel // 2**20) * 2**20  # whole MiB-elements

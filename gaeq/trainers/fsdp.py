@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
+from gaeq.bugs import Bug
 from gaeq.matrix import Cell
 from gaeq.problem.optim import build_optimizer, build_scheduler, gradient_clipping
 from gaeq.problem.spec import ProblemSpec
@@ -48,9 +49,13 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     last_param = list(model.parameters())[-1]
     # clip_grad_norm_ returns the pre-clipping norm; max_norm=inf measures without clipping.
     max_norm = gradient_clipping(problem) or math.inf
-    clip_grad_norm_ = torch.nn.utils.clip_grad_norm_ if split is None else tensor_parallel.clip_grad_norm_  # DTensors on two meshes
-    if cell.bug == "tp_grad_norm_per_shard":
-        clip_grad_norm_ = functools.partial(tensor_parallel.clip_grad_norm_, per_shard=True)  # planted bug: each rank its slices' norm
+    clip_grad_norm_ = (
+        torch.nn.utils.clip_grad_norm_ if split is None else tensor_parallel.clip_grad_norm_
+    )  # DTensors on two meshes
+    if cell.bug == Bug.TP_GRAD_NORM_PER_SHARD:
+        clip_grad_norm_ = functools.partial(
+            tensor_parallel.clip_grad_norm_, per_shard=True
+        )  # planted bug: each rank its slices' norm
     recorder = StepRecorder(cell=cell, ctx=ctx, steps=problem.steps)
     recorder.count_collectives(model if ctx.world_size > 1 else None)
     recorder.count_collectives(split)
@@ -86,19 +91,23 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
             loss.backward()
             recorder.measure_model_state(step=step, micro_step=micro_step, model=model, optimizer=optimizer)
             local_loss_sum += micro_loss.item() * num_items
-        if cell.bug == "one_grad_scaled":
+        if cell.bug == Bug.ONE_GRAD_SCALED:
             last_param.grad.mul_(4.0)  # planted bug: one tensor's gradient 4× (AdamW hardly notices)
         # ACCUMULATION: at the boundary the gradients are sharded; the grad norm and clipping
         # reduce over the shards (a DTensor norm), then step, schedule, zero — as torch_manual.
         if recorder.wants("grads", step):  # full tensors, gathered from every shard: all ranks call it
-            recorder.snapshot(step=step, kind="grads", gather=lambda: {n: full(p.grad) for n, p in model.named_parameters()})
+            recorder.snapshot(
+                step=step, kind="grads", gather=lambda: {n: full(p.grad) for n, p in model.named_parameters()}
+            )
         grad_norm = ran.grad_norm(full(clip_grad_norm_(model.parameters(), max_norm=max_norm)))
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         ran.step_done()
         if recorder.wants("params", step):
-            recorder.snapshot(step=step, kind="params", gather=lambda: {n: full(p) for n, p in model.named_parameters()})
+            recorder.snapshot(
+                step=step, kind="params", gather=lambda: {n: full(p) for n, p in model.named_parameters()}
+            )
         recorder.record(
             step=step,
             local_loss_sum=local_loss_sum,
@@ -121,4 +130,3 @@ def shard_units(model: torch.nn.Module) -> list[torch.nn.Module]:
         if isinstance(owner, torch.nn.ModuleList):
             return list(owner)
     return []
-

@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import PrinterCallback
 
+from gaeq.bugs import Bug
 from gaeq.matrix import Cell
 from gaeq.problem.build import BuiltProblem
 from gaeq.problem.data import IGNORE_INDEX
@@ -67,7 +68,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         # 0 would skip clip_grad_norm_ — and with it the grad norm; inf measures without clipping.
         max_grad_norm=problem.gradient_clipping or math.inf,
         # The global batch's token count, gathered over ranks; False counts each rank's own.
-        average_tokens_across_devices=cell.bug != "hf_tokens_per_device",  # planted bug: per device
+        average_tokens_across_devices=cell.bug != Bug.HF_TOKENS_PER_DEVICE,  # planted bug: per device
         bf16=cell.dtype == "bf16",
         seed=problem.seed,
         use_cpu=ctx.device.type == "cpu",
@@ -82,10 +83,12 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     dataset = PositionDataset(task, steps=problem.steps, with_positions=not own_loss)
     trainer = PlanTrainer(model=model, args=args, train_dataset=dataset)
     trainer.remove_callback(PrinterCallback)  # the rank's log, not its stdout
-    if cell.bug == "hf_deepspeed_loss_divided_twice":  # planted bug: transformers before #35808 let DeepSpeed ÷ GA too
+    if (
+        cell.bug == Bug.HF_DEEPSPEED_LOSS_DIVIDED_TWICE
+    ):  # planted bug: transformers before #35808 let DeepSpeed ÷ GA too
         backward = trainer.accelerator.backward
         trainer.accelerator.backward = lambda loss, **kwargs: backward(loss, **{**kwargs, "scale_wrt_gas": True})
-    if cell.bug == "hf_loss_per_micro_batch":
+    if cell.bug == Bug.HF_LOSS_PER_MICRO_BATCH:
         trainer.model_accepts_loss_kwargs = False  # planted bug: no num_items_in_batch — each micro-batch's mean ÷ GA
     recorder = StepRecorder(cell=cell, ctx=ctx, steps=problem.steps)
     ran = Provenance(
@@ -121,7 +124,12 @@ def trainer_deepspeed_config(cell: Cell, problem: ProblemSpec) -> dict[str, Any]
     from gaeq.trainers.deepspeed_native import deepspeed_config
 
     config = deepspeed_config(cell, problem)
-    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping"):
+    for key in (
+        "train_batch_size",
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+        "gradient_clipping",
+    ):
         config[key] = "auto"
     return config
 
@@ -182,8 +190,17 @@ class Recording(TrainerCallback):
     every forward (read by hooks on the model), the grad norm from the Trainer's own log of the step
     (its clip_grad_norm_, before clipping), Provenance after the first step, parameter snapshots."""
 
-    def __init__(self, *, task, recorder: StepRecorder, ran: Provenance, cell: Cell, rank: int, trainer: Trainer) -> None:
-        self.task, self.recorder, self.ran, self.cell, self.rank, self.trainer = task, recorder, ran, cell, rank, trainer
+    def __init__(
+        self, *, task, recorder: StepRecorder, ran: Provenance, cell: Cell, rank: int, trainer: Trainer
+    ) -> None:
+        self.task, self.recorder, self.ran, self.cell, self.rank, self.trainer = (
+            task,
+            recorder,
+            ran,
+            cell,
+            rank,
+            trainer,
+        )
         self.step, self.lr, self.started, self.local_loss_sum = 0, 0.0, 0.0, 0.0
 
     def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
@@ -204,7 +221,9 @@ class Recording(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         self.ran.step_done()
         if self.recorder.wants("params", self.step):
-            self.recorder.snapshot(step=self.step, kind="params", gather=lambda: dict(self.task.model.named_parameters()))
+            self.recorder.snapshot(
+                step=self.step, kind="params", gather=lambda: dict(self.task.model.named_parameters())
+            )
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not logs or "grad_norm" not in logs:
@@ -237,4 +256,7 @@ class Recording(TrainerCallback):
                 count = (kwargs["labels"] != IGNORE_INDEX).sum()
             self.local_loss_sum += loss.item() * float(count)
 
-        return [model.register_forward_pre_hook(before, with_kwargs=True), model.register_forward_hook(after, with_kwargs=True)]
+        return [
+            model.register_forward_pre_hook(before, with_kwargs=True),
+            model.register_forward_hook(after, with_kwargs=True),
+        ]

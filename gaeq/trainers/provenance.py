@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from gaeq.accelerator import fp16_emulated
+from gaeq.bugs import Bug
 from gaeq.matrix import Cell, Role
 from gaeq.problem.optim import gradient_clipping
 from gaeq.problem.spec import ProblemSpec
@@ -55,8 +56,8 @@ def label_of(cell: Cell, problem: ProblemSpec) -> dict[str, Any]:
             label["zero_stage"] = cell.zero_stage
         return label | {
             "grad_accum_steps": cell.grad_accum_steps,
-            "model_accepts_loss_kwargs": cell.bug != "hf_loss_per_micro_batch",
-            "average_tokens_across_devices": cell.bug != "hf_tokens_per_device",
+            "model_accepts_loss_kwargs": cell.bug != Bug.HF_LOSS_PER_MICRO_BATCH,
+            "average_tokens_across_devices": cell.bug != Bug.HF_TOKENS_PER_DEVICE,
         }
     if cell.trainer == "accelerate":
         return label | {
@@ -65,7 +66,7 @@ def label_of(cell: Cell, problem: ProblemSpec) -> dict[str, Any]:
             "ddp": cell.world_size > 1 or "LOCAL_RANK" in os.environ,
             "grad_accum_steps": cell.grad_accum_steps,
             "mixed_precision": {"fp32": "no", "bf16": "bf16"}[cell.dtype],
-            "scheduler_steps_with_optimizer": cell.bug == "accelerate_scheduler_per_process",
+            "scheduler_steps_with_optimizer": cell.bug == Bug.ACCELERATE_SCHEDULER_PER_PROCESS,
         }
     label |= {
         "zero_stage": cell.zero_stage,
@@ -80,10 +81,10 @@ def label_of(cell: Cell, problem: ProblemSpec) -> dict[str, Any]:
     if problem.deepspeed_config is not None:
         pass  # the user's file decides the accumulation dtype; `ran` reports it
     elif cell.dtype == "ds_bf16":  # bf16 accumulation is a planted bug
-        label["grad_accum_dtype"] = "bfloat16" if cell.bug == "grad_accum_bf16" else "float32"
+        label["grad_accum_dtype"] = "bfloat16" if cell.bug == Bug.GRAD_ACCUM_BF16 else "float32"
     elif cell.dtype == "ds_fp16":
         label["grad_accum_dtype"] = "float16"
-    if cell.bug != "deepspeed_default_clipping":  # that bug is DeepSpeed's default clipping
+    if cell.bug != Bug.DEEPSPEED_DEFAULT_CLIPPING:  # that bug is DeepSpeed's default clipping
         label["gradient_clipping"] = gradient_clipping(problem)
     return label
 
@@ -132,7 +133,11 @@ class Provenance:
         # unless a library changed it (the thread count changes summation order).
         self.ran["intra_op_threads"] = torch.get_num_threads()
         self.ran |= {key: measure() for key, measure in self._at_first_step.items()}
-        wrong = [f"{key}: label {want!r}, ran {self.ran.get(key)!r}" for key, want in self.label.items() if self.ran.get(key) != want]
+        wrong = [
+            f"{key}: label {want!r}, ran {self.ran.get(key)!r}"
+            for key, want in self.label.items()
+            if self.ran.get(key) != want
+        ]
         if wrong:
             raise LabelMismatch("the cell did not run what its label says — " + "; ".join(wrong))
 

@@ -27,7 +27,9 @@ class TensorParallel:
     """One cell's split: its mesh, and what the trainers do differently because of it."""
 
     def __init__(self, *, cell: Cell, device: torch.device) -> None:
-        self.mesh: DeviceMesh = init_device_mesh(device.type, (cell.data_parallel, cell.tensor_parallel), mesh_dim_names=("dp", "tp"))
+        self.mesh: DeviceMesh = init_device_mesh(
+            device.type, (cell.data_parallel, cell.tensor_parallel), mesh_dim_names=("dp", "tp")
+        )
         self.dp_group = self.mesh["dp"].get_group()
         self.data_parallel = cell.data_parallel
 

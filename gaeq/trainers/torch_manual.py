@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from gaeq.bugs import Bug
 from gaeq.matrix import Cell, Role
 from gaeq.problem.optim import build_optimizer, build_scheduler, gradient_clipping
 from gaeq.problem.spec import ProblemSpec
@@ -42,23 +43,32 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     ddp = DDP(model) if ctx.world_size > 1 and split is None else None
     net = ddp or model
     optimizer = build_optimizer(model.parameters(), problem)
-    if cell.bug == "lr_zero":
+    if cell.bug == Bug.LR_ZERO:
         optimizer.param_groups[0]["lr"] = 0.0  # planted control: the compared side never moves
     scheduler = build_scheduler(optimizer, problem)
     # fp16: torch's GradScaler, as an fp16 user writes it (a pass-through in every other dtype).
     # Its policy is written out, the same as ds_fp16's in deepspeed_native.py: start at 2^16,
     # halve on an overflow (and skip that update), double after 1000 clean steps.
     scaler = torch.amp.GradScaler(
-        ctx.device.type, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=1000, enabled=cell.dtype == "fp16"
+        ctx.device.type,
+        init_scale=2.0**16,
+        growth_factor=2.0,
+        backoff_factor=0.5,
+        growth_interval=1000,
+        enabled=cell.dtype == "fp16",
     )
     # clip_grad_norm_ returns the pre-clipping norm; max_norm=inf measures without clipping.
     max_norm = gradient_clipping(problem) or math.inf
-    clip_grad_norm_ = torch.nn.utils.clip_grad_norm_ if split is None else tensor_parallel.clip_grad_norm_  # a sharded model's norm
+    clip_grad_norm_ = (
+        torch.nn.utils.clip_grad_norm_ if split is None else tensor_parallel.clip_grad_norm_
+    )  # a sharded model's norm
     if cell.role == Role.BASELINE:  # the reference sums the norm that clips in float64, not in float32 as users do
         clip_grad_norm_ = functools.partial(tensor_parallel.clip_grad_norm_, dtype=torch.float64)
-    if cell.bug == "tp_grad_norm_per_shard":
-        clip_grad_norm_ = functools.partial(tensor_parallel.clip_grad_norm_, per_shard=True)  # planted bug: each rank its slices' norm
-    if cell.bug == "unmirrored_default_clipping":  # planted bug: no key in the file, so "no clipping"
+    if cell.bug == Bug.TP_GRAD_NORM_PER_SHARD:
+        clip_grad_norm_ = functools.partial(
+            tensor_parallel.clip_grad_norm_, per_shard=True
+        )  # planted bug: each rank its slices' norm
+    if cell.bug == Bug.UNMIRRORED_DEFAULT_CLIPPING:  # planted bug: no key in the file, so "no clipping"
         max_norm = problem.mirror.gradient_clipping or math.inf
     last_param = list(model.parameters())[-1]
     recorder = StepRecorder(cell=cell, ctx=ctx, steps=problem.steps)
@@ -94,27 +104,29 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
                 # ACCUMULATION: we divide — num_items counts the whole global batch, so ÷ GA is in it —
                 # and multiply by the data-parallel ranks, because DDP averages over them.
                 loss = micro_loss * task.data_parallel
-                if cell.bug == "no_loss_division":
+                if cell.bug == Bug.NO_LOSS_DIVISION:
                     loss = loss * plan.grad_accum_steps  # planted bug: forgets ÷ GA
                 scaler.scale(loss).backward()
             recorder.measure_model_state(step=step, micro_step=micro_step, model=model, optimizer=optimizer)
-            if cell.bug == "clip_every_micro_step":
+            if cell.bug == Bug.CLIP_EVERY_MICRO_STEP:
                 clip_grad_norm_(model.parameters(), max_norm=max_norm)  # planted bug
-            if cell.bug == "scheduler_every_micro_step" and not boundary:
+            if cell.bug == Bug.SCHEDULER_EVERY_MICRO_STEP and not boundary:
                 scheduler.step()  # planted bug: the schedule runs GA× too fast
             local_loss_sum += micro_loss.item() * num_items
         if split is not None:  # ACCUMULATION: the boundary's all-reduce over the data-parallel ranks
             split.average_gradients(model.parameters())
-        if cell.bug == "one_grad_scaled":
+        if cell.bug == Bug.ONE_GRAD_SCALED:
             last_param.grad.mul_(4.0)  # planted bug: one tensor's gradient 4× (AdamW hardly notices)
         # ACCUMULATION: at the boundary we unscale (fp16), clip, step the optimizer, step the
         # schedule, zero.
-        if cell.bug == "loss_scale_not_unscaled_before_clip":
+        if cell.bug == Bug.LOSS_SCALE_NOT_UNSCALED_BEFORE_CLIP:
             grad_norm = ran.grad_norm(clip_grad_norm_(model.parameters(), max_norm=max_norm))  # planted bug
         scaler.unscale_(optimizer)
         if recorder.wants("grads", step):
-            recorder.snapshot(step=step, kind="grads", gather=lambda: {n: full(p.grad) for n, p in model.named_parameters()})
-        if cell.bug != "loss_scale_not_unscaled_before_clip":
+            recorder.snapshot(
+                step=step, kind="grads", gather=lambda: {n: full(p.grad) for n, p in model.named_parameters()}
+            )
+        if cell.bug != Bug.LOSS_SCALE_NOT_UNSCALED_BEFORE_CLIP:
             grad_norm = ran.grad_norm(clip_grad_norm_(model.parameters(), max_norm=max_norm))
         scale = scaler.get_scale()
         scaler.step(optimizer)  # fp16: no update when the gradient overflowed
@@ -125,7 +137,9 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         optimizer.zero_grad(set_to_none=True)
         ran.step_done()
         if recorder.wants("params", step):
-            recorder.snapshot(step=step, kind="params", gather=lambda: {n: full(p) for n, p in model.named_parameters()})
+            recorder.snapshot(
+                step=step, kind="params", gather=lambda: {n: full(p) for n, p in model.named_parameters()}
+            )
         recorder.record(
             step=step,
             local_loss_sum=local_loss_sum,

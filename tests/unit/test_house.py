@@ -12,14 +12,28 @@ GAEQ = REPO / "gaeq"
 MAX_LINES = 400
 
 
+def runtime_imports(tree: ast.AST) -> list[ast.stmt]:
+    """Every import statement that runs — at module level or inside a function (a deferred import
+    is still an edge) — but those under `if TYPE_CHECKING:`, which only a type checker reads."""
+    found, stack = [], [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            found.append(node)
+        stack.extend(ast.iter_child_nodes(node))
+    return found
+
+
 def module_imports() -> dict[str, set[str]]:
-    """gaeq module → the gaeq modules it imports at module level (imports inside functions are
-    the deliberate way to defer heavy or upward imports)."""
+    """gaeq module → the gaeq modules it imports, at module level or inside a function."""
     modules = {}
     for path in GAEQ.rglob("*.py"):
         name = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
         deps = set()
-        for node in ast.parse(path.read_text()).body:
+        for node in runtime_imports(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("gaeq"):
                 deps |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
             elif isinstance(node, ast.Import):
@@ -36,7 +50,7 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
         path.append(module)
         for dep in sorted(graph[module]):
             if dep in path:
-                found.append(path[path.index(dep):] + [dep])
+                found.append(path[path.index(dep) :] + [dep])
             elif dep not in done:
                 visit(dep)
         path.pop()
@@ -61,8 +75,19 @@ def test_the_control_a_circle_is_found():
     )
 
 
+def test_the_control_an_import_inside_a_function_counts_and_a_type_only_one_does_not():
+    tree = ast.parse(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from gaeq.matrix.expand import Expander\n"
+        "def add(ex):\n    from gaeq.matrix.resume import add_resume\n"
+    )
+    assert sorted(n.module for n in runtime_imports(tree)) == ["gaeq.matrix.resume", "typing"]
+
+
 def test_no_module_over_400_lines():
-    long = {str(p.relative_to(REPO)): n for p in GAEQ.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    long = {
+        str(p.relative_to(REPO)): n for p in GAEQ.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
     assert long == {}
 
 
@@ -173,8 +198,54 @@ def test_every_dotted_name_in_the_architecture_exists_in_the_code():
 
 def test_the_control_a_renamed_function_is_found():
     modules, classes = code_index()
-    assert resolves("launch.preload_modules", modules, classes)
+    assert resolves("server.preload_modules", modules, classes)
     assert resolves("Expander.cell", modules, classes) and resolves("build.BuiltProblem.micro_loss", modules, classes)
     assert not resolves("base.build_problem_that_was_renamed", modules, classes)
     assert not resolves("Expander.no_such_method", modules, classes)
     assert dotted_names("`trace.jsonl`, `deepspeed.zero.Init`, `api.run(x)`") == {"api.run"}
+
+
+def bug_sites(tree: ast.AST) -> list[ast.Compare]:
+    """Comparisons with a cell's planted bug: `<x>.bug == …` / `!=` / `in`."""
+    return [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Compare) and isinstance(node.left, ast.Attribute) and node.left.attr == "bug"
+    ]
+
+
+def named_bug(site: ast.Compare) -> str | None:
+    """The member a site compares with (`Bug.X`), or None when it names none (a bare string...)."""
+    right = site.comparators[0]
+    if isinstance(right, ast.Attribute) and isinstance(right.value, ast.Name) and right.value.id == "Bug":
+        return right.attr
+    return None
+
+
+def every_bug_site() -> dict[str, list[str]]:
+    """Member name → where it is compared with; a site that names no member under "?"."""
+    sites: dict[str, list[str]] = {}
+    for path in sorted((REPO / "gaeq").rglob("*.py")):
+        for site in bug_sites(ast.parse(path.read_text())):
+            if isinstance(site.comparators[0], ast.Constant) and site.comparators[0].value is None:
+                continue  # `cell.bug is None`-style checks name no bug
+            where = f"{path.relative_to(REPO)}:{site.lineno}"
+            sites.setdefault(named_bug(site) or "?", []).append(where)
+    return sites
+
+
+def test_every_planted_bug_has_a_site_and_every_site_names_a_planted_bug():
+    """A bug that no line plants would be a control that never fires; a site comparing with a bare
+    string could be misspelt and never fire either (gaeq/bugs.py)."""
+    from gaeq.bugs import BUGS, Bug
+
+    sites = every_bug_site()
+    assert "?" not in sites, f"compare cell.bug with a Bug member, not a string: {sites.get('?')}"
+    assert set(sites) <= {m.name for m in Bug}, f"no such Bug member: {set(sites) - {m.name for m in Bug}}"
+    assert {m.name for m in Bug} <= set(sites), f"planted bugs no line plants: {({m.name for m in Bug}) - set(sites)}"
+    assert set(BUGS) == {m.value for m in Bug}
+
+
+def test_the_control_a_string_site_is_found():
+    tree = ast.parse('if cell.bug == "no_loss_divison":\n    pass\nif cell.bug == Bug.LR_ZERO:\n    pass\n')
+    assert [named_bug(site) for site in bug_sites(tree)] == [None, "LR_ZERO"]
