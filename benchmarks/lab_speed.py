@@ -53,7 +53,12 @@ def peer_comparison(*, steps: int) -> tuple[float, float, float, float]:
     with tempfile.TemporaryDirectory() as tmp:
         spec = yaml.safe_load((REPO / "experiments" / "ga.yaml").read_text())
         spec["problem"]["steps"] = steps
-        spec["axes"] = {"trainer": ["deepspeed"], "world_size": [2], "micro_batch_size": [4, 8], "zero_stage": [0, 1, 2, 3]}
+        spec["axes"] = {
+            "trainer": ["deepspeed"],
+            "world_size": [2],
+            "micro_batch_size": [4, 8],
+            "zero_stage": [0, 1, 2, 3],
+        }
         spec.pop("cells", None), spec.pop("variants", None)
         matrix = Path(tmp) / "peer.yaml"
         matrix.write_text(yaml.safe_dump(spec))
@@ -71,10 +76,15 @@ def peer_comparison(*, steps: int) -> tuple[float, float, float, float]:
         launches += time.perf_counter() - started
         trained = re.search(r"trained in ([\d.]+) s", proc.stdout)
         if trained is None:  # it did not train: nothing of it can be compared
-            sys.exit(f"plain_deepspeed.py --zero {zero} --micro {micro} failed ({proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+            sys.exit(
+                f"plain_deepspeed.py --zero {zero} --micro {micro} failed "
+                f"({proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+            )
         peer_loop += float(trained.group(1))
         if proc.returncode != 0:  # trained, then died at exit: counted (its time was spent), and said
-            failed.append(f"--zero {zero} --micro {micro} (exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]})")
+            failed.append(
+                f"--zero {zero} --micro {micro} (exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]})"
+            )
     for launch in failed:
         print(f"  note: plain_deepspeed.py {launch} finished training, then failed at exit")
     return gaeq, gaeq_loop, launches, peer_loop
@@ -121,7 +131,10 @@ def bare_vs_trainer(*, steps: int, repeats: int) -> dict[str, float]:
 
     def generate():
         built = build_problem(problem)
-        return built, [[built.dataset.batch(plan.sample_indices(step=s, micro_step=k, rank=0)) for k in range(ga)] for s in range(steps)]
+        return built, [
+            [built.dataset.batch(plan.sample_indices(step=s, micro_step=k, rank=0)) for k in range(ga)]
+            for s in range(steps)
+        ]
 
     def bare(*, inline: bool = False) -> float:
         """The same training without gaeq: batches made beforehand, or (`inline`) as it goes — as
@@ -133,7 +146,11 @@ def bare_vs_trainer(*, steps: int, repeats: int) -> dict[str, float]:
         started = time.perf_counter()
         for step in range(steps):
             for k in range(ga):
-                x, y = built.dataset.batch(plan.sample_indices(step=step, micro_step=k, rank=0)) if inline else batches[step][k]
+                x, y = (
+                    built.dataset.batch(plan.sample_indices(step=step, micro_step=k, rank=0))
+                    if inline
+                    else batches[step][k]
+                )
                 (mse_sum(model(x), y) / cell.train_batch_size).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), problem.gradient_clipping)
             optimizer.step()
@@ -168,7 +185,13 @@ def bare_vs_trainer(*, steps: int, repeats: int) -> dict[str, float]:
         recorder.close()
         return elapsed
 
-    measures = {"bare": bare, "data": data_only, "floor": lambda: bare(inline=True), "trainer": trainer, "recording": recording}
+    measures = {
+        "bare": bare,
+        "data": data_only,
+        "floor": lambda: bare(inline=True),
+        "trainer": trainer,
+        "recording": recording,
+    }
     for fn in measures.values():
         fn()  # warm-up
     results: dict[str, list[float]] = {name: [] for name in measures}
@@ -181,48 +204,82 @@ def bare_vs_trainer(*, steps: int, repeats: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--matrix", type=Path, default=REPO / "experiments" / "ga.yaml")
-    parser.add_argument("--skip-isolate", action="store_true", help="Only the in-process measurements and one reuse run.")
+    parser.add_argument(
+        "--skip-isolate", action="store_true", help="Only the in-process measurements and one reuse run."
+    )
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--skip-peer", action="store_true", help="Leave out the one-launch-per-configuration comparison (~2 min).")
+    parser.add_argument(
+        "--skip-peer", action="store_true", help="Leave out the one-launch-per-configuration comparison (~2 min)."
+    )
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
         reuse = run_matrix(args.matrix, Path(tmp) / "reuse")
         loop = in_loop_seconds(Path(tmp) / "reuse")
-        print(f"default matrix, process groups reused (lanes side by side): {reuse:.1f} s wall; summed in-loop training "
-              f"{loop:.1f} s → wall / in-loop = {reuse / loop:.2f} (target ≤ 1.3)")  # fmt: skip
+        print(
+            f"default matrix, process groups reused (lanes side by side): {reuse:.1f} s wall; "
+            f"summed in-loop training {loop:.1f} s → wall / in-loop = {reuse / loop:.2f} (target ≤ 1.3)"
+        )
         one = run_matrix(args.matrix, Path(tmp) / "one-lane", "--lanes", "1")
         one_loop = in_loop_seconds(Path(tmp) / "one-lane")
         print(f"the same with --lanes 1 (groups one after another): {one:.1f} s wall; in-loop {one_loop:.1f} s "
               f"→ wall / in-loop = {one / one_loop:.2f}")  # fmt: skip
         laned, alone = step_seconds(Path(tmp) / "reuse"), step_seconds(Path(tmp) / "one-lane")
-        w1 = [c["id"] for c in json.loads((Path(tmp) / "reuse" / "report.json").read_text())["cells"] if c["world_size"] == 1]
+        w1 = [
+            c["id"]
+            for c in json.loads((Path(tmp) / "reuse" / "report.json").read_text())["cells"]
+            if c["world_size"] == 1
+        ]
         ratios = sorted(laned[i] / alone[i] for i in w1)
-        print(f"cost columns: world-1 cells' step time in a lane ÷ with --lanes 1: median {statistics.median(ratios):.2f} "
-              f"(from {ratios[0]:.2f} to {ratios[-1]:.2f}, {len(ratios)} cells; run-to-run noise of one cell is of that order)")  # fmt: skip
+        print(
+            "cost columns: world-1 cells' step time in a lane ÷ with --lanes 1: median "
+            f"{statistics.median(ratios):.2f} "
+            f"(from {ratios[0]:.2f} to {ratios[-1]:.2f}, {len(ratios)} cells; run-to-run noise of one cell is of "
+            "that order)"
+        )
         if not args.skip_isolate:
             isolate = run_matrix(args.matrix, Path(tmp) / "isolate", "--isolate")
-            print(f"default matrix, --isolate: {isolate:.1f} s wall → isolate / reuse = {isolate / reuse:.1f}× (target ≥ 8×)")
+            print(
+                f"default matrix, --isolate: {isolate:.1f} s wall → isolate / reuse = {isolate / reuse:.1f}× (target "
+                "≥ 8×)"
+            )
 
     if not args.skip_peer:
         gaeq, gaeq_loop, launches, peer_loop = peer_comparison(steps=50)
         n = len(PEER_CONFIGS)
-        print(f"peer check, {n} ZeRO × GA configurations at world 2, 50 steps: one launch each of a plain DeepSpeed "
-              f"script {launches:.1f} s ({launches / n:.1f} s a configuration) vs one gaeq run {gaeq:.1f} s "
-              f"({gaeq / n:.2f} s a configuration) → {launches / gaeq:.1f}× per configuration (target ≥ 20×)")  # fmt: skip
-        print(f"  training loops alone: the launches' {peer_loop:.1f} s, gaeq's cells' {gaeq_loop:.1f} s → even a gaeq run "
-              f"that were nothing but its training would be {launches / gaeq_loop:.1f}× faster per configuration")  # fmt: skip
+        print(
+            f"peer check, {n} ZeRO × GA configurations at world 2, 50 steps: one launch each of a plain DeepSpeed "
+            f"script {launches:.1f} s ({launches / n:.1f} s a configuration) vs one gaeq run {gaeq:.1f} s "
+            f"({gaeq / n:.2f} s a configuration) → {launches / gaeq:.1f}× per configuration (target ≥ 20×)"
+        )
+        print(
+            f"  training loops alone: the launches' {peer_loop:.1f} s, gaeq's cells' {gaeq_loop:.1f} s → even a gaeq "
+            "run "
+            f"that were nothing but its training would be {launches / gaeq_loop:.1f}× faster per configuration"
+        )
 
     t = bare_vs_trainer(steps=args.steps, repeats=args.repeats)
     ms = {k: v * 1e3 for k, v in t.items()}
     overhead = t["recording"] / t["bare"]
-    print(f"per optimizer step (MLP, B=32, GA 4, 1 thread): bare loop {ms['bare']:.2f} ms; data generation alone {ms['data']:.2f} ms; "
-          f"bare loop generating its batches as it goes {ms['floor']:.2f} ms; gaeq trainer {ms['trainer']:.2f} ms")  # fmt: skip
-    print(f"gaeq trainer ÷ bare loop generating as it goes = {t['trainer'] / t['floor']:.2f}× (target ≤ 1.25); "
-          f"÷ (bare + data generation apart) = {t['trainer'] / (t['bare'] + t['data']):.2f}×; ÷ bare = {t['trainer'] / t['bare']:.2f}×")  # fmt: skip
-    print(f"recording/instrumentation: {t['recording'] * 1e6:.0f} µs a step = {overhead:.1%} of a bare step (target ≤ 5 %)")
-    print(f"trainer minus the generating bare loop minus recording: {(t['trainer'] - t['floor'] - t['recording']) * 1e3:+.2f} ms")
+    print(
+        f"per optimizer step (MLP, B=32, GA 4, 1 thread): bare loop {ms['bare']:.2f} ms; data generation alone "
+        f"{ms['data']:.2f} ms; "
+        f"bare loop generating its batches as it goes {ms['floor']:.2f} ms; gaeq trainer {ms['trainer']:.2f} ms"
+    )
+    print(
+        f"gaeq trainer ÷ bare loop generating as it goes = {t['trainer'] / t['floor']:.2f}× (target ≤ 1.25); "
+        f"÷ (bare + data generation apart) = {t['trainer'] / (t['bare'] + t['data']):.2f}×; ÷ bare = "
+        f"{t['trainer'] / t['bare']:.2f}×"
+    )
+    print(
+        f"recording/instrumentation: {t['recording'] * 1e6:.0f} µs a step = {overhead:.1%} of a bare step (target ≤ "
+        "5 %)"
+    )
+    print(
+        "trainer minus the generating bare loop minus recording: "
+        f"{(t['trainer'] - t['floor'] - t['recording']) * 1e3:+.2f} ms"
+    )
     if math.isnan(overhead):
         sys.exit(1)
 

@@ -27,7 +27,9 @@ def parameters(run_dir: Path) -> dict[str, int]:
     from gaeq.problem.build import build_problem
 
     matrix = load_matrix(run_dir / "matrix.yaml")
-    return {v: sum(p.numel() for p in build_problem(problem).model.parameters()) for v, problem in matrix.problems.items()}
+    return {
+        v: sum(p.numel() for p in build_problem(problem).model.parameters()) for v, problem in matrix.problems.items()
+    }
 
 
 def ladder(run_dir: Path) -> list[dict]:
@@ -68,11 +70,25 @@ def figure(rows: list[dict], path: Path) -> None:
     for dtype, marker in (("fp32", "o"), ("bf16", "s")):
         mine = [r for r in rows if r["group"].split("@")[0] == dtype and r["floor_loss"] is not None]
         x = [r["parameters"] for r in mine]
-        left.scatter(x, [max(r["floor_loss"], 1e-12) for r in mine], marker=marker, label=f"{dtype}: twin's drift (the floor)")
-        left.scatter(x, [max(r["max_loss"] or 0, 1e-12) for r in mine], marker=marker, facecolors="none", edgecolors="C2",
-                     label=f"{dtype}: largest |Δloss| of a correct split")  # fmt: skip
+        left.scatter(
+            x, [max(r["floor_loss"], 1e-12) for r in mine], marker=marker, label=f"{dtype}: twin's drift (the floor)"
+        )
+        left.scatter(
+            x,
+            [max(r["max_loss"] or 0, 1e-12) for r in mine],
+            marker=marker,
+            facecolors="none",
+            edgecolors="C2",
+            label=f"{dtype}: largest |Δloss| of a correct split",
+        )
         margins = [(r["parameters"], r["worst_split"], r["weakest_control"]) for r in mine]
-        right.scatter([m[0] for m in margins], [m[1] for m in margins], marker=marker, color="C2", label=f"{dtype}: worst correct split")
+        right.scatter(
+            [m[0] for m in margins],
+            [m[1] for m in margins],
+            marker=marker,
+            color="C2",
+            label=f"{dtype}: worst correct split",
+        )
         right.scatter([m[0] for m in margins if m[2]], [m[2] for m in margins if m[2]], marker=marker, color="C3",
                       label=f"{dtype}: weakest control")  # fmt: skip
     left.set(xscale="log", yscale="log", xlabel="parameters", ylabel="max |Δloss| vs baseline",
@@ -96,11 +112,16 @@ def main() -> None:
     print(f"{'group':<22} {'params':>10} {'floor |Δloss|':>13} {'floor rel Δ‖g‖':>14} {'max |Δloss|':>11} "
           f"{'worst split':>11} {'weakest control':>15}  false alarms / missed controls")  # fmt: skip
     for r in rows:
+
         def f(x, spec=".1e"):
             return "-" if x is None else format(x, spec)
 
-        print(f"{r['group']:<22} {r['parameters']:>10,} {f(r['floor_loss']):>13} {f(r['floor_grad']):>14} {f(r['max_loss']):>11} "
-              f"{f(r['worst_split'], '.2f'):>11} {f(r['weakest_control'], '.3g'):>15}  {r['false_alarms']} / {r['missed_controls']}")  # fmt: skip
+        print(
+            f"{r['group']:<22} {r['parameters']:>10,} {f(r['floor_loss']):>13} {f(r['floor_grad']):>14} "
+            f"{f(r['max_loss']):>11} "
+            f"{f(r['worst_split'], '.2f'):>11} {f(r['weakest_control'], '.3g'):>15}  {r['false_alarms']} / "
+            f"{r['missed_controls']}"
+        )
     figure(rows, args.figure)
     print(f"figure: {args.figure}")
     if any(r["false_alarms"] or r["missed_controls"] for r in rows):

@@ -73,7 +73,10 @@ def main() -> None:
             print(f"step {step} loss {total.item():.10f} grad_norm {engine.get_global_grad_norm()}", flush=True)
     if rank == 0:
         now = time.perf_counter()
-        print(f"trained in {now - training:.3f} s; done in {now - started:.1f} s (after the interpreter's start)", flush=True)
+        print(
+            f"trained in {now - training:.3f} s; done in {now - started:.1f} s (after the interpreter's start)",
+            flush=True,
+        )
     # Shut down as a script should: the engine's and the default process group's threads end here,
     # not in the interpreter's teardown (where gloo on CPU can abort a finished run).
     dist.barrier()

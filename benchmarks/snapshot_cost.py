@@ -54,7 +54,10 @@ def main() -> None:
     torch.set_num_threads(1)
     for name, problem in PROBLEMS.items():
         timings = {}
-        for label, track in (("untracked", ["loss", "grad_norm"]), ("params+grads", ["loss", "grad_norm", "params", "grads"])):
+        for label, track in (
+            ("untracked", ["loss", "grad_norm"]),
+            ("params+grads", ["loss", "grad_norm", "params", "grads"]),
+        ):
             seconds_per_step(problem, track, steps=3)  # warm-up
             runs = [seconds_per_step(problem, track, steps=args.steps) for _ in range(args.repeats)]
             timings[label] = statistics.median(runs)

@@ -16,12 +16,11 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from gaeq import api
-from gaeq.matrix import Matrix, MatrixError
 from gaeq.files import atomic_write
-from gaeq.results.render import cost_table, floor_lines, verdict_table, versions_line
+from gaeq.matrix import Matrix, MatrixError
+from gaeq.results.render import cells_table, cost_table, floor_lines, problem_line, verdict_table, versions_line
 from gaeq.results.report import EXIT_BAD_INPUT
 from gaeq.results.tensorboard import TB_DIR
 
@@ -52,44 +51,17 @@ def _load(path: Path, *, check: bool = True) -> Matrix:
 def validate(matrix: Annotated[Path, typer.Argument(help="Matrix YAML file.")]) -> None:
     """Validate a matrix and print its expanded cells, without training."""
     m = _load(matrix)
-    table = Table(title=f"{m.spec.name}: {len(m.cells)} cells", title_justify="left")
-    tp = any(c.tensor_parallel > 1 for c in m.cells)
-    for name in ("cell", "trainer", "world", *(("TP",) if tp else ()), "micro", "GA", "ZeRO", "dtype", "expect", "note"):
-        table.add_column(name, justify="right" if name in {"world", "TP", "micro", "GA", "ZeRO"} else "left", no_wrap=name == "cell")
-    baselines, floors = set(m.baselines.values()), set(m.floors.values())
-    for c in m.cells:
-        if c.skip_reason:
-            note = f"skipped: {c.skip_reason}"
-        elif c.bug:
-            note = f"planted bug: {c.bug}"
-        else:
-            note = "baseline" if c.id in baselines else "measures the noise floor" if c.id in floors else ""
-        table.add_row(
-            c.id,
-            c.trainer,
-            str(c.world_size),
-            *((str(c.tensor_parallel),) if tp else ()),
-            str(c.micro_batch_size),
-            str(c.grad_accum_steps) if c.divisible else "-",
-            "-" if c.zero_stage is None else str(c.zero_stage),
-            c.dtype,
-            c.expect,
-            note,
-        )
-    console.print(table)
-    p = m.problem
-    if p.mirror is None:
-        optimisation = f"{p.optimizer.name} lr {p.optimizer.lr:g}, schedule {p.schedule.name}, gradient_clipping {p.gradient_clipping:g}"
-    else:
-        optimisation = f"optimisation from deepspeed_config: {p.mirror.optimizer.type}, scheduler {p.mirror.schedule or 'none'}"
-    console.print(f"train_batch_size {p.train_batch_size}, {p.steps} steps, {optimisation}, seed {p.seed}", highlight=False)
+    console.print(cells_table(m))
+    console.print(problem_line(m), highlight=False)
     from gaeq.audit import audit as audit_config
     from gaeq.audit import overrides_of
 
     shown: set = set()
     for where, config, cells in _deepspeed_configs(m):
         findings = [f for f in audit_config(config) if f not in shown]  # variants: what differs from the first
-        console.print(f"\n[bold]deepspeed_config of {where}[/] (gaeq audit{', what differs' if shown else ''}):", highlight=False)
+        console.print(
+            f"\n[bold]deepspeed_config of {where}[/] (gaeq audit{', what differs' if shown else ''}):", highlight=False
+        )
         _print_findings(findings)
         shown.update(findings)
         for line in overrides_of(config, cells):
@@ -117,7 +89,11 @@ def _print_findings(findings) -> None:
     colour = {"breaks": "bold red", "risk": "yellow", "fine": "green"}
     for f in findings:
         shown = f" [dim](shown by {escape(f.evidence)})[/]" if f.evidence else ""
-        console.print(f"  {escape(f.key)} = {escape(f.value)}: [{colour[f.effect]}]{f.effect}[/] — {escape(f.why)}{shown}", highlight=False, soft_wrap=True)
+        console.print(
+            f"  {escape(f.key)} = {escape(f.value)}: [{colour[f.effect]}]{f.effect}[/] — {escape(f.why)}{shown}",
+            highlight=False,
+            soft_wrap=True,
+        )
 
 
 def _deepspeed_configs(m: Matrix):
@@ -137,24 +113,29 @@ def _deepspeed_configs(m: Matrix):
     return [(", ".join(names), config, cells) for names, config, cells in distinct]
 
 
-
 @app.command()
 def run(
     matrix: Annotated[Path, typer.Option("--matrix", "-m", help="Matrix YAML file.")],
     out: Annotated[Path | None, typer.Option("--out", help="Run directory. Default: runs/<name>-<time>.")] = None,
     isolate: Annotated[
-        bool, typer.Option("--isolate", help="A fresh process group per cell (one launch per config), not one per world size.")
+        bool,
+        typer.Option(
+            "--isolate", help="A fresh process group per cell (one launch per config), not one per world size."
+        ),
     ] = False,
     launcher: Annotated[
         str,
         typer.Option(
             "--launcher",
-            help="Who starts the ranks: local (gaeq itself), torchrun or deepspeed (that launcher, once per world size, "
-            "on `gaeq worker` — the code path of a cluster).",
+            help="Who starts the ranks: local (gaeq itself), torchrun or deepspeed (that launcher, once per world "
+            "size, on `gaeq worker` — the code path of a cluster).",
         ),
     ] = "local",
     resume: Annotated[
-        bool, typer.Option("--resume", help="--out holds an interrupted run of this matrix: train only the cells it did not finish.")
+        bool,
+        typer.Option(
+            "--resume", help="--out holds an interrupted run of this matrix: train only the cells it did not finish."
+        ),
     ] = False,
     lanes: Annotated[
         int | None,
@@ -166,8 +147,8 @@ def run(
     ] = None,
 ) -> None:
     """Train every cell of a matrix, compare each with its baseline, print the verdicts."""
-    from gaeq.runtime.external import LAUNCHERS
     from gaeq.runtime.events import Event
+    from gaeq.runtime.external import LAUNCHERS
 
     if launcher not in LAUNCHERS:
         _bad_input(f"--launcher {launcher}: one of {', '.join(LAUNCHERS)}")
@@ -176,7 +157,10 @@ def run(
     if lanes is not None and lanes < 1:
         _bad_input(f"--lanes {lanes}: at least 1")
     if lanes is not None and (isolate or launcher != "local"):
-        _bad_input("--lanes works with --launcher local only, without --isolate (which runs one group per cell, one after another)")
+        _bad_input(
+            "--lanes works with --launcher local only, without --isolate (which runs one group per cell, one after "
+            "another)"
+        )
     if resume and out is None:
         _bad_input("--resume needs --out: the run directory to resume")
     m = _load(matrix, check=False)  # the problems are checked by api.run, once the ranks' fork server is starting
@@ -210,11 +194,14 @@ def run(
                 progress.update(current, description=f"  starting {where}", completed=0, visible=True)
             elif event.kind == "shm_freed":
                 progress.console.print(
-                    f"freed {event.freed_bytes / 2**20:.0f} MB of /dev/shm: {event.step} all-reduce buffer(s) left by gaeq runs that were killed",
+                    f"freed {event.freed_bytes / 2**20:.0f} MB of /dev/shm: {event.step} all-reduce buffer(s) left "
+                    "by gaeq runs that were killed",
                     highlight=False,
                 )
             elif event.kind == "convert":
-                progress.update(current, description=f"  ds_to_universal {event.cell_id} @ step {event.step}", visible=True)
+                progress.update(
+                    current, description=f"  ds_to_universal {event.cell_id} @ step {event.step}", visible=True
+                )
             elif event.kind == "start":
                 progress.update(current, description=f"  {event.cell_id}", completed=0, visible=True)
             elif event.kind == "step":
@@ -222,11 +209,16 @@ def run(
             elif event.kind == "end":
                 progress.advance(overall)
                 if event.outcome.status == "error":
-                    progress.console.print(f"[bold red]error[/] {event.cell_id}: {escape(event.outcome.reason.splitlines()[0])}", highlight=False)
+                    progress.console.print(
+                        f"[bold red]error[/] {event.cell_id}: {escape(event.outcome.reason.splitlines()[0])}",
+                        highlight=False,
+                    )
 
         try:
             out = out or api.new_run_dir(m.spec.name)  # named here, so that an interruption can say where
-            result = api.run(m, out=out, isolate=isolate, launcher=launcher, lanes=lanes, resume=resume, on_event=on_event)
+            result = api.run(
+                m, out=out, isolate=isolate, launcher=launcher, lanes=lanes, resume=resume, on_event=on_event
+            )
         except FileExistsError as exc:
             _bad_input(str(exc))
         except MatrixError as exc:
@@ -250,14 +242,25 @@ def report(
     run_dir: Annotated[Path, typer.Argument(help="A run directory written by `gaeq run`.")],
     atol: Annotated[float | None, typer.Option("--atol", min=0, help="Loss tolerance, absolute (every dtype).")] = None,
     rtol: Annotated[float | None, typer.Option("--rtol", min=0, help="Loss tolerance, relative (every dtype).")] = None,
-    grad_rtol: Annotated[float | None, typer.Option("--grad-rtol", min=0, help="Grad-norm tolerance, relative.")] = None,
-    tensor_atol: Annotated[float | None, typer.Option("--tensor-atol", min=0, help="Params/grads tolerance, absolute.")] = None,
-    tensor_rtol: Annotated[float | None, typer.Option("--tensor-rtol", min=0, help="Params/grads tolerance, relative.")] = None,
+    grad_rtol: Annotated[
+        float | None, typer.Option("--grad-rtol", min=0, help="Grad-norm tolerance, relative.")
+    ] = None,
+    tensor_atol: Annotated[
+        float | None, typer.Option("--tensor-atol", min=0, help="Params/grads tolerance, absolute.")
+    ] = None,
+    tensor_rtol: Annotated[
+        float | None, typer.Option("--tensor-rtol", min=0, help="Params/grads tolerance, relative.")
+    ] = None,
 ) -> None:
     """Re-judge a finished run from its saved traces (e.g. with other tolerances), without training."""
     try:
         result = api.open_run(
-            run_dir, loss_atol=atol, loss_rtol=rtol, grad_norm_rtol=grad_rtol, tensor_atol=tensor_atol, tensor_rtol=tensor_rtol
+            run_dir,
+            loss_atol=atol,
+            loss_rtol=rtol,
+            grad_norm_rtol=grad_rtol,
+            tensor_atol=tensor_atol,
+            tensor_rtol=tensor_rtol,
         )
     except MatrixError as exc:
         err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
@@ -270,7 +273,9 @@ def worker(
     matrix: Annotated[Path, typer.Option("--matrix", "-m", help="Matrix YAML file (the same on every rank).")],
     out: Annotated[Path, typer.Option("--out", help="Run directory, on a filesystem every node shares.")],
     cell: Annotated[list[str], typer.Option("--cell", help="Run only these cells (repeatable).")] = [],  # noqa: B006
-    search: Annotated[list[str], typer.Option("--search", help="Another folder to import plugins from (repeatable).")] = [],  # noqa: B006
+    search: Annotated[
+        list[str], typer.Option("--search", help="Another folder to import plugins from (repeatable).")
+    ] = [],  # noqa: B006
 ) -> None:
     """One rank under an external launcher (torchrun, deepspeed): run the matrix's cells of the launched world size.
 
@@ -282,8 +287,7 @@ def worker(
 
     from gaeq.matrix import MATRIX_FILE
     from gaeq.results.report import record_versions
-    from gaeq.runtime import dist
-    from gaeq.runtime import lifeline, worker
+    from gaeq.runtime import dist, lifeline, worker
     from gaeq.runtime.external import cells_for_launch, launched_main
 
     try:

@@ -65,4 +65,3 @@ def universal_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("universal") / "run"
     proc, report, tag = gaeq_run_here(REPO / "experiments" / "universal.yaml", out)
     return proc, report, tag, out
-

@@ -16,7 +16,6 @@ from gaeq.results.outcome import CellOutcome, write_outcome
 from gaeq.trainers import RunContext, trainer_for
 from tests.processes import CHILDREN_OF, gaeq_command, new_tag, run, start_session_fork_server
 
-
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -74,7 +73,9 @@ def deepspeed_shm() -> set[str]:
     return {p.name for p in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*")}
 
 
-def gaeq_run(matrix: Path, out: Path, *, timeout: float = 600, extra: list[str] = (), signals=None) -> tuple[subprocess.CompletedProcess, dict, str]:
+def gaeq_run(
+    matrix: Path, out: Path, *, timeout: float = 600, extra: list[str] = (), signals=None
+) -> tuple[subprocess.CompletedProcess, dict, str]:
     """Run the CLI in a child process (tests/processes.py: tagged, known signal dispositions,
     stopped with everything it started whatever happens).
 
@@ -110,7 +111,9 @@ def gaeq_run_here(matrix: Path, out: Path, *, extra: list[str] = ()) -> tuple[su
     shm_before = deepspeed_shm()
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
-        result = CliRunner().invoke(app, ["run", "--matrix", str(matrix), "--out", str(out), *extra], catch_exceptions=False)
+        result = CliRunner().invoke(
+            app, ["run", "--matrix", str(matrix), "--out", str(out), *extra], catch_exceptions=False
+        )
     finally:
         for s, handler in handlers.items():
             signal.signal(s, handler)

@@ -41,7 +41,9 @@ class BuiltProblem:
     loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
     """The loss sum of a micro-batch from the model's outputs; None for ``loss: hf`` (the model's own)."""
 
-    def micro_loss(self, net: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, *, num_items: int) -> torch.Tensor:
+    def micro_loss(
+        self, net: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, *, num_items: int
+    ) -> torch.Tensor:
         """Forward `inputs` through `net` (the model or its wrapper): the micro-batch's loss sum ÷
         `num_items` — with num_items the global batch's element count, its share of the global mean."""
         if self.loss_sum is None:
@@ -70,7 +72,9 @@ def resolve(plugin: PluginSpec, *, role: str, search: Sequence[str] = ()) -> Cal
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # noqa: BLE001 - any import failure is the plugin's
-        raise PluginError(f"{role} plugin {plugin.import_!r}: cannot import {module_name} ({type(exc).__name__}: {exc})") from None
+        raise PluginError(
+            f"{role} plugin {plugin.import_!r}: cannot import {module_name} ({type(exc).__name__}: {exc})"
+        ) from None
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise PluginError(f"{role} plugin {plugin.import_!r}: {module_name} has no function {attr!r}")
@@ -105,7 +109,9 @@ def _build_data(problem: ProblemSpec, search: Sequence[str]) -> Dataset:
     except Exception as exc:  # noqa: BLE001
         raise PluginError(f"data plugin {spec.import_!r} raised {type(exc).__name__}: {exc}") from None
     if not callable(getattr(dataset, "batch", None)):
-        raise PluginError(f"data plugin {spec.import_!r} returned {type(dataset).__name__}, which has no batch(indices)")
+        raise PluginError(
+            f"data plugin {spec.import_!r} returned {type(dataset).__name__}, which has no batch(indices)"
+        )
     return dataset
 
 
@@ -141,7 +147,9 @@ def check_problem(problem: ProblemSpec, *, search: Sequence[str] = ()) -> None:
     except Exception as exc:  # noqa: BLE001
         raise PluginError(f"data {name('data')!r}: batch([0, 1]) raised {type(exc).__name__}: {exc}") from None
     if not (isinstance(batch, tuple) and len(batch) == 2 and all(isinstance(t, torch.Tensor) for t in batch)):
-        raise PluginError(f"data {name('data')!r}: batch() must return (inputs, targets) tensors, got {type(batch).__name__}")
+        raise PluginError(
+            f"data {name('data')!r}: batch() must return (inputs, targets) tensors, got {type(batch).__name__}"
+        )
     try:
         counts = [built.loss_elements(i) for i in (0, 1)]
     except Exception as exc:  # noqa: BLE001

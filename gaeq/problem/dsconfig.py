@@ -52,7 +52,9 @@ def read_config(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise ConfigError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'} ({str(exc).splitlines()[0]})") from None
+        raise ConfigError(
+            f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'} ({str(exc).splitlines()[0]})"
+        ) from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a DeepSpeed config is a mapping of keys, got {type(data).__name__}")
     return data
@@ -108,9 +110,14 @@ def mirror(config: dict[str, Any]) -> Mirror:
         if name not in allowed:
             raise ConfigError(f"deepspeed_config.optimizer.params.{name}: not an option gaeq can mirror for {kind}")
         if value == "auto":
-            raise ConfigError(f"deepspeed_config.optimizer.params.{name}: 'auto' is filled in by the transformers Trainer; write a value")
+            raise ConfigError(
+                f"deepspeed_config.optimizer.params.{name}: 'auto' is filled in by the transformers Trainer; write a "
+                "value"
+            )
     if params.get("bias_correction", True) is not True or params.get("amsgrad", False) is not False:
-        raise ConfigError(f"deepspeed_config.optimizer.params: bias_correction false / amsgrad true have no torch AdamW mirror")
+        raise ConfigError(
+            "deepspeed_config.optimizer.params: bias_correction false / amsgrad true have no torch AdamW mirror"
+        )
 
     sched = config.get("scheduler")
     schedule, schedule_params = None, {}
@@ -121,9 +128,14 @@ def mirror(config: dict[str, Any]) -> Mirror:
         schedule_params = dict(sched.get("params") or {})
         for name, value in schedule_params.items():
             if name not in SCHEDULES[schedule]:
-                raise ConfigError(f"deepspeed_config.scheduler.params.{name}: not a parameter of DeepSpeed's {schedule}")
+                raise ConfigError(
+                    f"deepspeed_config.scheduler.params.{name}: not a parameter of DeepSpeed's {schedule}"
+                )
             if value == "auto":
-                raise ConfigError(f"deepspeed_config.scheduler.params.{name}: 'auto' is filled in by the transformers Trainer; write a value")
+                raise ConfigError(
+                    f"deepspeed_config.scheduler.params.{name}: 'auto' is filled in by the transformers Trainer; "
+                    "write a value"
+                )
         if "total_num_steps" in SCHEDULES[schedule] and "total_num_steps" not in schedule_params:
             raise ConfigError(f"deepspeed_config.scheduler.params.total_num_steps: DeepSpeed's {schedule} requires it")
 
@@ -137,7 +149,10 @@ def mirror(config: dict[str, Any]) -> Mirror:
     zero = config.get("zero_optimization") or {}
     offload = (zero.get("offload_optimizer") or {}).get("device", "none")
     if offload not in ("none", "cpu"):
-        raise ConfigError(f"deepspeed_config.zero_optimization.offload_optimizer.device: {offload!r} — gaeq runs none or cpu from a deepspeed_config (nvme: the matrix's offload axis, on gaeq's own config)")
+        raise ConfigError(
+            f"deepspeed_config.zero_optimization.offload_optimizer.device: {offload!r} — gaeq runs none or cpu from "
+            "a deepspeed_config (nvme: the matrix's offload axis, on gaeq's own config)"
+        )
     stage = zero.get("stage", 0)
     if stage not in (0, 1, 2, 3):
         raise ConfigError(f"deepspeed_config.zero_optimization.stage: {stage!r} is not 0, 1, 2 or 3")
@@ -163,7 +178,14 @@ class Override:
 
 
 def cell_config(
-    config: dict[str, Any], *, train_batch_size: int, micro_batch_size: int, grad_accum_steps: int, zero_stage: int, offload: str, load_universal: bool
+    config: dict[str, Any],
+    *,
+    train_batch_size: int,
+    micro_batch_size: int,
+    grad_accum_steps: int,
+    zero_stage: int,
+    offload: str,
+    load_universal: bool,
 ) -> tuple[dict[str, Any], list[Override]]:
     """The file with the cell's split written in, and what that replaced."""
     out = copy.deepcopy(config)
@@ -186,11 +208,24 @@ def cell_config(
         current = (zero.get(section) or {}).get("device", "none")
         if current != device:
             if section in zero:
-                changed.append(Override(key=f"zero_optimization.{section}.device", file_value=current, cell_value=device, why="the matrix's offload axis"))
+                changed.append(
+                    Override(
+                        key=f"zero_optimization.{section}.device",
+                        file_value=current,
+                        cell_value=device,
+                        why="the matrix's offload axis",
+                    )
+                )
             zero[section] = {**(zero.get(section) or {}), "device": device}
     if load_universal:
         checkpoint = out.setdefault("checkpoint", {})
-        put(checkpoint, "load_universal", True, path="checkpoint.load_universal", why="a resumed cell loads a universal checkpoint")
+        put(
+            checkpoint,
+            "load_universal",
+            True,
+            path="checkpoint.load_universal",
+            why="a resumed cell loads a universal checkpoint",
+        )
     return out, changed
 
 

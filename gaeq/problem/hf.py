@@ -58,10 +58,14 @@ def build_hf_model(spec: HFModelSpec, *, vocab_size: int, seq_len: int) -> torch
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
     try:
-        config = cls.config_class(**spec.config, vocab_size=vocab_size, max_position_embeddings=seq_len, use_cache=False)
+        config = cls.config_class(
+            **spec.config, vocab_size=vocab_size, max_position_embeddings=seq_len, use_cache=False
+        )
         model = cls(config).float()
     except Exception as exc:  # noqa: BLE001 - any failure here is the config's
-        raise HFModelError(f"model.hf {spec.hf}: cannot build from model.config ({type(exc).__name__}: {exc})") from None
+        raise HFModelError(
+            f"model.hf {spec.hf}: cannot build from model.config ({type(exc).__name__}: {exc})"
+        ) from None
     finally:
         transformers.logging.set_verbosity(verbosity)
     if not getattr(config, "return_dict", True):

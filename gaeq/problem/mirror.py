@@ -36,7 +36,11 @@ def mirrored_optimizer(params: Iterable[torch.nn.Parameter], spec: OptimizerMirr
         return cls(params, **given, foreach=False)
     # FusedAdam (and, under offload, DeepSpeedCPUAdam, whose defaults are the same): its defaults
     # fill what the file leaves out — weight_decay 0, not torch AdamW's 0.01.
-    defaults = {k: v.default for k, v in inspect.signature(FusedAdam).parameters.items() if k in ("lr", "betas", "eps", "weight_decay")}
+    defaults = {
+        k: v.default
+        for k, v in inspect.signature(FusedAdam).parameters.items()
+        if k in ("lr", "betas", "eps", "weight_decay")
+    }
     return cls(params, **(defaults | given), foreach=False)
 
 
@@ -65,7 +69,9 @@ class DeepSpeedSchedule:
             if iteration < n:
                 return lr * (p["warmup_min_ratio"] + _warmup(p, iteration, n) * (1.0 - p["warmup_min_ratio"]))
             progress = min(1.0, (iteration - n + 1) / max(1, p["total_num_steps"] - n))
-            return lr * max(0.0, p["cos_min_ratio"] + (1.0 - p["cos_min_ratio"]) * (1 + math.cos(math.pi * progress)) / 2)
+            return lr * max(
+                0.0, p["cos_min_ratio"] + (1.0 - p["cos_min_ratio"]) * (1 + math.cos(math.pi * progress)) / 2
+            )
         low = p["warmup_min_lr"]
         high = lr if p["warmup_max_lr"] is None else p["warmup_max_lr"]  # WarmupLR: None → the optimizer's lr
         if iteration < 0:
@@ -109,4 +115,8 @@ def _defaults(name: str | None) -> dict[str, Any]:
     from deepspeed.runtime import lr_schedules
 
     sig = inspect.signature(getattr(lr_schedules, name))
-    return {k: v.default for k, v in sig.parameters.items() if k not in ("optimizer", "last_batch_iteration") and v.default is not inspect.Parameter.empty}
+    return {
+        k: v.default
+        for k, v in sig.parameters.items()
+        if k not in ("optimizer", "last_batch_iteration") and v.default is not inspect.Parameter.empty
+    }

@@ -69,7 +69,9 @@ class MLP(nn.Module):
         self.hidden = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths[:-1], widths[1:]))
         norm = {"none": lambda n: nn.Identity(), "layer": nn.LayerNorm, "batch": nn.BatchNorm1d}[spec.norm]
         self.norms = nn.ModuleList(norm(spec.hidden) for _ in range(spec.depth))
-        self.drops = nn.ModuleList(_dropout(spec.dropout, spec.dropout_rng, seed=seed, layer=i) for i in range(spec.depth))
+        self.drops = nn.ModuleList(
+            _dropout(spec.dropout, spec.dropout_rng, seed=seed, layer=i) for i in range(spec.depth)
+        )
         self.head = nn.Linear(widths[-1], out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -103,7 +105,9 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(spec.n_embd)
         self.attn = CausalSelfAttention(spec)
         self.ln_2 = nn.LayerNorm(spec.n_embd)
-        self.mlp = nn.Sequential(nn.Linear(spec.n_embd, 4 * spec.n_embd), nn.GELU(), nn.Linear(4 * spec.n_embd, spec.n_embd))
+        self.mlp = nn.Sequential(
+            nn.Linear(spec.n_embd, 4 * spec.n_embd), nn.GELU(), nn.Linear(4 * spec.n_embd, spec.n_embd)
+        )
         self.drop_attn = _dropout(spec.dropout, spec.dropout_rng, seed=seed, layer=2 * index + 1)
         self.drop_mlp = _dropout(spec.dropout, spec.dropout_rng, seed=seed, layer=2 * index + 2)
 

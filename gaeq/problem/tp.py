@@ -41,11 +41,16 @@ def tp_plan(model: torch.nn.Module) -> dict[str, str]:
     plan: dict[str, str] = {}
     for pattern, style in patterns.items():
         if style not in STYLES:
-            raise ValueError(f"{type(model).__name__}'s tensor-parallel plan has {pattern!r}: {style!r}; gaeq applies {' and '.join(STYLES)}")
+            raise ValueError(
+                f"{type(model).__name__}'s tensor-parallel plan has {pattern!r}: {style!r}; gaeq applies "
+                f"{' and '.join(STYLES)}"
+            )
         regex = re.compile(re.escape(prefix + pattern).replace(r"\*", r"\d+") + "$")
         matched = [n for n in names if regex.match(n)]
         if not matched:
-            raise ValueError(f"{type(model).__name__}'s tensor-parallel plan names {pattern!r}, which matches no module")
+            raise ValueError(
+                f"{type(model).__name__}'s tensor-parallel plan names {pattern!r}, which matches no module"
+            )
         plan |= dict.fromkeys(matched, style)
     return plan
 
@@ -55,7 +60,10 @@ def plan_problem(problem: ProblemSpec, tensor_parallel: int) -> str | None:
     checked when they are built (their plan is an attribute of the built model)."""
     model = problem.model
     if isinstance(model, MLPSpec):
-        return "the MLP has no tensor-parallel plan (use a GPT, a transformers model with a base_model_tp_plan, or a plugin with tp_plan)"
+        return (
+            "the MLP has no tensor-parallel plan "
+            "(use a GPT, a transformers model with a base_model_tp_plan, or a plugin with tp_plan)"
+        )
     if isinstance(model, GPTSpec):
         return _divides("n_head", model.n_head, tensor_parallel)
     if isinstance(model, HFModelSpec):

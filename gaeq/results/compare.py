@@ -19,7 +19,6 @@ from gaeq.results.snapshots import KINDS as TENSOR_KINDS
 from gaeq.results.snapshots import TensorComparison
 from gaeq.results.trace import StepRecord
 
-
 METRICS = ("grads", "params", "skipped", "loss", "grad_norm", "lr")
 """What can be compared at every step, in the order a tie is reported: tensors first, because they
 localise a divergence to one parameter; then an fp16 update skipped on one side only, because it
@@ -147,7 +146,12 @@ def compare_traces(
             margin = nanmax(margin, _share(d.rel_grad_norm, grad_tol.value))
         if "loss" in tracked and "loss" not in first and not d.abs_loss <= loss_tol.value:
             first["loss"] = (d.step, f"loss diverged at step {d.step}: |Δ| {d.abs_loss:.2e} > {loss_tol.describe()}")
-        if "grad_norm" in tracked and "grad_norm" not in first and not both_skipped and not d.rel_grad_norm <= grad_tol.value:
+        if (
+            "grad_norm" in tracked
+            and "grad_norm" not in first
+            and not both_skipped
+            and not d.rel_grad_norm <= grad_tol.value
+        ):
             first["grad_norm"] = (
                 d.step,
                 f"grad norm diverged at step {d.step}: rel {d.rel_grad_norm:.2e} > {grad_tol.describe()}"

@@ -65,7 +65,8 @@ class NoiseFloor:
         for record, loss, grad in zip(base, self.loss, self.grad_norm):
             if loss > CEILING * tol.loss_tol(record.loss) or grad > CEILING * tol.grad_norm_rtol:
                 return (
-                    f"its twin {self.twin} drifted beyond what rounding explains by step {record.step} (|Δloss| {loss:.1e}, "
+                    f"its twin {self.twin} drifted beyond what rounding explains by step {record.step} (|Δloss| "
+                    f"{loss:.1e}, "
                     f"rel Δ‖g‖ {grad:.1e}): judged by the constants alone"
                 )
         return None

@@ -34,7 +34,9 @@ def overlay_figure(report: Report, traces: TraceStore, *, cells: Sequence[str] |
     wanted = None if cells is None else set(cells) | {report.baseline_of(c) for c in report.cells if c.id in set(cells)}
     if wanted is not None and (unknown := set(cells) - {c.id for c in report.cells}):
         raise KeyError(f"no cell {', '.join(sorted(unknown))} in this report")
-    drawn = [(c, t) for c in report.cells if (wanted is None or c.id in wanted) and (t := traces.usable(c.id)) is not None]
+    drawn = [
+        (c, t) for c in report.cells if (wanted is None or c.id in wanted) and (t := traces.usable(c.id)) is not None
+    ]
     fig = Figure(figsize=(13, 8.5), layout="constrained")
     ax_loss, ax_diff = fig.subplots(2, 1, sharex=True, height_ratios=[3, 2])
     palette = _colors(len(drawn))
@@ -51,7 +53,16 @@ def overlay_figure(report: Report, traces: TraceStore, *, cells: Sequence[str] |
             ax_diff.plot(steps, diffs, ls=ls, gid=cell.id, **style)
         if cell.first_divergent_step is not None:
             s = cell.first_divergent_step
-            ax_loss.plot([s], [trace[s - trace[0].step].loss], marker="X", ms=9, color=color, mec="black", ls="", gid=cell.id + DIVERGENCE)
+            ax_loss.plot(
+                [s],
+                [trace[s - trace[0].step].loss],
+                marker="X",
+                ms=9,
+                color=color,
+                mec="black",
+                ls="",
+                gid=cell.id + DIVERGENCE,
+            )
             ax_diff.axvline(s, color=color, lw=0.8, ls=":", gid=cell.id + DIVERGENCE)
     for dtype, tol in report.tolerances.items():
         ax_diff.axhline(tol.loss_atol, color="grey", lw=1, ls="-.", label=f"{dtype} loss_atol {tol.loss_atol:g}")

@@ -17,6 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from gaeq.files import atomic_write
+from gaeq.matrix import Matrix
 from gaeq.results.report import CellReport, Report
 
 
@@ -77,15 +78,26 @@ COLUMNS = (
     Column("verdict", lambda c: c.verdict),
     Column("max |Δloss|", lambda c: _sci(c.max_abs_loss_diff)),
     Column("max rel Δ‖g‖", lambda c: _sci(c.max_rel_grad_norm_diff)),
-    Column("margin", lambda c: "-" if c.role == "baseline" else _fmt(c.margin, "{:.2f}" if (c.margin or 0) < 100 else "{:.0e}"), right=True),
+    Column(
+        "margin",
+        lambda c: "-" if c.role == "baseline" else _fmt(c.margin, "{:.2f}" if (c.margin or 0) < 100 else "{:.0e}"),
+        right=True,
+    ),
     Column("max |Δgrad|", lambda c: _sci(c.max_abs_grad_diff), "tensors"),
     Column("max |Δparam|", lambda c: _sci(c.max_abs_param_diff), "tensors"),
     Column("caught", _caught),
     Column("samples/s", lambda c: _fmt(c.samples_per_s, "{:.0f}"), "cost", right=True),
     Column("step ms", lambda c: _fmt(c.step_seconds and c.step_seconds * 1e3, "{:.2f}"), "cost", right=True),
     Column("peak MB", lambda c: _fmt(c.peak_mem_bytes and c.peak_mem_bytes / 2**20, "{:.0f}"), "cost", right=True),
-    Column("state KB", lambda c: _fmt(c.model_state_bytes and c.model_state_bytes / 1024, "{:.1f}"), "cost", right=True),
-    Column("comm KB/step", lambda c: _fmt(c.comm_bytes_per_step and c.comm_bytes_per_step / 1024, "{:.1f}", zero="0"), "cost", right=True),
+    Column(
+        "state KB", lambda c: _fmt(c.model_state_bytes and c.model_state_bytes / 1024, "{:.1f}"), "cost", right=True
+    ),
+    Column(
+        "comm KB/step",
+        lambda c: _fmt(c.comm_bytes_per_step and c.comm_bytes_per_step / 1024, "{:.1f}", zero="0"),
+        "cost",
+        right=True,
+    ),
     Column("s", lambda c: _fmt(c.seconds, "{:.1f}"), right=True),
 )
 _STYLE = {"match": "green", "diverge": "yellow", "error": "bold red", "skipped": "dim"}
@@ -98,7 +110,11 @@ def columns(report: Report, *, tables: tuple[str, ...] = ("both", "verdict", "te
         "tensors": any(c.max_abs_grad_diff is not None or c.max_abs_param_diff is not None for c in report.cells),
         "tp": any(c.tensor_parallel > 1 for c in report.cells),
     }
-    return [col for col in COLUMNS if (col.table in tables or col.table == "tp" and "both" in tables) and shown.get(col.table, True)]
+    return [
+        col
+        for col in COLUMNS
+        if (col.table in tables or col.table == "tp" and "both" in tables) and shown.get(col.table, True)
+    ]
 
 
 def _table(title: str, cols: list[Column]) -> Table:
@@ -190,3 +206,60 @@ def write_report(run_dir: Path, report: Report, *, figure: str | None = None) ->
     """report.json and report.md (linking `figure`, a file in run_dir), each written atomically."""
     atomic_write(run_dir / "report.json", json.dumps(report.to_json(), indent=2) + "\n")
     atomic_write(run_dir / "report.md", render_markdown(report, figure=figure))
+
+
+def cells_table(m: Matrix) -> Table:
+    """`gaeq validate`: the expanded cells, without training — each with its GA and what it is for."""
+    table = Table(title=f"{m.spec.name}: {len(m.cells)} cells", title_justify="left")
+    tp = any(c.tensor_parallel > 1 for c in m.cells)
+    for name in (
+        "cell",
+        "trainer",
+        "world",
+        *(("TP",) if tp else ()),
+        "micro",
+        "GA",
+        "ZeRO",
+        "dtype",
+        "expect",
+        "note",
+    ):
+        table.add_column(
+            name, justify="right" if name in {"world", "TP", "micro", "GA", "ZeRO"} else "left", no_wrap=name == "cell"
+        )
+    baselines, floors = set(m.baselines.values()), set(m.floors.values())
+    for c in m.cells:
+        if c.skip_reason:
+            note = f"skipped: {c.skip_reason}"
+        elif c.bug:
+            note = f"planted bug: {c.bug}"
+        else:
+            note = "baseline" if c.id in baselines else "measures the noise floor" if c.id in floors else ""
+        table.add_row(
+            c.id,
+            c.trainer,
+            str(c.world_size),
+            *((str(c.tensor_parallel),) if tp else ()),
+            str(c.micro_batch_size),
+            str(c.grad_accum_steps) if c.divisible else "-",
+            "-" if c.zero_stage is None else str(c.zero_stage),
+            c.dtype,
+            c.expect,
+            note,
+        )
+    return table
+
+
+def problem_line(m: Matrix) -> str:
+    """`gaeq validate`: the problem's batch, steps and optimisation in one line."""
+    p = m.problem
+    if p.mirror is None:
+        optimisation = (
+            f"{p.optimizer.name} lr {p.optimizer.lr:g}, schedule {p.schedule.name}, "
+            f"gradient_clipping {p.gradient_clipping:g}"
+        )
+    else:
+        optimisation = (
+            f"optimisation from deepspeed_config: {p.mirror.optimizer.type}, scheduler {p.mirror.schedule or 'none'}"
+        )
+    return f"train_batch_size {p.train_batch_size}, {p.steps} steps, {optimisation}, seed {p.seed}"

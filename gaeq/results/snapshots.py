@@ -108,7 +108,9 @@ class TensorComparison:
     """kind → its first divergence (absent: none)"""
 
 
-def compare_snapshots(base: Snapshots, other: Snapshots, *, atol: float, rtol: float, first_step: int = 0) -> TensorComparison:
+def compare_snapshots(
+    base: Snapshots, other: Snapshots, *, atol: float, rtol: float, first_step: int = 0
+) -> TensorComparison:
     """Tensor by tensor, in (step, kind, model order). A tensor diverges when
     max|Δ| > atol + rtol · max|baseline|. Raises ValueError when the snapshots do not line up."""
     max_abs = {kind: 0.0 for kind in KINDS}
@@ -135,5 +137,7 @@ def compare_snapshots(base: Snapshots, other: Snapshots, *, atol: float, rtol: f
                 max_abs[kind], max_rel[kind] = max(max_abs[kind], diff), max(max_rel[kind], rel)
                 if kind not in first and diff > atol + rtol * scale:
                     tol = rtol + atol / scale if scale > 0 else float(atol)
-                    first[kind] = TensorDivergence(step=step, kind=kind, name=name, abs_diff=diff, rel_diff=rel, tol=tol)
+                    first[kind] = TensorDivergence(
+                        step=step, kind=kind, name=name, abs_diff=diff, rel_diff=rel, tol=tol
+                    )
     return TensorComparison(max_abs=max_abs, max_rel=max_rel, first=first)

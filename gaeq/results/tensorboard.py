@@ -44,14 +44,17 @@ LAYOUT = {
     "equivalence": {
         "loss — every cell": ["Multiline", [f"^{LOSS}$"]],
         "|Δloss| vs baseline, and its tolerance": ["Multiline", [f"^{ABS_LOSS_DIFF}$", f"^{LOSS_TOLERANCE}$"]],
-        "rel Δ grad norm vs baseline, and its tolerance": ["Multiline", [f"^{REL_GRAD_NORM_DIFF}$", f"^{GRAD_NORM_TOLERANCE}$"]],
+        "rel Δ grad norm vs baseline, and its tolerance": [
+            "Multiline",
+            [f"^{REL_GRAD_NORM_DIFF}$", f"^{GRAD_NORM_TOLERANCE}$"],
+        ],
         "grad norm (before clipping) — every cell": ["Multiline", [f"^{GRAD_NORM}$"]],
     },
     "cost": {
         "step time (s)": ["Multiline", [f"^{STEP_SECONDS}$"]],
         "bytes through collectives per step": ["Multiline", [f"^{COMM_BYTES}$"]],
         "peak memory (bytes)": ["Multiline", [f"^{PEAK_MEM}$"]],
-    }
+    },
 }
 
 # hparams whose values are names: their domains are listed so the dashboard can filter on them.
@@ -112,7 +115,9 @@ def _add_hparams(writer, params: dict, domains: dict, cell) -> None:
 
     metrics = {
         MAX_ABS_LOSS_DIFF: cell.max_abs_loss_diff if cell.max_abs_loss_diff is not None else float("nan"),
-        MAX_REL_GRAD_NORM_DIFF: cell.max_rel_grad_norm_diff if cell.max_rel_grad_norm_diff is not None else float("nan"),
+        MAX_REL_GRAD_NORM_DIFF: cell.max_rel_grad_norm_diff
+        if cell.max_rel_grad_norm_diff is not None
+        else float("nan"),
         SAMPLES_PER_S: cell.samples_per_s if cell.samples_per_s is not None else float("nan"),
     }
     for summary in hparams(params, metrics, hparam_domain_discrete=domains):

@@ -8,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gaeq.runtime.lifeline import die_with_parent
 from gaeq.runtime.cells import log_tail
+from gaeq.runtime.lifeline import die_with_parent
 from gaeq.trainers.checkpoint import checkpoint_root, deepspeed_tag
 
 
@@ -35,7 +35,13 @@ def convert_to_universal(*, run_dir: Path, source_id: str, step: int, timeout_s:
     with log.open("w") as out:
         try:
             result = subprocess.run(
-                command, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s, env=env, check=False, preexec_fn=die_with_parent()
+                command,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                timeout=timeout_s,
+                env=env,
+                check=False,
+                preexec_fn=die_with_parent(),
             )
         except subprocess.TimeoutExpired:
             return f"ds_to_universal did not finish within {timeout_s:.0f} s ({log})"

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import socket
 import threading
-from pathlib import Path
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -57,7 +56,9 @@ def free_port() -> int:
                 return port
 
 
-def init_process_group(*, rank: int, world_size: int, port: int, with_deepspeed: bool, with_nvme: bool = False, timeout_s: float) -> None:
+def init_process_group(
+    *, rank: int, world_size: int, port: int, with_deepspeed: bool, with_nvme: bool = False, timeout_s: float
+) -> None:
     """Join the group of `world_size` local ranks on 127.0.0.1:`port` (gaeq's own launcher)."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -86,7 +87,9 @@ def rank_from_env() -> LaunchedRank:
     """This rank as a launcher described it; ValueError naming what is missing or malformed."""
     missing = [k for k in LAUNCHER_ENV if not os.environ.get(k)]
     if missing:
-        raise ValueError(f"not started by a launcher: {', '.join(missing)} not set (use torchrun, deepspeed or `gaeq run`)")
+        raise ValueError(
+            f"not started by a launcher: {', '.join(missing)} not set (use torchrun, deepspeed or `gaeq run`)"
+        )
     try:
         rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
         # torchrun sets LOCAL_WORLD_SIZE, DeepSpeed's launcher LOCAL_SIZE; a single node has all ranks.

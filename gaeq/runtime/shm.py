@@ -26,7 +26,9 @@ LOCALHOST = "127.0.0.1"
 
 def segments(*, port: int | str, addr: str = LOCALHOST, rank: int | None = None) -> list[Path]:
     """The segments DeepSpeed's comm op made for the group on `addr`:`port` (one rank's, with `rank`)."""
-    return sorted(SHM_DIR.glob(f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{'*' if rank is None else rank}"))
+    return sorted(
+        SHM_DIR.glob(f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{'*' if rank is None else rank}")
+    )
 
 
 def release_shm_buffers(*, port: int | str, addr: str = LOCALHOST, rank: int | None = None) -> list[Path]:

@@ -16,7 +16,9 @@ from tests.helpers import REPO_ROOT, cells_by_id, ga_spec, gaeq_run
 pytestmark = pytest.mark.integration
 
 # experiments/ga.yaml's MLP: 16 → 64 → 64 → 4, fp32
-PARAM_BYTES = 4 * sum(p.numel() for p in MLP(MLPSpec(hidden=64, depth=2), in_features=16, out_features=4, seed=0).parameters())
+PARAM_BYTES = 4 * sum(
+    p.numel() for p in MLP(MLPSpec(hidden=64, depth=2), in_features=16, out_features=4, seed=0).parameters()
+)
 SCALARS = 64  # a few scalar reductions (DeepSpeed's grad-norm all-reduce, overflow checks)
 
 
@@ -38,9 +40,15 @@ def test_bytes_communicated_per_optimizer_step(default_run):
         elif cell["zero_stage"] == 0:
             assert all(P <= b <= P + SCALARS for b in steps), (cell_id, steps)  # one all-reduce at the boundary
         elif cell["zero_stage"] == 1:
-            assert all(2 * P <= b <= 2 * P + SCALARS for b in steps), (cell_id, steps)  # reduce-scatter + all-gather at the boundary
+            assert all(2 * P <= b <= 2 * P + SCALARS for b in steps), (
+                cell_id,
+                steps,
+            )  # reduce-scatter + all-gather at the boundary
         elif cell["zero_stage"] == 2:
-            assert all((ga + 1) * P <= b <= (ga + 1) * P + SCALARS for b in steps), (cell_id, steps)  # reduces every micro-step
+            assert all((ga + 1) * P <= b <= (ga + 1) * P + SCALARS for b in steps), (
+                cell_id,
+                steps,
+            )  # reduces every micro-step
         else:  # ZeRO-3: per micro-step one all-gather of the parameters and one reduce-scatter, once
             # it has traced its parameter fetches (the first two steps gather more)
             assert all(2 * ga * P <= b <= 2 * ga * P + SCALARS for b in steps[2:]), (cell_id, steps)
@@ -67,7 +75,11 @@ def test_isolate_runs_one_group_per_cell_and_changes_no_number(write_matrix, tmp
     isolated = tmp_path / "isolated"
     proc, report_isolated, _ = gaeq_run(write_matrix(spec), isolated, extra=["--isolate"])
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert sorted(c["id"] for c in report_isolated["cells"]) == ["deepspeed-z1-w2-mb4-ga4", "torch-w1-mb4-ga8@gpt", "torch-w2-mb16-ga1"]
+    assert sorted(c["id"] for c in report_isolated["cells"]) == [
+        "deepspeed-z1-w2-mb4-ga4",
+        "torch-w1-mb4-ga8@gpt",
+        "torch-w2-mb16-ga1",
+    ]
     roles = {c["id"]: c["role"] for c in default_run[1]["cells"]}
     for cell in report_isolated["cells"]:
         a = [(r.step, r.loss, r.grad_norm) for r in read_trace(shared / "cells" / cell["id"])]
@@ -81,4 +93,6 @@ def test_isolate_runs_one_group_per_cell_and_changes_no_number(write_matrix, tmp
     starts = (isolated / "logs" / "group-w2-rank0.log").read_text().count("gaeq: process group ready")
     assert starts == 2
     verdicts = {c["id"]: c["verdict"] for c in json.loads((shared / "report.json").read_text())["cells"]}
-    assert {c["id"]: c["verdict"] for c in report_isolated["cells"]} == {c["id"]: verdicts[c["id"]] for c in report_isolated["cells"]}
+    assert {c["id"]: c["verdict"] for c in report_isolated["cells"]} == {
+        c["id"]: verdicts[c["id"]] for c in report_isolated["cells"]
+    }

@@ -89,7 +89,13 @@ def same_cells(run_dir, local_run, *, excluding: tuple[str, ...] = ()) -> tuple:
     return (mine, traces), ({k: theirs[k] for k in mine}, {k: reference[k] for k in traces})
 
 
-FAULT = {"trainer": "deepspeed", "world_size": 2, "micro_batch_size": 2, "zero_stage": 2, "fault": {"rank": 1, "step": 3, "kind": "raise"}}
+FAULT = {
+    "trainer": "deepspeed",
+    "world_size": 2,
+    "micro_batch_size": 2,
+    "zero_stage": 2,
+    "fault": {"rank": 1, "step": 3, "kind": "raise"},
+}
 """A cell whose rank 1 raises at step 3: last of its world size, so no relaunch follows it."""
 
 
@@ -110,7 +116,9 @@ def test_gaeq_run_through_an_external_launcher_gives_the_same_traces_bitwise(lau
     if launcher == "torchrun":
         failed = {c["id"]: c for c in report["cells"]}[faulty]
         assert failed["verdict"] == "error"
-        assert failed["reason"].startswith("rank 1 failed: RuntimeError: injected fault: rank 1 raises at step 3"), failed["reason"]
+        assert failed["reason"].startswith("rank 1 failed: RuntimeError: injected fault: rank 1 raises at step 3"), (
+            failed["reason"]
+        )
 
 
 def worker_launch(launcher: str, matrix, out, *, node_rank: int, nodes: int, port: int, hostfile=None) -> list[str]:
@@ -143,14 +151,18 @@ def launch(*launches: list[str]) -> None:
 def nodes(launcher: str, matrix, out, *, count: int, hostfile=None) -> list[list[str]]:
     """Every node's launch of one world size, meeting at a free port of 127.0.0.1."""
     port = free_port()
-    return [worker_launch(launcher, matrix, out, node_rank=n, nodes=count, port=port, hostfile=hostfile) for n in range(count)]
+    return [
+        worker_launch(launcher, matrix, out, node_rank=n, nodes=count, port=port, hostfile=hostfile)
+        for n in range(count)
+    ]
 
 
 def test_the_cluster_recipe_run_as_two_nodes_gives_the_local_traces_bitwise(local_run, tmp_path):
     """What a cluster does (README, "On a cluster"), with two nodes of one rank each on this
     machine: the baseline launched on its own (`torchrun --standalone`) while world 2 runs as two
     torchrun agents (c10d rendezvous), all into the same shared directory, then `gaeq report`; and
-    world 2 as DeepSpeed's launcher on each of two hosts of a hostfile. Traces bitwise those of gaeq's own launcher, verdicts the same."""
+    world 2 as DeepSpeed's launcher on each of two hosts of a hostfile. Traces bitwise those of
+    gaeq's own launcher, verdicts the same."""
     matrix, shared = tmp_path / "m.yaml", tmp_path / "shared"
     matrix.write_text(json.dumps(SPEC))
     # the baseline on one node, world 2 on two others, at the same time
@@ -181,5 +193,9 @@ def test_worker_outside_a_launcher_says_so(tmp_path, monkeypatch):
     assert proc.returncode == 2
     assert "not started by a launcher: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT not set" in proc.stderr
     assert "Traceback" not in proc.stderr
-    proc = run(cmd, timeout=120, env={"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"})
+    proc = run(
+        cmd,
+        timeout=120,
+        env={"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
+    )
     assert proc.returncode == 2 and "no cell of world size 4 to run (the matrix has world sizes [1, 2])" in proc.stderr

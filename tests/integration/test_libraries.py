@@ -47,11 +47,26 @@ def test_libraries_experiment(tmp_path):
     for c in twins:
         ran = c["ran"]
         if c["trainer"] == "accelerate":  # its GA, DDP, its scheduler stepped by us once per step
-            assert (ran["grad_accum_steps"], ran["ddp"], ran["scheduler_steps_with_optimizer"]) == (c["grad_accum_steps"], True, False), ran
-        if c["trainer"] in ("hf", "hf_deepspeed"):  # the Trainer's GA, num_items_in_batch to the model, tokens over ranks
-            assert (ran["grad_accum_steps"], ran["model_accepts_loss_kwargs"], ran["average_tokens_across_devices"]) == (c["grad_accum_steps"], True, True), ran
+            assert (ran["grad_accum_steps"], ran["ddp"], ran["scheduler_steps_with_optimizer"]) == (
+                c["grad_accum_steps"],
+                True,
+                False,
+            ), ran
+        if c["trainer"] in (
+            "hf",
+            "hf_deepspeed",
+        ):  # the Trainer's GA, num_items_in_batch to the model, tokens over ranks
+            assert (
+                ran["grad_accum_steps"],
+                ran["model_accepts_loss_kwargs"],
+                ran["average_tokens_across_devices"],
+            ) == (c["grad_accum_steps"], True, True), ran
         if c["trainer"] == "hf_deepspeed":  # DeepSpeed's engine really ran, at the cell's stage
-            assert (ran["engine"], ran["zero_stage"], c["max_abs_loss_diff"] < 1e-5) == ("DeepSpeedEngine", c["zero_stage"], True), c
+            assert (ran["engine"], ran["zero_stage"], c["max_abs_loss_diff"] < 1e-5) == (
+                "DeepSpeedEngine",
+                c["zero_stage"],
+                True,
+            ), c
     assert {c["zero_stage"] for c in twins if c["trainer"] == "hf_deepspeed"} == {1, 2, 3}
     # One intra-op thread in every cell, as gaeq set it: accelerate sets torch's threads to physical
     # cores ÷ local ranks unless OMP_NUM_THREADS says otherwise (2 on a world-1 lane's single core).
@@ -66,7 +81,10 @@ def test_libraries_experiment(tmp_path):
     assert verdict == "diverge" and steps["lr"] == 1
     # ÷ GA by hand and again in accelerator.backward; the Trainer letting DeepSpeed ÷ GA again
     # (accelerate#3533): GA = 6 times too small a gradient.
-    for cell_id in ("accelerate-w1-mb4-ga6-bug_accelerate_loss_divided_twice", "hf_deepspeed-z1-w1-mb4-ga6-bug_hf_deepspeed_loss_divided_twice"):
+    for cell_id in (
+        "accelerate-w1-mb4-ga6-bug_accelerate_loss_divided_twice",
+        "hf_deepspeed-z1-w1-mb4-ga6-bug_hf_deepspeed_loss_divided_twice",
+    ):
         c = cells[cell_id]
         assert (c["caught_by"], c["first_divergent_step"]) == ("grad_norm", 0), c
         assert c["max_rel_grad_norm_diff"] == pytest.approx(5 / 6, rel=1e-3)
@@ -82,7 +100,9 @@ def test_libraries_experiment(tmp_path):
         assert (c["verdict"], c["caught_by"], c["first_divergent_step"]) == ("diverge", "grad_norm", 0), c
 
     versions = json.loads((out / "versions.json").read_text())
-    assert versions["accelerate"] == metadata.version("accelerate") and versions["transformers"] == metadata.version("transformers")
+    assert versions["accelerate"] == metadata.version("accelerate") and versions["transformers"] == metadata.version(
+        "transformers"
+    )
     assert report["versions"] == versions
     assert f"accelerate {versions['accelerate']}" in (out / "report.md").read_text()
     assert f"Versions: torch {versions['torch']}" in proc.stdout

@@ -36,10 +36,17 @@ def test_every_planted_bug_is_caught_and_every_twin_matches(pitfalls_run):
     caught("deepspeed-z0-w1-mb4-ga8-bug_deepspeed_default_clipping@unclipped")
 
     twins = [
-        "torch-w1-mb4-ga8@sgd", "torch-w1-mb4-ga8", "torch-w2-mb4-ga4@tight_clip", "torch-w2-mb2-ga8",
-        "torch-w1-mb4-ga8@gpt", "deepspeed-z2-w2-mb4-ga4@gpt", "torch-w1-mb8-ga4@layernorm",
-        "deepspeed-z1-w2-mb4-ga4@layernorm", "torch-w1-mb8-ga4@dropout_indexed",
-        "deepspeed-z3-w2-mb4-ga4@dropout_indexed", "deepspeed-z0-w1-mb4-ga8@unclipped",
+        "torch-w1-mb4-ga8@sgd",
+        "torch-w1-mb4-ga8",
+        "torch-w2-mb4-ga4@tight_clip",
+        "torch-w2-mb2-ga8",
+        "torch-w1-mb4-ga8@gpt",
+        "deepspeed-z2-w2-mb4-ga4@gpt",
+        "torch-w1-mb8-ga4@layernorm",
+        "deepspeed-z1-w2-mb4-ga4@layernorm",
+        "torch-w1-mb8-ga4@dropout_indexed",
+        "deepspeed-z3-w2-mb4-ga4@dropout_indexed",
+        "deepspeed-z0-w1-mb4-ga8@unclipped",
         "deepspeed-z1-w1-mb2-ga16-ds_bf16@bf16_accum",
     ]
     for cell_id in twins:

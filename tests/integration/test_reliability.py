@@ -78,7 +78,9 @@ def test_resume_refuses_another_matrix(write_matrix, tmp_path):
     out = tmp_path / "run"
     (out / "cells").mkdir(parents=True)
     (out / "matrix.yaml").write_text(yaml.safe_dump(small_spec(name="other")))
-    proc = run(gaeq_command("run", "--matrix", str(write_matrix(small_spec())), "--out", str(out), "--resume"), timeout=120)
+    proc = run(
+        gaeq_command("run", "--matrix", str(write_matrix(small_spec())), "--out", str(out), "--resume"), timeout=120
+    )
     assert proc.returncode == 2 and "holds a run of another matrix" in proc.stderr, proc.stderr
 
 
@@ -179,7 +181,9 @@ def test_a_killed_gaeq_takes_every_process_with_it_and_the_next_run_frees_its_sh
     server and both ranks watch gaeq itself and are gone within seconds; the shared memory they
     leave (a killed gaeq frees nothing) is freed by the next `gaeq run`, which says so."""
     with endless_run(write_matrix, tmp_path) as (proc, partial):
-        markers = [m for m in Path("/dev/shm").glob(f"gaeq_group_{os.getuid()}_*") if m.read_text().split()[0] == str(proc.pid)]
+        markers = [
+            m for m in Path("/dev/shm").glob(f"gaeq_group_{os.getuid()}_*") if m.read_text().split()[0] == str(proc.pid)
+        ]
         assert len(markers) == 1, markers
         port = markers[0].name.rsplit("_", 1)[1]
         left = sorted(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_*"))
@@ -194,5 +198,8 @@ def test_a_killed_gaeq_takes_every_process_with_it_and_the_next_run_frees_its_sh
     spec = small_spec(axes={"trainer": ["torch"], "world_size": [1], "micro_batch_size": [4]})
     next_run, report, _ = gaeq_run_here(write_matrix(spec, "next.yaml"), tmp_path / "next")
     assert next_run.returncode == 0, next_run.stdout + next_run.stderr
-    assert f"freed {megabytes} MB of /dev/shm: 2 all-reduce buffer(s) left by gaeq runs that were killed" in next_run.stdout
+    assert (
+        f"freed {megabytes} MB of /dev/shm: 2 all-reduce buffer(s) left by gaeq runs that were killed"
+        in next_run.stdout
+    )
     assert not any(path.exists() for path in left) and not markers[0].exists()

@@ -25,7 +25,10 @@ from tests.processes import leftovers
 pytestmark = pytest.mark.integration
 
 CELLS = [
-    *({"trainer": "deepspeed", "world_size": 2, "micro_batch_size": 2, "zero_stage": z, "variant": "mlp_1m"} for z in range(4)),
+    *(
+        {"trainer": "deepspeed", "world_size": 2, "micro_batch_size": 2, "zero_stage": z, "variant": "mlp_1m"}
+        for z in range(4)
+    ),
     {"trainer": "deepspeed", "world_size": 1, "micro_batch_size": 2, "zero_stage": 1, "variant": "mlp_1m"},
     {"trainer": "torch", "world_size": 2, "micro_batch_size": 2, "variant": "mlp_1m"},
     {"trainer": "torch", "micro_batch_size": 2, "bug": "no_loss_division", "variant": "mlp_1m"},
@@ -77,7 +80,9 @@ def test_the_control_judged_by_the_constants_alone_the_same_run_cries_wolf(milli
     matrix = load_matrix(out / "matrix.yaml")
     outcomes = {c.id: read_outcome(cell_dir(out, c.id)) for c in matrix.cells}
     without = judge(dataclasses.replace(matrix, floors={}), outcomes, TraceStore(out))
-    false_alarms = [c.id for c in without.cells if c.bug is None and c.cell.role == Role.CELL and c.verdict == "diverge"]
+    false_alarms = [
+        c.id for c in without.cells if c.bug is None and c.cell.role == Role.CELL and c.verdict == "diverge"
+    ]
     assert false_alarms, "at a million parameters the constants alone should have raised a false alarm"
 
 

@@ -56,9 +56,14 @@ def test_tensor_parallel_strategies(tmp_path):
     # all-reduces of micro × seq_len × n_embd fp32 — plus the 4-byte norm of each of the 12 split
     # tensors, reduced over its shards, at the boundary.
     activation = 2 * 16 * 64 * 4
-    steps = [json.loads(line) for line in (out / "cells" / "torch-w2-tp2-mb2-ga8" / "trace.jsonl").read_text().splitlines()]
+    steps = [
+        json.loads(line) for line in (out / "cells" / "torch-w2-tp2-mb2-ga8" / "trace.jsonl").read_text().splitlines()
+    ]
     assert {s["comm_bytes"] for s in steps} == {8 * 8 * activation + 12 * 4}
-    autotp = [json.loads(line) for line in (out / "cells" / "deepspeed-z0-w2-tp2-mb2-ga8" / "trace.jsonl").read_text().splitlines()]
+    autotp = [
+        json.loads(line)
+        for line in (out / "cells" / "deepspeed-z0-w2-tp2-mb2-ga8" / "trace.jsonl").read_text().splitlines()
+    ]
     assert {s["comm_bytes"] for s in autotp[1:]} == {8 * 8 * activation + 4}  # DeepSpeed: one norm all-reduce
 
     shard = cells["torch-w2-tp2-mb2-ga8-bug_tp_grad_norm_per_shard"]

@@ -71,6 +71,12 @@ def test_tensorboard_server_lists_every_cell_with_the_loss_tag(tmp_path):
         assert domains["verdict"] == ["diverge", "match"] and domains["trainer"] == ["torch"]
         sessions = fetch(
             f"{base}/data/plugin/hparams/session_groups",
-            {"experimentName": "", "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_FAILURE", "STATUS_RUNNING"], "colParams": [], "startIndex": 0, "sliceSize": 100},
+            {
+                "experimentName": "",
+                "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_FAILURE", "STATUS_RUNNING"],
+                "colParams": [],
+                "startIndex": 0,
+                "sliceSize": 100,
+            },
         )
         assert sessions["totalSize"] == len(cells)  # one session per cell, no extra hparams runs

@@ -12,8 +12,7 @@ from gaeq.results.trace import read_trace
 from gaeq.runtime.cells import RunOptions
 from gaeq.runtime.launch import run_all
 from gaeq.trainers.checkpoint import checkpoint_root, deepspeed_tag
-from tests.conftest import REPO
-from tests.helpers import cells_by_id, gaeq_run, small_spec
+from tests.helpers import cells_by_id, small_spec
 from tests.processes import leftovers
 
 pytestmark = pytest.mark.integration
@@ -56,7 +55,12 @@ def broken_run(tmp_path_factory):
     spec = small_spec(
         axes={"trainer": ["torch"], "world_size": [1], "micro_batch_size": [16]},
         resume=[
-            {"from": SOURCE, "at_step": step, "universal": universal, "to": [{"world_size": world, "micro_batch_size": micro, "zero_stage": 1}]}
+            {
+                "from": SOURCE,
+                "at_step": step,
+                "universal": universal,
+                "to": [{"world_size": world, "micro_batch_size": micro, "zero_stage": 1}],
+            }
             for step in DAMAGED_AT.values()
             for universal, world, micro in ((True, 1, 8), (False, 2, 4))
         ],
@@ -65,7 +69,10 @@ def broken_run(tmp_path_factory):
     run_dir.mkdir()
     (run_dir.parent / "matrix.yaml").write_text(yaml.safe_dump(spec))
     matrix = load_matrix(run_dir.parent / "matrix.yaml")
-    checkpoints = {damage: checkpoint_root(run_dir, "deepspeed-z1-w2-mb4-ga2") / deepspeed_tag(step) for damage, step in DAMAGED_AT.items()}
+    checkpoints = {
+        damage: checkpoint_root(run_dir, "deepspeed-z1-w2-mb4-ga2") / deepspeed_tag(step)
+        for damage, step in DAMAGED_AT.items()
+    }
 
     def break_checkpoints(event) -> None:  # after the source has saved both, before any is converted or loaded
         if event.kind == "convert" and checkpoints["missing"].exists():

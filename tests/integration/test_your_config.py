@@ -22,7 +22,14 @@ CELLS = [
     {"trainer": "torch", "world_size": 2, "micro_batch_size": 2, "variant": "clipped"},
     {"trainer": "deepspeed", "world_size": 2, "micro_batch_size": 4, "zero_stage": 1, "variant": "clipped"},
     {"trainer": "torch", "micro_batch_size": 4, "variant": "clipped", "bug": "unmirrored_default_clipping"},
-    {"trainer": "deepspeed", "world_size": 2, "micro_batch_size": 2, "zero_stage": 2, "variant": "comm_bf16", "expect": "diverge"},
+    {
+        "trainer": "deepspeed",
+        "world_size": 2,
+        "micro_batch_size": 2,
+        "zero_stage": 2,
+        "variant": "comm_bf16",
+        "expect": "diverge",
+    },
     {"trainer": "torch", "micro_batch_size": 2, "variant": "llama"},
     {"trainer": "deepspeed", "world_size": 2, "micro_batch_size": 2, "zero_stage": 3, "variant": "llama"},
     {"trainer": "torch", "micro_batch_size": 2, "variant": "llama", "bug": "hf_num_items_per_micro_batch"},
@@ -67,7 +74,9 @@ def your_config_run(tmp_path_factory):
     spec["problem"]["deepspeed_config"] = config
     spec.pop("axes")
     spec["cells"] = CELLS
-    spec["variants"] = {k: v for k, v in spec["variants"].items() if k in ("clipped", "comm_bf16", "llama", "gpt2_dropout")}
+    spec["variants"] = {
+        k: v for k, v in spec["variants"].items() if k in ("clipped", "comm_bf16", "llama", "gpt2_dropout")
+    }
     matrix = tmp_path / "your_config.yaml"
     matrix.write_text(yaml.safe_dump(spec))
     out = tmp_path / "run"
@@ -91,7 +100,9 @@ def test_every_cell_gets_its_verdict(your_config_run):
     assert {i: c["verdict"] for i, c in cells.items()} == VERDICTS
 
 
-@pytest.mark.parametrize("cell_id", ["deepspeed-z2-w2-mb2-ga4", "deepspeed-z3-w1-mb2-ga8", "deepspeed-z1-w2-mb4-ga2@clipped"])
+@pytest.mark.parametrize(
+    "cell_id", ["deepspeed-z2-w2-mb2-ga4", "deepspeed-z3-w1-mb2-ga8", "deepspeed-z1-w2-mb4-ga2@clipped"]
+)
 def test_the_file_ran_as_written_and_matches_the_mirror(your_config_run, cell_id):
     """Its optimizer, DeepSpeed's default clipping; measured max |Δloss| ≤ 2.9e-6."""
     _, cells, _ = your_config_run
@@ -124,18 +135,24 @@ def test_a_transformers_llama_with_its_own_loss_matches(your_config_run, cell_id
     4.5e-7); the model that trained is the one named, without dropout."""
     _, cells, _ = your_config_run
     assert cells[cell_id]["max_abs_loss_diff"] <= 1e-5, cells[cell_id]["max_abs_loss_diff"]
-    assert (cells[cell_id]["ran"]["model"], cells[cell_id]["ran"]["dropout"]) == ("LlamaForCausalLM", {}), cells[cell_id]["ran"]
+    assert (cells[cell_id]["ran"]["model"], cells[cell_id]["ran"]["dropout"]) == ("LlamaForCausalLM", {}), cells[
+        cell_id
+    ]["ran"]
 
 
 def test_the_per_micro_batch_token_count_is_caught_at_step_0(your_config_run):
     """transformers before its fix: GA × the gradient at once (rel 6.8)."""
     _, cells, _ = your_config_run
     bug = cells["torch-w1-mb2-ga8-bug_hf_num_items_per_micro_batch@llama"]
-    assert (bug["caught_by"], bug["first_divergent_step"]) == ("grad_norm", 0) and bug["max_rel_grad_norm_diff"] > 1, bug
+    assert (bug["caught_by"], bug["first_divergent_step"]) == ("grad_norm", 0) and bug["max_rel_grad_norm_diff"] > 1, (
+        bug
+    )
 
 
 def test_gpt2s_default_dropout_diverges_with_a_reason_that_names_it(your_config_run):
     _, cells, _ = your_config_run
     dropout = cells["torch-w1-mb4-ga4@gpt2_dropout"]
     assert dropout["first_divergent_step"] == 0
-    assert "the model's config has dropout (attn_pdrop=0.1, embd_pdrop=0.1, resid_pdrop=0.1)" in dropout["reason"], dropout["reason"]
+    assert "the model's config has dropout (attn_pdrop=0.1, embd_pdrop=0.1, resid_pdrop=0.1)" in dropout["reason"], (
+        dropout["reason"]
+    )

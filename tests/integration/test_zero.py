@@ -194,4 +194,7 @@ def test_model_state_per_rank_is_the_zero_papers_formula(zero_run, cell_id):
     """Counted from rank 0's tensors, within 0.5 %."""
     _, _, cells, _, _ = zero_run
     expected = model_state_formula()[cell_id]
-    assert abs(cells[cell_id]["model_state_bytes"] / expected - 1) < 0.005, (cells[cell_id]["model_state_bytes"], expected)
+    assert abs(cells[cell_id]["model_state_bytes"] / expected - 1) < 0.005, (
+        cells[cell_id]["model_state_bytes"],
+        expected,
+    )

@@ -62,9 +62,21 @@ def test_every_cell_is_one_run_with_identical_tags_and_the_trace_values(judged):
     assert sorted(p.name for p in tb.iterdir()) == sorted(CELLS)
     assert all(len(list((tb / c).iterdir())) == 1 for c in CELLS)
 
-    expected_tags = {tbmod.LOSS, tbmod.GRAD_NORM, tbmod.LR, tbmod.ABS_LOSS_DIFF, tbmod.REL_GRAD_NORM_DIFF,
-                     tbmod.LOSS_TOLERANCE, tbmod.GRAD_NORM_TOLERANCE, tbmod.STEP_SECONDS, tbmod.COMM_BYTES, tbmod.PEAK_MEM,
-                     tbmod.MAX_ABS_LOSS_DIFF, tbmod.MAX_REL_GRAD_NORM_DIFF, tbmod.SAMPLES_PER_S}
+    expected_tags = {
+        tbmod.LOSS,
+        tbmod.GRAD_NORM,
+        tbmod.LR,
+        tbmod.ABS_LOSS_DIFF,
+        tbmod.REL_GRAD_NORM_DIFF,
+        tbmod.LOSS_TOLERANCE,
+        tbmod.GRAD_NORM_TOLERANCE,
+        tbmod.STEP_SECONDS,
+        tbmod.COMM_BYTES,
+        tbmod.PEAK_MEM,
+        tbmod.MAX_ABS_LOSS_DIFF,
+        tbmod.MAX_REL_GRAD_NORM_DIFF,
+        tbmod.SAMPLES_PER_S,
+    }
     baseline = read_trace(run_dir / "cells" / CELLS[0])
     for cell_id in CELLS:
         acc = accumulate(tb / cell_id)
@@ -93,7 +105,10 @@ def test_every_cell_is_one_run_with_identical_tags_and_the_trace_values(judged):
         assert [c.title for c in layout.category] == ["equivalence", "cost"]
         charts = {ch.title: list(ch.multiline.tag) for ch in layout.category[0].chart}
         assert charts["loss — every cell"] == [f"^{tbmod.LOSS}$"]
-        assert charts["|Δloss| vs baseline, and its tolerance"] == [f"^{tbmod.ABS_LOSS_DIFF}$", f"^{tbmod.LOSS_TOLERANCE}$"]
+        assert charts["|Δloss| vs baseline, and its tolerance"] == [
+            f"^{tbmod.ABS_LOSS_DIFF}$",
+            f"^{tbmod.LOSS_TOLERANCE}$",
+        ]
         hparams = acc.PluginTagToContent("hparams")
         assert {"_hparams_/experiment", "_hparams_/session_start_info", "_hparams_/session_end_info"} <= set(hparams)
         cell = next(c for c in report.cells if c.id == cell_id)

@@ -15,18 +15,30 @@ from tests.helpers import REPO_ROOT
 
 ADAMW = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
 TABLE = [
-    (ADAMW, {"gradient_clipping": "risk", "optimizer.params.weight_decay": "fine", "optimizer.params.torch_adam": "fine"}),
+    (
+        ADAMW,
+        {"gradient_clipping": "risk", "optimizer.params.weight_decay": "fine", "optimizer.params.torch_adam": "fine"},
+    ),
     (ADAMW | {"gradient_clipping": 0.0}, {"gradient_clipping": "fine"}),
-    ({**ADAMW, "train_batch_size": 64, "gradient_accumulation_steps": 4}, {"train_batch_size": "fine", "gradient_accumulation_steps": "fine"}),
+    (
+        {**ADAMW, "train_batch_size": 64, "gradient_accumulation_steps": 4},
+        {"train_batch_size": "fine", "gradient_accumulation_steps": "fine"},
+    ),
     ({"optimizer": {"type": "Adam", "params": {"weight_decay": 0.1, "torch_adam": True}}}, {"optimizer.type": "fine"}),
     (ADAMW | {"fp16": {"enabled": True, "loss_scale": 0}}, {"fp16.loss_scale": "risk"}),
     (ADAMW | {"data_types": {"grad_accum_dtype": "bf16"}}, {"data_types.grad_accum_dtype": "risk"}),
     (ADAMW | {"bf16": {"enabled": True}}, {"data_types.grad_accum_dtype": "risk"}),
     (ADAMW | {"communication_data_type": "fp16"}, {"communication_data_type": "breaks"}),
-    (ADAMW | {"prescale_gradients": True, "gradient_predivide_factor": 2.0}, {"prescale_gradients": "risk", "gradient_predivide_factor": "risk"}),
+    (
+        ADAMW | {"prescale_gradients": True, "gradient_predivide_factor": 2.0},
+        {"prescale_gradients": "risk", "gradient_predivide_factor": "risk"},
+    ),
     (ADAMW | {"zero_allow_untested_optimizer": True}, {"zero_allow_untested_optimizer": "fine"}),
     ({"optimizer": {"type": "Lamb"}}, {"optimizer.type": "risk"}),
-    (ADAMW | {"scheduler": {"type": "WarmupLR"}, "zero_optimization": {"stage": 3, "overlap_comm": True}}, {"scheduler.type": "fine", "zero_optimization.stage": "fine", "zero_optimization.overlap_comm": "fine"}),
+    (
+        ADAMW | {"scheduler": {"type": "WarmupLR"}, "zero_optimization": {"stage": 3, "overlap_comm": True}},
+        {"scheduler.type": "fine", "zero_optimization.stage": "fine", "zero_optimization.overlap_comm": "fine"},
+    ),
 ]
 
 
@@ -34,7 +46,9 @@ TABLE = [
 def test_audit_lines_for_a_table_of_configs(config, expected):
     found = {f.key: f.effect for f in audit(config)}
     assert {k: found.get(k) for k in expected} == expected, [f.line for f in audit(config)]
-    assert "data_types.grad_accum_dtype" not in found or "bf16" in json.dumps(config)  # no finding about what is not there
+    assert "data_types.grad_accum_dtype" not in found or "bf16" in json.dumps(
+        config
+    )  # no finding about what is not there
 
 
 def test_every_breaks_or_risk_is_shown_by_an_experiment_cell_that_exists_and_expects_it():

@@ -16,7 +16,9 @@ from typer.testing import CliRunner
 from gaeq.cli import app
 from tests.helpers import small_spec
 
-BASE = small_spec(axes={"trainer": ["torch", "deepspeed"], "world_size": [1, 2], "micro_batch_size": [4], "zero_stage": [1]})
+BASE = small_spec(
+    axes={"trainer": ["torch", "deepspeed"], "world_size": [1, 2], "micro_batch_size": [4], "zero_stage": [1]}
+)
 
 INT_FIELDS = [
     ("problem", "train_batch_size"), ("problem", "steps"), ("problem", "seed"),
@@ -25,15 +27,23 @@ INT_FIELDS = [
     ("axes", "world_size", 0), ("axes", "micro_batch_size", 0), ("axes", "zero_stage", 0),
 ]  # fmt: skip
 POSITIVE_FLOATS = [("problem", "optimizer", "lr"), ("timeout_s",)]
-CHOICES = [("axes", "trainer", 0), ("problem", "optimizer", "name"), ("problem", "schedule", "name"), ("problem", "model", "kind"), ("problem", "dtype")]
+CHOICES = [
+    ("axes", "trainer", 0),
+    ("problem", "optimizer", "name"),
+    ("problem", "schedule", "name"),
+    ("problem", "model", "kind"),
+    ("problem", "dtype"),
+]
 REQUIRED = [("problem",), ("problem", "train_batch_size"), ("axes", "micro_batch_size"), ("name",)]
 MAPPINGS = [(), ("problem",), ("problem", "model"), ("problem", "data"), ("problem", "optimizer"), ("axes",)]
 
 junk_text = st.text(alphabet="abcxyz_-!? ", min_size=1, max_size=12)
-not_a_number = st.one_of(junk_text, st.lists(st.integers(), max_size=3), st.dictionaries(junk_text, st.integers(), max_size=2))
+not_a_number = st.one_of(
+    junk_text, st.lists(st.integers(), max_size=3), st.dictionaries(junk_text, st.integers(), max_size=2)
+)
 bad_int = st.one_of(
-    st.integers(max_value=0),            # zero and negative sizes (seed: negative)
-    st.integers(min_value=10**7),        # above every bound: world 4096, batch 2**20, steps 1e6, widths 4096
+    st.integers(max_value=0),  # zero and negative sizes (seed: negative)
+    st.integers(min_value=10**7),  # above every bound: world 4096, batch 2**20, steps 1e6, widths 4096
     st.floats(allow_nan=False, allow_infinity=False).filter(lambda f: f != int(f)),
     not_a_number,
 )
@@ -79,7 +89,11 @@ def bad_matrices(draw) -> dict:
         return put(BASE, (*draw(st.sampled_from(MAPPINGS)), "zz_" + draw(junk_text)), 1)
     if kind == "indivisible":  # B = 16 on 1 or 2 ranks: micro sizes that leave a remainder
         return put(BASE, ("axes", "micro_batch_size"), [draw(st.sampled_from([3, 5, 6, 7, 9, 10, 11, 12, 13, 14, 15]))])
-    return put(BASE, draw(st.sampled_from([("problem",), ("axes",), ("cells",), ("problem", "model")])), draw(st.one_of(junk_text, st.integers())))
+    return put(
+        BASE,
+        draw(st.sampled_from([("problem",), ("axes",), ("cells",), ("problem", "model")])),
+        draw(st.one_of(junk_text, st.integers())),
+    )
 
 
 @pytest.fixture
@@ -118,7 +132,15 @@ def test_malformed_matrices_exit_2_in_one_line(spec, tmp_path, no_processes):
 
 
 @HYPOTHESIS
-@given(blob=st.one_of(st.binary(min_size=1, max_size=300), st.builds(lambda v: yaml.safe_dump(v).encode(), st.one_of(st.lists(st.integers()), st.integers(), st.text(), st.none()))))
+@given(
+    blob=st.one_of(
+        st.binary(min_size=1, max_size=300),
+        st.builds(
+            lambda v: yaml.safe_dump(v).encode(),
+            st.one_of(st.lists(st.integers()), st.integers(), st.text(), st.none()),
+        ),
+    )
+)
 def test_files_that_are_not_matrices_exit_2_in_one_line(blob, tmp_path, no_processes):
     path = tmp_path / "junk.yaml"
     path.write_bytes(blob)
@@ -150,7 +172,9 @@ def test_lanes_out_of_place_are_refused_before_any_process(flags, says, tmp_path
 
 def test_a_world_size_this_machine_cannot_run_is_refused_before_any_process(tmp_path, no_processes):
     path = tmp_path / "big.yaml"
-    path.write_text(yaml.safe_dump(put(put(BASE, ("axes", "world_size"), [1, 1024]), ("problem", "train_batch_size"), 4096)))
+    path.write_text(
+        yaml.safe_dump(put(put(BASE, ("axes", "world_size"), [1, 1024]), ("problem", "train_batch_size"), 4096))
+    )
     result = CliRunner().invoke(app, ["run", "--matrix", str(path), "--out", str(tmp_path / "run")])
     assert_bad_input(result)
     assert "world size 1024 needs 1024 ranks on this machine" in result.stderr

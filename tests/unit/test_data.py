@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from gaeq.problem.spec import RegressionSpec
 from gaeq.problem.data import BatchPlan, RegressionData
+from gaeq.problem.spec import RegressionSpec
 
 B = 24
 

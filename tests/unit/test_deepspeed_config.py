@@ -43,7 +43,16 @@ SCHEDULES = [
     ("WarmupDecayLR", {"total_num_steps": 20, "warmup_num_steps": 5, "warmup_type": "linear", "warmup_min_lr": 1e-5}),
     ("WarmupDecayLR", {"total_num_steps": 10, "warmup_num_steps": 12}),  # decay never starts, then floors at 0
     ("WarmupCosineLR", {"total_num_steps": 25, "warmup_num_steps": 5}),
-    ("WarmupCosineLR", {"total_num_steps": 25, "warmup_num_steps": 3, "warmup_min_ratio": 0.1, "cos_min_ratio": 0.05, "warmup_type": "linear"}),
+    (
+        "WarmupCosineLR",
+        {
+            "total_num_steps": 25,
+            "warmup_num_steps": 3,
+            "warmup_min_ratio": 0.1,
+            "cos_min_ratio": 0.05,
+            "warmup_type": "linear",
+        },
+    ),
     (None, {}),
 ]
 
@@ -73,13 +82,21 @@ def test_mirrored_adam_takes_deepspeeds_defaults_not_torchs():
     params = [torch.zeros(2, requires_grad=True)]
     adamw = mirrored_optimizer(params, mirror({"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}).optimizer)
     assert type(adamw) is torch.optim.AdamW and adamw.defaults["weight_decay"] == 0.0 and adamw.defaults["lr"] == 1e-2
-    adam = mirrored_optimizer(params, mirror({"optimizer": {"type": "Adam", "params": {"weight_decay": 0.1}}}).optimizer)
+    adam = mirrored_optimizer(
+        params, mirror({"optimizer": {"type": "Adam", "params": {"weight_decay": 0.1}}}).optimizer
+    )
     assert type(adam) is torch.optim.AdamW and adam.defaults["weight_decay"] == 0.1
-    plain = mirrored_optimizer(params, mirror({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}}).optimizer)
+    plain = mirrored_optimizer(
+        params, mirror({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}}).optimizer
+    )
     assert type(plain) is torch.optim.Adam
-    torch_adam = mirrored_optimizer(params, mirror({"optimizer": {"type": "AdamW", "params": {"torch_adam": True}}}).optimizer)
+    torch_adam = mirrored_optimizer(
+        params, mirror({"optimizer": {"type": "AdamW", "params": {"torch_adam": True}}}).optimizer
+    )
     assert torch_adam.defaults["weight_decay"] == 0.01  # DeepSpeed builds torch's own class: torch's default
-    sgd = mirrored_optimizer(params, mirror({"optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}}).optimizer)
+    sgd = mirrored_optimizer(
+        params, mirror({"optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}}).optimizer
+    )
     assert type(sgd) is torch.optim.SGD and sgd.defaults["momentum"] == 0.9
 
 
@@ -93,13 +110,38 @@ def test_absent_clipping_is_deepspeeds_default_read_from_deepspeed():
 
 
 def test_each_cell_runs_the_file_with_only_its_split_written_in_and_the_overrides_are_named():
-    config, changed = cell_config(CONFIG, train_batch_size=16, micro_batch_size=2, grad_accum_steps=4, zero_stage=3, offload="none", load_universal=False)
-    assert (config["train_batch_size"], config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]) == (16, 2, 4)
+    config, changed = cell_config(
+        CONFIG,
+        train_batch_size=16,
+        micro_batch_size=2,
+        grad_accum_steps=4,
+        zero_stage=3,
+        offload="none",
+        load_universal=False,
+    )
+    assert (
+        config["train_batch_size"],
+        config["train_micro_batch_size_per_gpu"],
+        config["gradient_accumulation_steps"],
+    ) == (16, 2, 4)
     assert config["zero_optimization"] == {"stage": 3, "overlap_comm": True}
-    assert {k: v for k, v in config.items() if k not in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "zero_optimization")} == {
+    assert {
+        k: v
+        for k, v in config.items()
+        if k
+        not in (
+            "train_batch_size",
+            "train_micro_batch_size_per_gpu",
+            "gradient_accumulation_steps",
+            "zero_optimization",
+        )
+    } == {
         k: v for k, v in CONFIG.items() if k not in ("train_batch_size", "zero_optimization")
     }  # nothing else touched: no clipping, no precision, no bucket sizes written
-    assert [(o.key, o.file_value, o.cell_value) for o in changed] == [("train_batch_size", 64, 16), ("zero_optimization.stage", 2, 3)]
+    assert [(o.key, o.file_value, o.cell_value) for o in changed] == [
+        ("train_batch_size", 64, 16),
+        ("zero_optimization.stage", 2, 3),
+    ]
     assert CONFIG["train_batch_size"] == 64  # the user's mapping itself is left alone
 
 
@@ -117,12 +159,24 @@ def test_without_a_zero_stage_axis_the_files_stage_is_the_cells_and_a_path_is_re
 
 BAD = [
     ({"optimizer": {"type": "Lamb"}}, "deepspeed_config.optimizer.type: 'Lamb'"),
-    ({"optimizer": {"type": "AdamW", "params": {"max_grad_norm": 1.0}}}, "deepspeed_config.optimizer.params.max_grad_norm"),
+    (
+        {"optimizer": {"type": "AdamW", "params": {"max_grad_norm": 1.0}}},
+        "deepspeed_config.optimizer.params.max_grad_norm",
+    ),
     ({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, "deepspeed_config.optimizer.params.lr: 'auto'"),
-    ({"optimizer": {"type": "AdamW"}, "scheduler": {"type": "OneCycle", "params": {}}}, "deepspeed_config.scheduler.type: 'OneCycle'"),
-    ({"optimizer": {"type": "AdamW"}, "scheduler": {"type": "WarmupDecayLR", "params": {}}}, "total_num_steps: DeepSpeed's WarmupDecayLR requires it"),
+    (
+        {"optimizer": {"type": "AdamW"}, "scheduler": {"type": "OneCycle", "params": {}}},
+        "deepspeed_config.scheduler.type: 'OneCycle'",
+    ),
+    (
+        {"optimizer": {"type": "AdamW"}, "scheduler": {"type": "WarmupDecayLR", "params": {}}},
+        "total_num_steps: DeepSpeed's WarmupDecayLR requires it",
+    ),
     ({"scheduler": {"type": "WarmupLR"}}, "deepspeed_config.optimizer: absent"),
-    ({"optimizer": {"type": "AdamW"}, "zero_optimization": {"offload_optimizer": {"device": "nvme"}}}, "offload_optimizer.device: 'nvme'"),
+    (
+        {"optimizer": {"type": "AdamW"}, "zero_optimization": {"offload_optimizer": {"device": "nvme"}}},
+        "offload_optimizer.device: 'nvme'",
+    ),
 ]
 
 
@@ -142,7 +196,15 @@ def test_the_optimisation_comes_from_the_file_alone_and_the_dtype_from_its_preci
     bf16 = copy.deepcopy(CONFIG) | {"bf16": {"enabled": True}}
     with pytest.raises(MatrixError, match="deepspeed_config enables bf16.*set dtype: ds_bf16"):
         matrix_from_dict(with_config(bf16))
-    with pytest.raises(MatrixError, match="ds_bf16 is DeepSpeed's bf16 section, which deepspeed_config does not enable"):
-        matrix_from_dict(with_config(dtype=["ds_bf16"], zero_stage=[1]) | {"baseline": {"trainer": "deepspeed", "zero_stage": 1}})
-    with pytest.raises(MatrixError, match="bug 'unmirrored_default_clipping' exists only in a problem with a deepspeed_config"):
-        matrix_from_dict(small_spec(cells=[{"trainer": "torch", "micro_batch_size": 4, "bug": "unmirrored_default_clipping"}]))
+    with pytest.raises(
+        MatrixError, match="ds_bf16 is DeepSpeed's bf16 section, which deepspeed_config does not enable"
+    ):
+        matrix_from_dict(
+            with_config(dtype=["ds_bf16"], zero_stage=[1]) | {"baseline": {"trainer": "deepspeed", "zero_stage": 1}}
+        )
+    with pytest.raises(
+        MatrixError, match="bug 'unmirrored_default_clipping' exists only in a problem with a deepspeed_config"
+    ):
+        matrix_from_dict(
+            small_spec(cells=[{"trainer": "torch", "micro_batch_size": 4, "bug": "unmirrored_default_clipping"}])
+        )

@@ -18,7 +18,16 @@ from gaeq.problem.spec import HFModelSpec, ProblemSpec
 from gaeq.results.report import _dropout_note
 from tests.helpers import small_spec
 
-LLAMA = {"hf": "LlamaForCausalLM", "config": {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1}}
+LLAMA = {
+    "hf": "LlamaForCausalLM",
+    "config": {
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+    },
+}
 GPT2 = {"hf": "GPT2LMHeadModel", "config": {"n_embd": 16, "n_layer": 1, "n_head": 2}}
 TOKENS = {"kind": "tokens", "vocab_size": 24, "seq_len": 12}
 
@@ -58,7 +67,9 @@ def test_a_class_that_is_not_a_causal_lm_is_refused_by_name():
     with pytest.raises(HFModelError, match=r"'BertModel' is not a transformers causal-LM class .*transformers 5\."):
         build_problem(problem({"hf": "BertModel"}))
     with pytest.raises(HFModelError, match="LlamaForCausalLM: cannot build from model.config .*no_such_knob"):
-        build_problem(problem({"hf": "LlamaForCausalLM", "config": {"no_such_knob": "x", "hidden_act": "no_such_knob"}}))
+        build_problem(
+            problem({"hf": "LlamaForCausalLM", "config": {"no_such_knob": "x", "hidden_act": "no_such_knob"}})
+        )
 
 
 def test_without_transformers_one_line_says_how_to_install_it(monkeypatch):
@@ -97,7 +108,13 @@ def accumulated_grads(built, plan: BatchPlan, *, count: str) -> list[torch.Tenso
 
 @pytest.mark.parametrize("model", [LLAMA, GPT2], ids=["llama", "gpt2"])
 def test_the_models_own_loss_with_the_global_count_accumulates_to_the_full_batch_gradient(model):
-    config = {**model, "config": {**model["config"], **({"attn_pdrop": 0.0, "embd_pdrop": 0.0, "resid_pdrop": 0.0} if model is GPT2 else {})}}
+    config = {
+        **model,
+        "config": {
+            **model["config"],
+            **({"attn_pdrop": 0.0, "embd_pdrop": 0.0, "resid_pdrop": 0.0} if model is GPT2 else {}),
+        },
+    }
     built = build_problem(problem(config, train_batch_size=16))
     full = accumulated_grads(built, BatchPlan(train_batch_size=16, micro_batch_size=16, world_size=1), count="global")
     for micro, world in [(2, 1), (4, 2), (1, 4)]:
@@ -117,9 +134,14 @@ def test_the_hf_bugs_exist_only_with_the_hf_loss():
 
 
 def test_a_variant_with_another_transformers_class_starts_afresh_and_one_with_the_same_merges():
-    spec = small_spec(axes={"trainer": ["torch"], "world_size": [1], "micro_batch_size": [4], "variant": ["base", "gpt2", "wider"]})
+    spec = small_spec(
+        axes={"trainer": ["torch"], "world_size": [1], "micro_batch_size": [4], "variant": ["base", "gpt2", "wider"]}
+    )
     spec["problem"] |= {"model": LLAMA, "data": TOKENS, "loss": "hf"}
-    spec["variants"] = {"gpt2": {"problem": {"model": GPT2}}, "wider": {"problem": {"model": {"config": {"hidden_size": 32}}}}}
+    spec["variants"] = {
+        "gpt2": {"problem": {"model": GPT2}},
+        "wider": {"problem": {"model": {"config": {"hidden_size": 32}}}},
+    }
     problems = matrix_from_dict(spec).problems
     assert problems["gpt2"].model == HFModelSpec(**GPT2)  # none of Llama's config keys leak into GPT-2's
     assert problems["wider"].model.config == {**LLAMA["config"], "hidden_size": 32}

@@ -35,7 +35,10 @@ def test_accelerate_accumulation_matches_and_the_double_division_is_caught(write
         assert cell.verdict == "match", (cell_id, cell.reason)
         assert 0 < cell.max_abs_loss_diff < 1e-6
         if cell.trainer == "accelerate":
-            assert cell.ran["grad_accum_steps"] == cell.grad_accum_steps and cell.ran["micro_steps"] == cell.grad_accum_steps
+            assert (
+                cell.ran["grad_accum_steps"] == cell.grad_accum_steps
+                and cell.ran["micro_steps"] == cell.grad_accum_steps
+            )
             assert (cell.ran["mixed_precision"], cell.ran["scheduler_steps_with_optimizer"]) == ("no", False)
     bf16 = by_id["accelerate-w1-mb4-ga4-bf16"]  # accelerate's own autocast: bf16 really ran
     assert bf16.verdict == "match" and (bf16.ran["mixed_precision"], bf16.ran["compute_dtype"]) == ("bf16", "bfloat16")
@@ -50,8 +53,14 @@ def test_accelerate_cells_are_fp32_or_bf16_and_its_scheduler_trap_needs_two_rank
         matrix_from_dict(small_spec(cells=[{"trainer": "accelerate", "micro_batch_size": 4, "dtype": "fp16"}]))
     with pytest.raises(MatrixError, match="zero_stage is a DeepSpeed setting; the accelerate cell w1 mb4 sets it"):
         matrix_from_dict(small_spec(cells=[{"trainer": "accelerate", "micro_batch_size": 4, "zero_stage": 1}]))
-    with pytest.raises(MatrixError, match="bug 'accelerate_scheduler_per_process' needs world_size ≥ 2, the cell has 1"):
-        matrix_from_dict(small_spec(cells=[{"trainer": "accelerate", "micro_batch_size": 4, "bug": "accelerate_scheduler_per_process"}]))
+    with pytest.raises(
+        MatrixError, match="bug 'accelerate_scheduler_per_process' needs world_size ≥ 2, the cell has 1"
+    ):
+        matrix_from_dict(
+            small_spec(
+                cells=[{"trainer": "accelerate", "micro_batch_size": 4, "bug": "accelerate_scheduler_per_process"}]
+            )
+        )
 
 
 def test_the_transformers_trainer_matches_and_without_num_items_it_is_the_mean_of_micro_means(write_matrix, tmp_path):
@@ -74,7 +83,9 @@ def test_the_transformers_trainer_matches_and_without_num_items_it_is_the_mean_o
         assert 0 < cell.max_abs_loss_diff < 1e-6
         assert (cell.ran["model_accepts_loss_kwargs"], cell.ran["micro_steps"]) == (True, cell.grad_accum_steps)
     control = by_id["hf-w1-mb2-ga8-bug_hf_loss_per_micro_batch"]
-    assert (control.verdict, control.caught_by, control.first_divergent_step) == ("diverge", "grad_norm", 0), control.reason
+    assert (control.verdict, control.caught_by, control.first_divergent_step) == ("diverge", "grad_norm", 0), (
+        control.reason
+    )
     assert control.ran["model_accepts_loss_kwargs"] is False
 
 
@@ -82,8 +93,24 @@ def test_the_transformers_trainer_matches_and_without_num_items_it_is_the_mean_o
     ("problem", "why"),
     [
         ({}, "token data only"),
-        ({"schedule": {"name": "warmup_cosine", "warmup_steps": 3}, "model": {"kind": "gpt"}, "data": {"kind": "tokens"}, "loss": "cross_entropy"}, "linear warmup starts at lr 0"),
-        ({"optimizer": {"name": "sgd", "lr": 0.1}, "model": {"kind": "gpt"}, "data": {"kind": "tokens"}, "loss": "cross_entropy"}, "its optimizer is AdamW"),
+        (
+            {
+                "schedule": {"name": "warmup_cosine", "warmup_steps": 3},
+                "model": {"kind": "gpt"},
+                "data": {"kind": "tokens"},
+                "loss": "cross_entropy",
+            },
+            "linear warmup starts at lr 0",
+        ),
+        (
+            {
+                "optimizer": {"name": "sgd", "lr": 0.1},
+                "model": {"kind": "gpt"},
+                "data": {"kind": "tokens"},
+                "loss": "cross_entropy",
+            },
+            "its optimizer is AdamW",
+        ),
     ],
 )
 def test_what_the_trainer_cannot_be_set_to_exactly_is_bad_input(problem, why):
@@ -96,8 +123,16 @@ def test_what_the_trainer_cannot_be_set_to_exactly_is_bad_input(problem, why):
 
 def test_the_trainer_with_deepspeed_needs_zero_1_or_more():
     spec = small_spec(cells=[{"trainer": "hf_deepspeed", "micro_batch_size": 4, "zero_stage": 0}])
-    spec["problem"] |= {"model": {"kind": "gpt"}, "data": {"kind": "tokens"}, "loss": "cross_entropy", "schedule": {"name": "constant"}}
-    with pytest.raises(MatrixError, match="hf_deepspeed trainer needs ZeRO ≥ 1: at ZeRO-0 DeepSpeed's engine reports no global grad norm"):
+    spec["problem"] |= {
+        "model": {"kind": "gpt"},
+        "data": {"kind": "tokens"},
+        "loss": "cross_entropy",
+        "schedule": {"name": "constant"},
+    }
+    with pytest.raises(
+        MatrixError,
+        match="hf_deepspeed trainer needs ZeRO ≥ 1: at ZeRO-0 DeepSpeed's engine reports no global grad norm",
+    ):
         matrix_from_dict(spec)
 
 
@@ -105,7 +140,11 @@ def test_without_the_hf_extra_a_library_trainer_says_how_to_install_it(monkeypat
     import importlib.util
 
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("accelerate", "transformers") else find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name in ("accelerate", "transformers") else find_spec(name, *a),
+    )
     for trainer, package in (("accelerate", "accelerate"), ("hf", "transformers")):
         with pytest.raises(MatrixError, match=f"trainer {trainer} needs {package}: pip install 'gaeq\\[hf\\]'"):
             matrix_from_dict(small_spec(cells=[{"trainer": trainer, "micro_batch_size": 4}]))
@@ -114,6 +153,18 @@ def test_without_the_hf_extra_a_library_trainer_says_how_to_install_it(monkeypat
 def test_fsdp_and_library_cells_are_fp32_or_bf16_and_write_no_checkpoints():
     with pytest.raises(MatrixError, match="the fsdp trainer runs fp32 and bf16 .*not fp16"):
         matrix_from_dict(small_spec(cells=[{"trainer": "fsdp", "micro_batch_size": 4, "dtype": "fp16"}]))
-    spec = small_spec(resume=[{"from": {"trainer": "fsdp", "micro_batch_size": 4}, "at_step": 4, "universal": False, "to": [{"world_size": 1, "micro_batch_size": 8}]}])
-    with pytest.raises(MatrixError, match="checkpoints are written and resumed by the torch and deepspeed trainers; source fsdp-w1-mb4-ga4 is fsdp"):
+    spec = small_spec(
+        resume=[
+            {
+                "from": {"trainer": "fsdp", "micro_batch_size": 4},
+                "at_step": 4,
+                "universal": False,
+                "to": [{"world_size": 1, "micro_batch_size": 8}],
+            }
+        ]
+    )
+    with pytest.raises(
+        MatrixError,
+        match="checkpoints are written and resumed by the torch and deepspeed trainers; source fsdp-w1-mb4-ga4 is fsdp",
+    ):
         matrix_from_dict(spec)

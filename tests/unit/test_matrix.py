@@ -13,7 +13,9 @@ runner = CliRunner()
 
 
 def test_ga_is_derived_and_cells_are_named(write_matrix):
-    spec = small_spec(axes={"trainer": ["torch", "deepspeed"], "world_size": [1, 2], "micro_batch_size": [2, 8], "zero_stage": [0, 3]})
+    spec = small_spec(
+        axes={"trainer": ["torch", "deepspeed"], "world_size": [1, 2], "micro_batch_size": [2, 8], "zero_stage": [0, 3]}
+    )
     m = load_matrix(write_matrix(spec))
     by_id = {c.id: c for c in m.cells}
     # 1 baseline + torch 2×2 + deepspeed 2×2×2
@@ -57,7 +59,9 @@ def test_indivisible_split_names_the_numbers(write_matrix):
 
 
 def test_indivisible_split_can_be_skipped_with_a_reason(write_matrix):
-    m = load_matrix(write_matrix(small_spec(axes={"world_size": [1, 3], "micro_batch_size": [4]}, on_indivisible="skip")))
+    m = load_matrix(
+        write_matrix(small_spec(axes={"world_size": [1, 3], "micro_batch_size": [4]}, on_indivisible="skip"))
+    )
     skipped = [c for c in m.cells if c.skip_reason]
     assert [c.id for c in skipped] == ["torch-w3-mb4-gaNA"]
     assert "not divisible by micro_batch_size 4 × world_size 3" in skipped[0].skip_reason
@@ -71,13 +75,17 @@ def test_zero_stage_is_deepspeed_only(write_matrix):
 
 
 def test_bug_cells_default_to_diverge_and_unknown_bugs_are_rejected(write_matrix):
-    m = load_matrix(write_matrix(small_spec(cells=[{"trainer": "torch", "micro_batch_size": 4, "bug": "no_loss_division"}])))
+    m = load_matrix(
+        write_matrix(small_spec(cells=[{"trainer": "torch", "micro_batch_size": 4, "bug": "no_loss_division"}]))
+    )
     control = m.cells[-1]
     assert (control.id, control.expect) == ("torch-w1-mb4-ga4-bug_no_loss_division", "diverge")
     with pytest.raises(MatrixError, match="unknown bug 'nope'"):
         load_matrix(write_matrix(small_spec(cells=[{"trainer": "torch", "micro_batch_size": 4, "bug": "nope"}])))
     with pytest.raises(MatrixError, match="exists only in the torch trainer"):
-        load_matrix(write_matrix(small_spec(cells=[{"trainer": "deepspeed", "micro_batch_size": 4, "bug": "no_loss_division"}])))
+        load_matrix(
+            write_matrix(small_spec(cells=[{"trainer": "deepspeed", "micro_batch_size": 4, "bug": "no_loss_division"}]))
+        )
 
 
 def test_each_dtype_group_gets_its_baseline(write_matrix):
@@ -110,7 +118,9 @@ def test_cli_bad_input_exits_2_with_one_line(write_matrix, command):
 
 
 def test_cli_validate_prints_cells_without_training(write_matrix, tmp_path):
-    spec = small_spec(axes={"trainer": ["torch", "deepspeed"], "world_size": [1, 2], "micro_batch_size": [4], "zero_stage": [2]})
+    spec = small_spec(
+        axes={"trainer": ["torch", "deepspeed"], "world_size": [1, 2], "micro_batch_size": [4], "zero_stage": [2]}
+    )
     result = runner.invoke(app, ["validate", str(write_matrix(spec))])
     assert result.exit_code == 0, result.output
     for cell_id in ("torch-w1-mb16-ga1", "torch-w2-mb4-ga2", "deepspeed-z2-w1-mb4-ga4", "deepspeed-z2-w2-mb4-ga2"):
@@ -152,7 +162,13 @@ def test_default_matrix_has_token_normalised_gpt_cells():
 
 
 def test_nvme_offload_is_zero3_and_skipped_with_the_command_where_libaio_is_missing(write_matrix, monkeypatch):
-    axes = {"trainer": ["deepspeed"], "world_size": [2], "micro_batch_size": [4], "zero_stage": [1, 3], "offload": ["nvme"]}
+    axes = {
+        "trainer": ["deepspeed"],
+        "world_size": [2],
+        "micro_batch_size": [4],
+        "zero_stage": [1, 3],
+        "offload": ["nvme"],
+    }
     monkeypatch.setattr("gaeq.accelerator.nvme_unsupported_reason", lambda: None)
     cells = {c.id: c for c in load_matrix(write_matrix(small_spec(axes=axes))).cells}
     assert cells["deepspeed-z3-nvmeoff-w2-mb4-ga2"].skip_reason is None
@@ -168,4 +184,7 @@ def test_the_swap_folder_is_kept_only_when_asked(write_matrix, monkeypatch):
     monkeypatch.setattr("gaeq.accelerator.nvme_unsupported_reason", lambda: None)
     cell = {"trainer": "deepspeed", "world_size": 1, "micro_batch_size": 4, "zero_stage": 3, "offload": "nvme"}
     kept = load_matrix(write_matrix(small_spec(axes=None, cells=[cell], keep_nvme_swap=True))).cells[-1]
-    assert kept.keep_nvme_swap and not load_matrix(write_matrix(small_spec(axes=None, cells=[cell]))).cells[-1].keep_nvme_swap
+    assert (
+        kept.keep_nvme_swap
+        and not load_matrix(write_matrix(small_spec(axes=None, cells=[cell]))).cells[-1].keep_nvme_swap
+    )

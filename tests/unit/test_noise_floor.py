@@ -24,13 +24,19 @@ pytestmark = pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.s
 
 def trace(losses, norms=None):
     norms = norms or [1.0] * len(losses)
-    return [StepRecord(step=i, loss=l, grad_norm=g, lr=1e-3, samples=8 * (i + 1), seconds=0.0) for i, (l, g) in enumerate(zip(losses, norms))]
+    return [
+        StepRecord(step=i, loss=loss, grad_norm=g, lr=1e-3, samples=8 * (i + 1), seconds=0.0)
+        for i, (loss, g) in enumerate(zip(losses, norms))
+    ]
 
 
 def test_every_group_gets_a_twin_of_its_baseline_in_more_micro_batches(write_matrix):
-    spec = small_spec(axes={"trainer": ["deepspeed"], "world_size": [1], "micro_batch_size": [4], "dtype": ["fp32", "bf16"]})
+    spec = small_spec(
+        axes={"trainer": ["deepspeed"], "world_size": [1], "micro_batch_size": [4], "dtype": ["fp32", "bf16"]}
+    )
     matrix = load_matrix(write_matrix(spec))
-    # the baseline's trainer with micro-batches as small as the group's smallest (4): the size that sets how the sums round
+    # the baseline's trainer with micro-batches as small as the group's smallest (4): the size that
+    # sets how the sums round
     assert matrix.floors == {"fp32": "torch-w1-mb4-ga4-floor", "bf16": "torch-w1-mb4-ga4-bf16-floor"}
     cells = {c.id: c for c in matrix.cells}
     assert cells["torch-w1-mb16-ga1"].role == Role.BASELINE and cells["torch-w1-mb4-ga4-floor"].role == Role.FLOOR
@@ -82,7 +88,9 @@ def test_the_envelope_is_the_twins_drift_times_the_factor_never_below_the_consta
 
     # A floor under the constants changes nothing; a twin gone wrong widens them CEILING × at most.
     tiny = NoiseFloor.measure("twin", base, trace([1.0, 0.9, 0.8 + 1e-9, 0.7]))
-    assert compare_traces(base, trace([1.0, 0.9 + 2e-6, 0.8, 0.7]), FP32, floor=tiny).margin == pytest.approx(2e-6 / FP32.loss_tol(0.9))
+    assert compare_traces(base, trace([1.0, 0.9 + 2e-6, 0.8, 0.7]), FP32, floor=tiny).margin == pytest.approx(
+        2e-6 / FP32.loss_tol(0.9)
+    )
     broken = NoiseFloor.measure("twin", base, trace([1.0, 0.5, 0.5, 0.5]))
     hidden = compare_traces(base, trace([1.0, 0.9 + 1e-2, 0.8, 0.7]), FP32, floor=broken)
     assert hidden.verdict == "diverge" and CEILING * FP32.loss_tol(0.9) < 1e-2
@@ -93,7 +101,9 @@ def test_a_twin_that_drifts_beyond_rounding_sets_no_floor_and_says_why():
     rounding; its group is judged by the constants, and the report says why."""
     base = trace([1.0, 0.9, 0.8])
     floor = NoiseFloor.measure("twin-floor", base, trace([1.0, 0.9 + 1e-2, 0.8]))
-    assert floor.beyond_rounding(base, FP32).startswith("its twin twin-floor drifted beyond what rounding explains by step 1")
+    assert floor.beyond_rounding(base, FP32).startswith(
+        "its twin twin-floor drifted beyond what rounding explains by step 1"
+    )
     assert NoiseFloor.measure("twin-floor", base, trace([1.0, 0.9 + 1e-5, 0.8])).beyond_rounding(base, FP32) is None
 
 

@@ -31,7 +31,9 @@ def token_weights(plan: BatchPlan, *, step: int, naive: bool) -> list[float]:
         micro_elements = sum(DATA.loss_elements(i) for i in indices)
         num_items = normaliser
         if naive:
-            num_items = mean_of_means_count(micro_elements=micro_elements, grad_accum_steps=plan.grad_accum_steps, world_size=plan.world_size)
+            num_items = mean_of_means_count(
+                micro_elements=micro_elements, grad_accum_steps=plan.grad_accum_steps, world_size=plan.world_size
+            )
         # The trainers backpropagate loss sum ÷ num_items × world; accumulation sums micro-steps
         # (weight × 1); data parallelism averages ranks (÷ world).
         weights += [plan.world_size / num_items / plan.world_size] * micro_elements

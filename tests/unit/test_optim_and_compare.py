@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from gaeq.problem.spec import OptimizerSpec, ProblemSpec, ScheduleSpec
 from gaeq.problem.optim import deepspeed_optimizer, lr_factor
+from gaeq.problem.spec import OptimizerSpec, ProblemSpec, ScheduleSpec
 from gaeq.results.compare import DEFAULT_TOLERANCES, compare_traces, tolerance_for
 from gaeq.results.trace import StepRecord
 
@@ -25,7 +25,15 @@ def test_deepspeed_optimizer_is_torch_adamw_with_every_knob_set():
     cfg = deepspeed_optimizer(OptimizerSpec(name="adamw", lr=1e-3, weight_decay=0.1, betas=(0.8, 0.9), eps=1e-7))
     assert cfg == {
         "type": "AdamW",
-        "params": {"lr": 1e-3, "betas": [0.8, 0.9], "eps": 1e-7, "weight_decay": 0.1, "amsgrad": False, "foreach": False, "torch_adam": True},
+        "params": {
+            "lr": 1e-3,
+            "betas": [0.8, 0.9],
+            "eps": 1e-7,
+            "weight_decay": 0.1,
+            "amsgrad": False,
+            "foreach": False,
+            "torch_adam": True,
+        },
     }
     assert deepspeed_optimizer(OptimizerSpec(name="sgd", lr=0.1, momentum=0.9))["type"] == "SGD"
 
@@ -38,12 +46,19 @@ def test_deepspeed_config_sets_clipping_even_when_off():
     cell = Cell(trainer="deepspeed", world_size=2, micro_batch_size=4, train_batch_size=32, zero_stage=2)
     cfg = deepspeed_config(cell, ProblemSpec(train_batch_size=32, gradient_clipping=0.0))
     assert cfg["gradient_clipping"] == 0.0  # DeepSpeed's default would be 1.0
-    assert (cfg["train_batch_size"], cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]) == (32, 4, 4)
+    assert (cfg["train_batch_size"], cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]) == (
+        32,
+        4,
+        4,
+    )
     assert cfg["zero_optimization"] == {"stage": 2}
 
 
 def trace(losses, norms):
-    return [StepRecord(step=i, loss=l, grad_norm=g, lr=1e-3, samples=8 * (i + 1), seconds=0.0) for i, (l, g) in enumerate(zip(losses, norms))]
+    return [
+        StepRecord(step=i, loss=loss, grad_norm=g, lr=1e-3, samples=8 * (i + 1), seconds=0.0)
+        for i, (loss, g) in enumerate(zip(losses, norms))
+    ]
 
 
 def test_compare_reports_first_divergent_step_and_metric():

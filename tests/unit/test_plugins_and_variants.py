@@ -36,9 +36,18 @@ def test_a_model_from_a_test_module_trains_and_is_judged(write_matrix, tmp_path)
 @pytest.mark.parametrize(
     ("model_import", "message"),
     [
-        ("tests.no_such_module:build", "model plugin 'tests.no_such_module:build': cannot import tests.no_such_module (ModuleNotFoundError"),
-        ("tests.plugin_models:missing", "model plugin 'tests.plugin_models:missing': tests.plugin_models has no function 'missing'"),
-        ("tests.plugin_models:not_a_module", "model plugin 'tests.plugin_models:not_a_module' returned str, not a torch.nn.Module"),
+        (
+            "tests.no_such_module:build",
+            "model plugin 'tests.no_such_module:build': cannot import tests.no_such_module (ModuleNotFoundError",
+        ),
+        (
+            "tests.plugin_models:missing",
+            "model plugin 'tests.plugin_models:missing': tests.plugin_models has no function 'missing'",
+        ),
+        (
+            "tests.plugin_models:not_a_module",
+            "model plugin 'tests.plugin_models:not_a_module' returned str, not a torch.nn.Module",
+        ),
     ],
 )
 @pytest.mark.parametrize("command", ["validate", "run"])
@@ -86,7 +95,11 @@ def test_variants_get_their_own_problem_and_baseline(write_matrix):
     assert m.problems["sgd"].optimizer.name == "sgd" and m.problems["sgd"].optimizer.lr == 0.05
     assert m.problems["sgd"].gradient_clipping == m.problems["base"].gradient_clipping == 1.0
     assert m.problems["gpt"].model.kind == "gpt" and m.problems["gpt"].data.kind == "tokens"
-    assert {c.id for c in m.cells} >= {"torch-w1-mb4-ga4@sgd", "deepspeed-z2-w1-mb2-ga8-ds_bf16@ds", "deepspeed-z0-w1-mb4-ga4@gpt"}
+    assert {c.id for c in m.cells} >= {
+        "torch-w1-mb4-ga4@sgd",
+        "deepspeed-z2-w1-mb2-ga8-ds_bf16@ds",
+        "deepspeed-z0-w1-mb4-ga4@gpt",
+    }
 
 
 def test_a_variant_that_switches_plugin_starts_from_fresh_args(write_matrix):

@@ -55,7 +55,9 @@ def test_the_control_a_plain_child_inherits_what_the_parent_ignores():
 
     with parent_ignoring(signal.SIGINT, signal.SIGHUP):
         with owned(new_tag()) as tag:
-            proc = subprocess.Popen([sys.executable, "-c", SHOW], stdin=-1, stdout=-1, text=True, env={"GAEQ_TEST_TAG": tag})
+            proc = subprocess.Popen(
+                [sys.executable, "-c", SHOW], stdin=-1, stdout=-1, text=True, env={"GAEQ_TEST_TAG": tag}
+            )
             line = proc.stdout.readline()
             proc.kill()
             proc.wait()

@@ -13,16 +13,32 @@ DS_SOURCE = {"trainer": "deepspeed", "world_size": 2, "micro_batch_size": 4, "ze
 
 
 def resume(**overrides) -> dict:
-    entry = {"from": DS_SOURCE, "at_step": 5, "universal": True, "to": [{"world_size": 1, "micro_batch_size": 4, "zero_stage": 2}]}
+    entry = {
+        "from": DS_SOURCE,
+        "at_step": 5,
+        "universal": True,
+        "to": [{"world_size": 1, "micro_batch_size": 4, "zero_stage": 2}],
+    }
     return {**entry, **overrides}
 
 
 def test_source_is_marked_and_targets_are_named(write_matrix):
-    m = load_matrix(write_matrix(small_spec(resume=[resume(), resume(at_step=8, to=[{"world_size": 2, "micro_batch_size": 2, "zero_stage": 1}])])))
+    m = load_matrix(
+        write_matrix(
+            small_spec(
+                resume=[resume(), resume(at_step=8, to=[{"world_size": 2, "micro_batch_size": 2, "zero_stage": 1}])]
+            )
+        )
+    )
     by_id = {c.id: c for c in m.cells}
     assert by_id["deepspeed-z2-w2-mb4-ga2"].save_at == (5, 8)
     target = by_id["deepspeed-z2-w1-mb4-ga4-from_s5_universal"]
-    assert (target.resume.source, target.resume.step, target.first_step, target.expect) == ("deepspeed-z2-w2-mb4-ga2", 5, 5, "match")
+    assert (target.resume.source, target.resume.step, target.first_step, target.expect) == (
+        "deepspeed-z2-w2-mb4-ga2",
+        5,
+        5,
+        "match",
+    )
     assert "deepspeed-z1-w2-mb2-ga4-from_s8_universal" in by_id
 
 
@@ -30,11 +46,17 @@ def test_source_is_marked_and_targets_are_named(write_matrix):
     ("entry", "message"),
     [
         (resume(at_step=12), "at_step 12 must lie between 1 and steps - 1 = 11"),
-        (resume(**{"from": {"trainer": "torch", "micro_batch_size": 4}}), "universal checkpoints are DeepSpeed ZeRO ≥ 1"),
+        (
+            resume(**{"from": {"trainer": "torch", "micro_batch_size": 4}}),
+            "universal checkpoints are DeepSpeed ZeRO ≥ 1",
+        ),
         (resume(**{"from": {**DS_SOURCE, "zero_stage": 0}}), "universal checkpoints are DeepSpeed ZeRO ≥ 1"),
         (resume(to=[{"world_size": 1, "micro_batch_size": 4, "zero_stage": 0}]), "loads into ZeRO ≥ 1"),
         (resume(to=[{"world_size": 1, "micro_batch_size": 4, "zero_stage": 3}]), "only when it was saved at ZeRO-3"),
-        (resume(to=[{"world_size": 1, "micro_batch_size": 4, "zero_stage": 2, "drop": ["optimizer"]}]), "drop it only with universal: false"),
+        (
+            resume(to=[{"world_size": 1, "micro_batch_size": 4, "zero_stage": 2, "drop": ["optimizer"]}]),
+            "drop it only with universal: false",
+        ),
         (resume(universal=False), "same world size and ZeRO stage"),
     ],
 )

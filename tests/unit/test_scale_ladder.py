@@ -27,8 +27,12 @@ def test_every_variant_is_named_by_its_parameter_count_and_the_ladder_reaches_20
 
 def test_every_group_has_a_twin_every_split_every_control():
     assert set(LADDER.floors) == set(LADDER.baselines)
-    splits = {(c.trainer, c.world_size, c.zero_stage) for c in LADDER.cells if c.variant == "mlp_21m" and c.dtype == "fp32"}
-    assert {(t, w, z) for t, w, z in splits if t == "deepspeed"} == {("deepspeed", w, z) for w in (1, 2) for z in range(4)}
+    splits = {
+        (c.trainer, c.world_size, c.zero_stage) for c in LADDER.cells if c.variant == "mlp_21m" and c.dtype == "fp32"
+    }
+    assert {(t, w, z) for t, w, z in splits if t == "deepspeed"} == {
+        ("deepspeed", w, z) for w in (1, 2) for z in range(4)
+    }
     configs = {v for v in LADDER.problems if v.endswith(("_noclip", "_sgd"))}
     clipping = {LADDER.problems[v].gradient_clipping for v in configs}
     assert 0.0 in clipping and len(clipping) > 1
@@ -37,6 +41,8 @@ def test_every_group_has_a_twin_every_split_every_control():
     for variant in LADDER.problems:
         if variant.endswith(("_noclip", "_sgd")):
             continue
-        expected = {"no_loss_division", "clip_every_micro_step"} | ({"mean_of_means"} if variant.startswith("gpt") else set())
+        expected = {"no_loss_division", "clip_every_micro_step"} | (
+            {"mean_of_means"} if variant.startswith("gpt") else set()
+        )
         assert {b for v, b in bugs if v == variant} == expected, variant
         assert any(c.variant == variant and c.dtype == "bf16" and c.trainer == "deepspeed" for c in LADDER.cells)

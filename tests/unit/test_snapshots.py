@@ -47,7 +47,11 @@ def test_untracked_runs_save_nothing(write_matrix, tmp_path):
 
 
 def test_accumulated_grads_and_params_match_full_batch_tensor_by_tensor(write_matrix, tmp_path):
-    spec = {"axes": {"trainer": ["torch"], "world_size": [1], "micro_batch_size": [1, 4]}, "track": TRACK, "track_every": 5}
+    spec = {
+        "axes": {"trainer": ["torch"], "world_size": [1], "micro_batch_size": [1, 4]},
+        "track": TRACK,
+        "track_every": 5,
+    }
     matrix, cells = run(write_matrix, tmp_path, **spec)
     snaps = read_snapshots(tmp_path / "cells" / "torch-w1-mb1-ga16")
     assert snaps.order == MLP_PARAMS and snaps.steps == [0, 5, 10, 11]  # every 5th and the last

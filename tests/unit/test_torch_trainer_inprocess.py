@@ -54,7 +54,9 @@ def test_a_cell_that_does_not_run_its_label_is_an_error_not_a_match(write_matrix
 
     honest = judge(matrix, run_in_process(matrix, tmp_path / "honest"), TraceStore(tmp_path / "honest"))
     assert [c.verdict for c in honest.cells] == ["match"] * 3
-    assert all(c.ran["compute_dtype"] == "bfloat16" and c.ran["micro_steps"] == c.grad_accum_steps for c in honest.cells)
+    assert all(
+        c.ran["compute_dtype"] == "bfloat16" and c.ran["micro_steps"] == c.grad_accum_steps for c in honest.cells
+    )
 
     monkeypatch.setattr(trainers_base, "autocast", lambda dtype, device: contextlib.nullcontext())
     lying = judge(matrix, run_in_process(matrix, tmp_path / "lying"), TraceStore(tmp_path / "lying"))
@@ -89,8 +91,22 @@ def test_report_json_schema_and_exit_codes(write_matrix, tmp_path):
     assert data["baseline"] == "torch-w1-mb16-ga1"
     assert data["summary"] == {"match": 2, "diverge": 1, "error": 0, "skipped": 1}
     assert data["ok"] is False and report.exit_code == 1  # the mislabelled control
-    keys = {"id", "trainer", "world_size", "micro_batch_size", "grad_accum_steps", "zero_stage", "dtype", "expect",
-            "verdict", "max_abs_loss_diff", "max_rel_grad_norm_diff", "first_divergent_step", "reason", "seconds"}
+    keys = {
+        "id",
+        "trainer",
+        "world_size",
+        "micro_batch_size",
+        "grad_accum_steps",
+        "zero_stage",
+        "dtype",
+        "expect",
+        "verdict",
+        "max_abs_loss_diff",
+        "max_rel_grad_norm_diff",
+        "first_divergent_step",
+        "reason",
+        "seconds",
+    }
     assert all(keys <= set(c) for c in data["cells"])
     skipped = next(c for c in data["cells"] if c["verdict"] == "skipped")
     assert "not divisible" in skipped["reason"]
@@ -100,7 +116,9 @@ def test_report_json_schema_and_exit_codes(write_matrix, tmp_path):
     broken["torch-w1-mb4-ga4"] = CellOutcome(status="error", seconds=1.0, reason="rank 0 exited with code 17")
     assert judge(matrix, broken, TraceStore(tmp_path)).exit_code == 3
     no_baseline = {k: v for k, v in outcomes.items() if k != "torch-w1-mb16-ga1"}
-    assert all(c.verdict == "error" for c in judge(matrix, no_baseline, TraceStore(tmp_path)).cells if c.verdict != "skipped")
+    assert all(
+        c.verdict == "error" for c in judge(matrix, no_baseline, TraceStore(tmp_path)).cells if c.verdict != "skipped"
+    )
 
 
 def test_trace_records_global_mean_loss_in_float64(write_matrix, tmp_path):
