@@ -159,7 +159,7 @@ def run(
     """
     from gaeq.runtime import lifeline, shm
     from gaeq.runtime.cells import RunOptions
-    from gaeq.runtime.events import Event, ignore
+    from gaeq.runtime.events import Event, EventKind, ignore
     from gaeq.runtime.external import LAUNCHERS
     from gaeq.runtime.launch import run_all
     from gaeq.runtime.server import warm_up
@@ -199,7 +199,9 @@ def run(
     record_versions(run_dir)
     freed = shm.free_orphans()  # what runs that were killed left in /dev/shm
     if freed.segments:
-        (on_event or ignore)(Event(kind="shm_freed", world_size=0, freed_bytes=freed.bytes, step=freed.segments))
+        (on_event or ignore)(
+            Event(kind=EventKind.SHM_FREED, world_size=0, freed_bytes=freed.bytes, freed_segments=freed.segments)
+        )
     for cell in m.runnable():
         if cell.id not in kept:  # what an interrupted attempt left of it (partial trace, logs) goes
             shutil.rmtree(cell_dir(run_dir, cell.id), ignore_errors=True)

@@ -147,7 +147,7 @@ def run(
     ] = None,
 ) -> None:
     """Train every cell of a matrix, compare each with its baseline, print the verdicts."""
-    from gaeq.runtime.events import Event
+    from gaeq.runtime.events import Event, EventKind
     from gaeq.runtime.external import LAUNCHERS
 
     if launcher not in LAUNCHERS:
@@ -189,24 +189,24 @@ def run(
 
         def on_event(event: Event) -> None:
             current = row(event.lane)
-            if event.kind == "group":
+            if event.kind == EventKind.GROUP:
                 where = f"world size {event.world_size}" + (f", lane {event.lane}" if event.lane else "")
                 progress.update(current, description=f"  starting {where}", completed=0, visible=True)
-            elif event.kind == "shm_freed":
+            elif event.kind == EventKind.SHM_FREED:
                 progress.console.print(
-                    f"freed {event.freed_bytes / 2**20:.0f} MB of /dev/shm: {event.step} all-reduce buffer(s) left "
-                    "by gaeq runs that were killed",
+                    f"freed {event.freed_bytes / 2**20:.0f} MB of /dev/shm: {event.freed_segments} all-reduce "
+                    "buffer(s) left by gaeq runs that were killed",
                     highlight=False,
                 )
-            elif event.kind == "convert":
+            elif event.kind == EventKind.CONVERT:
                 progress.update(
                     current, description=f"  ds_to_universal {event.cell_id} @ step {event.step}", visible=True
                 )
-            elif event.kind == "start":
+            elif event.kind == EventKind.START:
                 progress.update(current, description=f"  {event.cell_id}", completed=0, visible=True)
-            elif event.kind == "step":
+            elif event.kind == EventKind.STEP:
                 progress.update(current, completed=event.step + 1)
-            elif event.kind == "end":
+            elif event.kind == EventKind.END:
                 progress.advance(overall)
                 if event.outcome.status == "error":
                     progress.console.print(

@@ -11,7 +11,7 @@ from gaeq.matrix import Cell
 from gaeq.problem.spec import ProblemSpec
 from gaeq.results.outcome import CellOutcome, write_outcome
 from gaeq.results.trace import cell_dir
-from gaeq.runtime.events import Event, OnEvent, ignore
+from gaeq.runtime.events import Event, EventKind, OnEvent, ignore
 
 DEFAULT_INIT_TIMEOUT_S = 600.0
 """Joining a group: the first start-up on a fresh machine JIT-builds DeepSpeed's comm op (~25 s on 2 cores)."""
@@ -61,7 +61,7 @@ def fail_cell(
     outcome = CellOutcome(status="error", seconds=seconds, reason=f"{why}\n{tails}".rstrip())
     write_outcome(cell_dir(run_dir, cell_id), outcome)
     if on_event is not None:
-        on_event(Event(kind="end", world_size=world_size, cell_id=cell_id, outcome=outcome))
+        on_event(Event(kind=EventKind.END, world_size=world_size, cell_id=cell_id, outcome=outcome))
     return outcome
 
 

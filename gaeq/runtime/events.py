@@ -8,15 +8,30 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 
 from gaeq.results.outcome import CellOutcome
 
 
+class EventKind(str, Enum):
+    GROUP = "group"
+    """A process group starts."""
+    START = "start"
+    STEP = "step"
+    END = "end"
+    """Of a cell: it started, made an optimizer step, ended (`outcome`)."""
+    CONVERT = "convert"
+    """ds_to_universal converts a resume source's checkpoint."""
+    SHM_FREED = "shm_freed"
+    """Shared memory that killed runs left was removed."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass(frozen=True, kw_only=True)
 class Event:
-    kind: str
-    """group (a process group starts) | start / step / end (of a cell) | convert (ds_to_universal) |
-    shm_freed (shared memory of killed runs removed)."""
+    kind: EventKind
     world_size: int
     lane: int = 0
     """Which of the groups of this world size running side by side (0 when only one runs)."""
@@ -25,7 +40,9 @@ class Event:
     outcome: CellOutcome | None = None
     """end: how the cell ended."""
     freed_bytes: int = 0
-    """shm_freed: bytes of /dev/shm freed (`step`: how many segments)."""
+    """shm_freed: bytes of /dev/shm freed."""
+    freed_segments: int = 0
+    """shm_freed: how many segments."""
 
 
 OnEvent = Callable[[Event], None]

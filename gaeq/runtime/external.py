@@ -28,7 +28,7 @@ from gaeq.results.outcome import CellOutcome, read_outcome, write_outcome
 from gaeq.results.trace import cell_dir
 from gaeq.runtime import dist, lifeline, shm, worker
 from gaeq.runtime.cells import RunOptions, fail_cell, resume_blocker
-from gaeq.runtime.events import Event
+from gaeq.runtime.events import Event, EventKind
 
 LAUNCHERS = ("local", "torchrun", "deepspeed")
 
@@ -175,18 +175,18 @@ def run_launched_group(*, world_size: int, cells: Sequence[Cell], opts: RunOptio
         try:
             deadline = time.monotonic() + init_timeout_s
             pending = list(cells)
-            on_event(Event(kind="start", world_size=world_size, cell_id=pending[0].id))
+            on_event(Event(kind=EventKind.START, world_size=world_size, cell_id=pending[0].id))
             while pending:
                 outcome = read_outcome(cell_dir(run_dir, pending[0].id))
                 if outcome is not None:
                     cell = pending.pop(0)
                     outcomes[cell.id] = outcome
-                    on_event(Event(kind="end", world_size=world_size, cell_id=cell.id, outcome=outcome))
+                    on_event(Event(kind=EventKind.END, world_size=world_size, cell_id=cell.id, outcome=outcome))
                     if outcome.status != "done":  # the failing rank exits; the launcher stops the rest
                         _wait(proc, seconds=30)
                         break
                     if pending:
-                        on_event(Event(kind="start", world_size=world_size, cell_id=pending[0].id))
+                        on_event(Event(kind=EventKind.START, world_size=world_size, cell_id=pending[0].id))
                     deadline = time.monotonic() + timeout_s
                     continue
                 code = proc.poll()

@@ -29,7 +29,7 @@ from gaeq.runtime import shm, worker
 from gaeq.runtime.cells import RunOptions, fail_cell, resume_blocker
 from gaeq.runtime.convert import convert_to_universal
 from gaeq.runtime.dist import free_port
-from gaeq.runtime.events import Event
+from gaeq.runtime.events import Event, EventKind
 from gaeq.runtime.external import run_launched_group
 from gaeq.runtime.lanes import CellPool, plan_lanes
 from gaeq.runtime.server import preload_modules, rank_context
@@ -46,7 +46,7 @@ def run_all(
 
     def convert(source: str, step: int) -> str | None:  # once per (source, step)
         if (source, step) not in conversions:
-            opts.on_event(Event(kind="convert", world_size=0, cell_id=source, step=step))
+            opts.on_event(Event(kind=EventKind.CONVERT, world_size=0, cell_id=source, step=step))
             conversions[(source, step)] = convert_to_universal(
                 run_dir=opts.run_dir, source_id=source, step=step, timeout_s=opts.timeout_s
             )
@@ -84,7 +84,7 @@ def run_cells(cells: Sequence[Cell], opts: RunOptions) -> dict[str, CellOutcome]
             continue
         pending = list(group)
         while pending:
-            opts.on_event(Event(kind="group", world_size=world_size))
+            opts.on_event(Event(kind=EventKind.GROUP, world_size=world_size))
             finished = run_launched_group(world_size=world_size, cells=pending, opts=opts)
             outcomes.update(finished)
             pending = [c for c in pending if c.id not in finished]
@@ -104,7 +104,7 @@ def _run_lanes(*, world_size: int, cells: Sequence[Cell], opts: RunOptions) -> d
     def lane_main(lane: int, cores: tuple[int, ...]) -> None:
         try:
             while pool and not stop.is_set():
-                opts.on_event(Event(kind="group", world_size=world_size, lane=lane))
+                opts.on_event(Event(kind=EventKind.GROUP, world_size=world_size, lane=lane))
                 finished = _run_group(
                     world_size=world_size, cells=cells, pool=pool, lane=lane, cores=cores, opts=opts, stop=stop
                 )
@@ -177,7 +177,9 @@ class _GroupRun:
     def finish(self, cell: Cell, outcome: CellOutcome) -> None:
         self.outcomes[cell.id] = outcome
         write_outcome(cell_dir(self.run_dir, cell.id), outcome)
-        self.on_event(Event(kind="end", world_size=self.world_size, lane=self.lane, cell_id=cell.id, outcome=outcome))
+        self.on_event(
+            Event(kind=EventKind.END, world_size=self.world_size, lane=self.lane, cell_id=cell.id, outcome=outcome)
+        )
 
     def handle(self, msg: worker.Msg) -> bool:
         """Apply one message from a rank. True when it shows progress (resets the deadline)."""
@@ -187,10 +189,12 @@ class _GroupRun:
                 self.dispatch()
         elif msg.kind == worker.START and msg.rank == 0:
             self.cell_started = time.monotonic()
-            self.on_event(Event(kind="start", world_size=self.world_size, lane=self.lane, cell_id=msg.cell_id))
+            self.on_event(Event(kind=EventKind.START, world_size=self.world_size, lane=self.lane, cell_id=msg.cell_id))
         elif msg.kind == worker.STEP:
             self.on_event(
-                Event(kind="step", world_size=self.world_size, lane=self.lane, cell_id=msg.cell_id, step=msg.step)
+                Event(
+                    kind=EventKind.STEP, world_size=self.world_size, lane=self.lane, cell_id=msg.cell_id, step=msg.step
+                )
             )
         elif msg.kind == worker.DONE:
             ranks = self.done.setdefault(msg.cell_id, {})

@@ -10,6 +10,7 @@ import yaml
 from gaeq.matrix import load_matrix
 from gaeq.results.trace import read_trace
 from gaeq.runtime.cells import RunOptions
+from gaeq.runtime.events import EventKind
 from gaeq.runtime.launch import run_all
 from gaeq.trainers.checkpoint import checkpoint_root, deepspeed_tag
 from tests.helpers import cells_by_id, small_spec
@@ -75,7 +76,7 @@ def broken_run(tmp_path_factory):
     }
 
     def break_checkpoints(event) -> None:  # after the source has saved both, before any is converted or loaded
-        if event.kind == "convert" and checkpoints["missing"].exists():
+        if event.kind == EventKind.CONVERT and checkpoints["missing"].exists():
             shutil.rmtree(checkpoints["missing"])
             for state in checkpoints["corrupted"].glob("*.pt"):
                 state.write_bytes(b"not a checkpoint")
