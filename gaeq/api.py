@@ -158,23 +158,12 @@ def run(
     Ctrl-C stops every rank and raises KeyboardInterrupt.
     """
     from gaeq.runtime import lifeline, shm
-    from gaeq.runtime.cells import RunOptions
+    from gaeq.runtime.cells import RunOptions, check_launch
     from gaeq.runtime.events import Event, EventKind, ignore
-    from gaeq.runtime.external import LAUNCHERS
     from gaeq.runtime.launch import run_all
     from gaeq.runtime.server import warm_up
 
-    if launcher not in LAUNCHERS:
-        raise ValueError(f"unknown launcher {launcher!r}; one of {', '.join(LAUNCHERS)}")
-    if isolate and launcher != "local":
-        raise ValueError(
-            "isolate is a mode of the local launcher (an external launcher starts one group per world size)"
-        )
-    if lanes is not None and (lanes < 1 or isolate or launcher != "local"):
-        raise ValueError(
-            f"lanes={lanes}: at least 1, with the local launcher only, without isolate (one group per cell, one "
-            "after another)"
-        )
+    check_launch(launcher=launcher, isolate=isolate, lanes=lanes)
     # Everything that can be checked without a process comes first: a bad matrix file never starts
     # one. (Plugins are imported and problems built after the fork server has been started, so that
     # its imports overlap with theirs; a plugin that fails stops the server with the run.)

@@ -147,20 +147,13 @@ def run(
     ] = None,
 ) -> None:
     """Train every cell of a matrix, compare each with its baseline, print the verdicts."""
+    from gaeq.runtime.cells import check_launch
     from gaeq.runtime.events import Event, EventKind
-    from gaeq.runtime.external import LAUNCHERS
 
-    if launcher not in LAUNCHERS:
-        _bad_input(f"--launcher {launcher}: one of {', '.join(LAUNCHERS)}")
-    if isolate and launcher != "local":
-        _bad_input("--isolate works with --launcher local only")
-    if lanes is not None and lanes < 1:
-        _bad_input(f"--lanes {lanes}: at least 1")
-    if lanes is not None and (isolate or launcher != "local"):
-        _bad_input(
-            "--lanes works with --launcher local only, without --isolate (which runs one group per cell, one after "
-            "another)"
-        )
+    try:
+        check_launch(launcher=launcher, isolate=isolate, lanes=lanes)
+    except ValueError as exc:
+        _bad_input(f"--{exc}")  # the rule names the option first: `--lanes 0: at least 1`
     if resume and out is None:
         _bad_input("--resume needs --out: the run directory to resume")
     m = _load(matrix, check=False)  # the problems are checked by api.run, once the ranks' fork server is starting

@@ -16,6 +16,26 @@ from gaeq.runtime.events import Event, EventKind, OnEvent, ignore
 DEFAULT_INIT_TIMEOUT_S = 600.0
 """Joining a group: the first start-up on a fresh machine JIT-builds DeepSpeed's comm op (~25 s on 2 cores)."""
 LOG_TAIL_LINES = 12
+LAUNCHERS = ("local", "torchrun", "deepspeed")
+"""Who starts the ranks: gaeq itself, or that launcher (once per world size, on `gaeq worker`)."""
+
+
+def check_launch(*, launcher: str, isolate: bool, lanes: int | None) -> None:
+    """The launch options' rules, in one place (the CLI and the API ask before any process starts;
+    :class:`RunOptions` asks again). ValueError says which rule, in words both read as theirs."""
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"launcher {launcher!r}: one of {', '.join(LAUNCHERS)}")
+    if isolate and launcher != "local":
+        raise ValueError(
+            "isolate works with the local launcher only (an external launcher starts one group per world size)"
+        )
+    if lanes is not None and lanes < 1:
+        raise ValueError(f"lanes {lanes}: at least 1")
+    if lanes is not None and (isolate or launcher != "local"):
+        raise ValueError(
+            "lanes works with the local launcher only, without isolate "
+            "(which runs one group per cell, one after another)"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,6 +57,9 @@ class RunOptions:
     launcher: str = "local"
     """local (gaeq forks the ranks), torchrun or deepspeed (that launcher starts `gaeq worker`)."""
     on_event: OnEvent = ignore
+
+    def __post_init__(self) -> None:
+        check_launch(launcher=self.launcher, isolate=self.isolate, lanes=self.lanes)
 
 
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:

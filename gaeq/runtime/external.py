@@ -27,11 +27,8 @@ from gaeq.registry import TRAINERS
 from gaeq.results.outcome import CellOutcome, read_outcome, write_outcome
 from gaeq.results.trace import cell_dir
 from gaeq.runtime import dist, lifeline, shm, worker
-from gaeq.runtime.cells import RunOptions, fail_cell, resume_blocker
+from gaeq.runtime.cells import LAUNCHERS, RunOptions, fail_cell, resume_blocker
 from gaeq.runtime.events import Event, EventKind
-
-LAUNCHERS = ("local", "torchrun", "deepspeed")
-
 
 # --- the rank side: `gaeq worker` ---------------------------------------------------------------
 

@@ -158,8 +158,8 @@ def test_a_directory_or_a_missing_file_exits_2(tmp_path, no_processes):
     "flags, says",
     [
         (["--lanes", "0"], "--lanes 0: at least 1"),
-        (["--lanes", "2", "--isolate"], "--lanes works with --launcher local only, without --isolate"),
-        (["--lanes", "2", "--launcher", "torchrun"], "--lanes works with --launcher local only"),
+        (["--lanes", "2", "--isolate"], "--lanes works with the local launcher only, without isolate"),
+        (["--lanes", "2", "--launcher", "torchrun"], "--lanes works with the local launcher only"),
     ],
 )
 def test_lanes_out_of_place_are_refused_before_any_process(flags, says, tmp_path, no_processes):
