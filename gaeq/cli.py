@@ -20,6 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 from gaeq import api
 from gaeq.files import atomic_write
 from gaeq.matrix import Matrix, MatrixError
+from gaeq.results.compare import Verdict
 from gaeq.results.render import cells_table, cost_table, floor_lines, problem_line, verdict_table, versions_line
 from gaeq.results.report import EXIT_BAD_INPUT
 from gaeq.results.tensorboard import TB_DIR
@@ -344,7 +345,7 @@ def _print_result(result: api.RunResult) -> int:
     console.print(cost_table(report))
     console.print(verdict_table(report))
     for c in report.cells:
-        if c.reason and c.reason != "baseline" and c.verdict != "skipped":
+        if c.reason and c.reason != "baseline" and c.verdict != Verdict.SKIPPED:
             console.print(f"[bold]{c.id}[/] ({c.verdict}): {escape(c.reason)}", highlight=False, soft_wrap=True)
     for line in floor_lines(report):
         console.print(line, highlight=False, soft_wrap=True)

@@ -13,11 +13,27 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from enum import Enum
 
 from gaeq.results.floor import NoiseFloor, envelope, nanmax, rel_diff
 from gaeq.results.snapshots import KINDS as TENSOR_KINDS
 from gaeq.results.snapshots import TensorComparison
 from gaeq.results.trace import StepRecord
+
+
+class Verdict(str, Enum):
+    """What a cell's comparison with its baseline says (a `str`: report.json keeps the words)."""
+
+    MATCH = "match"
+    DIVERGE = "diverge"
+    ERROR = "error"
+    """It did not run to the end, or its results cannot be read: nothing to compare."""
+    SKIPPED = "skipped"
+    """It cannot run here (its reason says why)."""
+
+    def __str__(self) -> str:
+        return self.value
+
 
 METRICS = ("grads", "params", "skipped", "loss", "grad_norm", "lr")
 """What can be compared at every step, in the order a tie is reported: tensors first, because they
@@ -73,7 +89,8 @@ def tolerance_for(dtype: str, overrides: Mapping[str, float | None] | None = Non
 
 @dataclass(frozen=True, kw_only=True)
 class Comparison:
-    verdict: str  # "match" | "diverge"
+    verdict: Verdict
+    """MATCH or DIVERGE."""
     max_abs_loss_diff: float
     max_rel_grad_norm_diff: float
     max_abs_grad_diff: float | None
@@ -167,7 +184,7 @@ def compare_traces(
     if caught_by in TENSOR_KINDS and "loss" in tracked and "loss" not in first:
         reason += " (the loss still matches)"
     return Comparison(
-        verdict="match" if caught_by is None else "diverge",
+        verdict=Verdict.MATCH if caught_by is None else Verdict.DIVERGE,
         max_abs_loss_diff=max_loss,
         max_rel_grad_norm_diff=max_grad,
         max_abs_grad_diff=tensors.max_abs["grads"] if tensors and "grads" in tracked else None,

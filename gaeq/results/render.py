@@ -18,6 +18,7 @@ from rich.text import Text
 
 from gaeq.files import atomic_write
 from gaeq.matrix import Matrix
+from gaeq.results.compare import Verdict
 from gaeq.results.report import CellReport, Report
 
 
@@ -100,7 +101,7 @@ COLUMNS = (
     ),
     Column("s", lambda c: _fmt(c.seconds, "{:.1f}"), right=True),
 )
-_STYLE = {"match": "green", "diverge": "yellow", "error": "bold red", "skipped": "dim"}
+_STYLE = {Verdict.MATCH: "green", Verdict.DIVERGE: "yellow", Verdict.ERROR: "bold red", Verdict.SKIPPED: "dim"}
 
 
 def columns(report: Report, *, tables: tuple[str, ...] = ("both", "verdict", "tensors", "cost")) -> list[Column]:

@@ -13,13 +13,13 @@ from pathlib import Path
 from gaeq.files import atomic_write
 from gaeq.matrix import Cell, Matrix, Role, group_key
 from gaeq.registry import TRAINERS
-from gaeq.results.compare import Comparison, Tolerance, compare_traces, tolerance_for
+from gaeq.results.compare import Comparison, Tolerance, Verdict, compare_traces, tolerance_for
 from gaeq.results.floor import NoiseFloor
 from gaeq.results.outcome import CellOutcome
 from gaeq.results.snapshots import compare_snapshots, read_snapshots
 from gaeq.results.trace import TraceStore, cell_dir
 
-VERDICTS = ("match", "diverge", "error", "skipped")
+VERDICTS = tuple(Verdict)
 EXIT_OK, EXIT_VERDICT, EXIT_BAD_INPUT, EXIT_RUN_FAILED = 0, 1, 2, 3
 
 
@@ -85,7 +85,7 @@ class CellReport:
     that did not run has no comparison); :meth:`to_json` flattens it for report.json."""
 
     cell: Cell
-    verdict: str
+    verdict: Verdict
     reason: str
     comparison: Comparison | None = None
     outcome: CellOutcome | None = None
@@ -126,9 +126,9 @@ class CellReport:
         """The verdict the cell expects; a noise-floor twin is gaeq's instrument, not a claim: whatever
         it shows is reported (an error still fails the run)."""
         return (
-            self.verdict == "skipped"
+            self.verdict == Verdict.SKIPPED
             or self.verdict == self.expect
-            or (self.cell.role == Role.FLOOR and self.verdict != "error")
+            or (self.cell.role == Role.FLOOR and self.verdict != Verdict.ERROR)
         )
 
     def to_json(self) -> dict:
@@ -161,7 +161,7 @@ class Report:
 
     @property
     def exit_code(self) -> int:
-        if any(c.verdict == "error" for c in self.cells):
+        if any(c.verdict == Verdict.ERROR for c in self.cells):
             return EXIT_RUN_FAILED
         return EXIT_OK if self.ok else EXIT_VERDICT
 
@@ -222,7 +222,7 @@ def judge(
                 reason=reason,
                 comparison=comparison,
                 outcome=outcomes.get(cell.id),
-                cost=Cost.of(traces.usable(cell.id) if verdict in ("match", "diverge") else None),
+                cost=Cost.of(traces.usable(cell.id) if verdict in (Verdict.MATCH, Verdict.DIVERGE) else None),
             )
         )
     return Report(
@@ -300,15 +300,15 @@ def _judge_cell(
     floor: NoiseFloor | None,
 ):
     if cell.skip_reason:
-        return "skipped", cell.skip_reason, None
+        return Verdict.SKIPPED, cell.skip_reason, None
     outcome = outcomes.get(cell.id)
     if outcome is None:
-        return "error", "did not run", None
+        return Verdict.ERROR, "did not run", None
     if outcome.status != "done":
-        return "error", outcome.reason, None
+        return Verdict.ERROR, outcome.reason, None
     base_outcome = outcomes.get(base_id)
     if base_outcome is None or base_outcome.status != "done":
-        return "error", f"baseline {base_id} did not finish: nothing to compare with", None
+        return Verdict.ERROR, f"baseline {base_id} did not finish: nothing to compare with", None
     try:
         tensors = None
         if cell.snapshots:
@@ -329,9 +329,9 @@ def _judge_cell(
             floor=floor,
         )
     except (OSError, ValueError, TypeError) as exc:
-        return "error", f"unreadable or incomplete results: {exc}", None
+        return Verdict.ERROR, f"unreadable or incomplete results: {exc}", None
     reason = "baseline" if cell.id == base_id else comparison.reason
-    if comparison.verdict == "diverge":
+    if comparison.verdict == Verdict.DIVERGE:
         reason += _dropout_note((outcome.ran or {}).get("dropout"))
     return comparison.verdict, reason, comparison
 

@@ -105,7 +105,7 @@ def _hparams(cell) -> dict[str, object]:
         "zero_stage": "none" if cell.zero_stage is None else str(cell.zero_stage),
         "dtype": cell.dtype,
         "expect": cell.expect,
-        "verdict": cell.verdict,
+        "verdict": str(cell.verdict),  # the word (protobuf takes plain strings)
         "bug": cell.bug or "none",
     }
 
