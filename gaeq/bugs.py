@@ -9,10 +9,11 @@ every site names a member.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+
+from gaeq.names import Name
 
 
-class Bug(str, Enum):
+class Bug(Name):
     """A planted bug's name. Compares, hashes and prints as the name itself, so matrix files, cells
     and report.json keep plain strings; code names it ``Bug.X``, which a typo cannot silently miss."""
 
@@ -33,9 +34,6 @@ class Bug(str, Enum):
     ONE_GRAD_SCALED = "one_grad_scaled"
     TP_GRAD_NORM_PER_SHARD = "tp_grad_norm_per_shard"
     LR_ZERO = "lr_zero"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True)

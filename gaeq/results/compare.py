@@ -13,15 +13,15 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from enum import Enum
 
+from gaeq.names import Name
 from gaeq.results.floor import NoiseFloor, envelope, nanmax, rel_diff
 from gaeq.results.snapshots import KINDS as TENSOR_KINDS
 from gaeq.results.snapshots import TensorComparison
 from gaeq.results.trace import StepRecord
 
 
-class Verdict(str, Enum):
+class Verdict(Name):
     """What a cell's comparison with its baseline says (a `str`: report.json keeps the words)."""
 
     MATCH = "match"
@@ -30,9 +30,6 @@ class Verdict(str, Enum):
     """It did not run to the end, or its results cannot be read: nothing to compare."""
     SKIPPED = "skipped"
     """It cannot run here (its reason says why)."""
-
-    def __str__(self) -> str:
-        return self.value
 
 
 METRICS = ("grads", "params", "skipped", "loss", "grad_norm", "lr")

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import Enum
 
+from gaeq.names import Name
 from gaeq.results.outcome import CellOutcome
 
 
-class EventKind(str, Enum):
+class EventKind(Name):
     GROUP = "group"
     """A process group starts."""
     START = "start"
@@ -24,9 +24,6 @@ class EventKind(str, Enum):
     """ds_to_universal converts a resume source's checkpoint."""
     SHM_FREED = "shm_freed"
     """Shared memory that killed runs left was removed."""
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True, kw_only=True)
