@@ -7,16 +7,15 @@ cells (the axes product, explicit cells, baselines, resume sources and targets) 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import itertools
 
 from pydantic import ValidationError
 
-from gaeq.bugs import BUGS
 from gaeq.matrix.cell import DEEPSPEED_ONLY, SPLIT_AXES, Cell, Fault, Matrix, Role, Split, group_key
+from gaeq.matrix.rules import bug_rules, fault_rules, skip_reason, split_rules
 from gaeq.matrix.schema import BASE, TENSOR_METRICS, FaultSpec, MatrixError, MatrixSpec, describe
 from gaeq.problem.spec import ProblemSpec
-from gaeq.registry import DEEPSPEED_TRAINERS, INSTALL_HF, TENSOR_PARALLEL_TRAINERS, TRAINERS, dtypes_said
+from gaeq.registry import DEEPSPEED_TRAINERS, TENSOR_PARALLEL_TRAINERS
 
 
 class Expander:
@@ -145,66 +144,11 @@ class Expander:
     ) -> Cell:
         """The one place a split is checked and becomes a cell (or a skipped cell, with the reason)."""
         problem = self.problem(split.variant)
-        trainer, world, micro, dtype = split.trainer, split.world_size, split.micro_batch_size, split.dtype
-        if trainer not in DEEPSPEED_TRAINERS and split.zero_stage is not None:
-            raise MatrixError(f"zero_stage is a DeepSpeed setting; the {trainer} cell w{world} mb{micro} sets it")
-        if trainer in DEEPSPEED_TRAINERS and split.zero_stage is None:
-            split = dataclasses.replace(split, zero_stage=0)
-        if trainer not in DEEPSPEED_TRAINERS and split.offload != "none":
-            raise MatrixError(f"offload is a DeepSpeed setting; the {trainer} cell w{world} mb{micro} sets it")
-        if split.tensor_parallel > 1:
-            _check_tensor_parallel(split, problem)
-        if dtype == "ds_bf16" and not (trainer == "deepspeed" and split.zero_stage >= 1):
-            raise MatrixError(
-                "dtype ds_bf16 is DeepSpeed's bf16 mixed precision: DeepSpeed cells at ZeRO ≥ 1 only "
-                "(at ZeRO-0 DeepSpeed 0.19 cannot accumulate bf16 gradients in fp32)"
-            )
-        if (package := TRAINERS[trainer].package) and importlib.util.find_spec(package) is None:
-            raise MatrixError(f"trainer {trainer} needs {package}: {INSTALL_HF}")
-        if split.offload == "nvme" and problem.deepspeed_config is not None:
-            raise MatrixError(
-                "nvme offload runs gaeq's own DeepSpeed config (with its swap folder and aio section), not a "
-                "deepspeed_config"
-            )
-        if trainer == "hf_deepspeed" and (dtype != "fp32" or split.offload != "none"):
-            raise MatrixError(
-                "the hf_deepspeed trainer runs fp32 without offload (the Trainer's DeepSpeed config: ZeRO stage only)"
-            )
-        if trainer == "hf_deepspeed" and split.zero_stage == 0:
-            raise MatrixError(
-                "the hf_deepspeed trainer needs ZeRO ≥ 1: at ZeRO-0 DeepSpeed's engine reports no global grad norm, "
-                "so the Trainer logs none and the cell could not be compared"
-            )
-        if trainer in ("hf", "hf_deepspeed"):
-            _check_hf_trainer(problem, self.spec)
-        if dtype == "ds_fp16" and trainer != "deepspeed":
-            raise MatrixError("dtype ds_fp16 is DeepSpeed's fp16 mixed precision: DeepSpeed cells only (torch: fp16)")
-        if dtype not in TRAINERS[trainer].dtypes:
-            raise MatrixError(f"the {trainer} trainer runs {dtypes_said(TRAINERS[trainer].dtypes)}, not {dtype}")
-        if problem.mirror is not None and trainer == "deepspeed":
-            _check_precision(problem.mirror.precision, dtype)
+        split = split_rules(split, problem, self.spec)
         if bug is not None:
-            if bug not in BUGS:
-                raise MatrixError(f"unknown bug {bug!r}; known: {', '.join(sorted(BUGS))}")
-            if trainer not in BUGS[bug].trainers:
-                raise MatrixError(f"bug {bug!r} exists only in the {'/'.join(BUGS[bug].trainers)} trainer")
-            if BUGS[bug].needs_deepspeed_config and problem.deepspeed_config is None:
-                raise MatrixError(f"bug {bug!r} exists only in a problem with a deepspeed_config")
-            if world < BUGS[bug].min_world_size:
-                raise MatrixError(f"bug {bug!r} needs world_size ≥ {BUGS[bug].min_world_size}, the cell has {world}")
-            if split.tensor_parallel < BUGS[bug].min_tensor_parallel:
-                raise MatrixError(
-                    f"bug {bug!r} needs tensor_parallel ≥ {BUGS[bug].min_tensor_parallel}, the cell has "
-                    f"{split.tensor_parallel}"
-                )
-            if BUGS[bug].loss is not None and problem.loss != BUGS[bug].loss:
-                raise MatrixError(f"bug {bug!r} exists only with loss {BUGS[bug].loss}, not {problem.loss!r}")
-            if BUGS[bug].dtypes and dtype not in BUGS[bug].dtypes:
-                raise MatrixError(f"bug {bug!r} exists only in {'/'.join(BUGS[bug].dtypes)} cells, not {dtype}")
-        if fault is not None and fault.rank >= world:
-            raise MatrixError(f"fault.rank {fault.rank} does not exist at world_size {world}")
-        if fault is not None and fault.step >= problem.steps:
-            raise MatrixError(f"fault.step {fault.step} is past the last step ({problem.steps - 1})")
+            bug_rules(bug, split, problem)
+        if fault is not None:
+            fault_rules(fault, split, problem)
         cell = Cell(
             **{a: getattr(split, a) for a in SPLIT_AXES},
             train_batch_size=problem.train_batch_size,
@@ -215,15 +159,7 @@ class Expander:
             snapshot_every=self.spec.track_every,
             keep_nvme_swap=self.spec.keep_nvme_swap and split.offload == "nvme",
         )
-        if split.offload != "none" and split.zero_stage == 0:
-            cell = dataclasses.replace(
-                cell, skip_reason="offload needs ZeRO ≥ 1 (ZeRO-0 has no partitioned optimizer to offload)"
-            )
-        elif split.offload == "nvme" and split.zero_stage < 3:
-            cell = dataclasses.replace(cell, skip_reason=NVME_NEEDS_ZERO3)
-        elif split.offload == "nvme" and (reason := _nvme_unsupported()):
-            cell = dataclasses.replace(cell, skip_reason=reason)
-        elif dtype in ("fp16", "ds_fp16") and (reason := _fp16_unsupported()):
+        if (reason := skip_reason(split)) is not None:
             cell = dataclasses.replace(cell, skip_reason=reason)
         if not cell.divisible:
             if self.spec.on_indivisible == "error":
@@ -275,78 +211,3 @@ def _deep_merge(base: dict, override: dict) -> dict:
 
 def _same_thing(base: dict, override: dict) -> bool:
     return all(override.get(k, base.get(k)) == base.get(k) for k in ("kind", "import", "import_", "hf"))
-
-
-def _check_precision(precision: str, dtype: str) -> None:
-    """A DeepSpeed cell of a deepspeed_config problem is labelled with the file's precision."""
-    if precision == "fp32" and dtype in ("ds_bf16", "ds_fp16"):
-        section = "bf16" if dtype == "ds_bf16" else "fp16"
-        raise MatrixError(f"dtype {dtype} is DeepSpeed's {section} section, which deepspeed_config does not enable")
-    if precision != "fp32" and dtype != precision:
-        section = "bf16" if precision == "ds_bf16" else "fp16"
-        raise MatrixError(
-            f"deepspeed_config enables {section} ({section}.enabled: true): its DeepSpeed cells are {precision}, "
-            f"not {dtype} — set dtype: {precision} (with a DeepSpeed baseline)"
-        )
-
-
-def _check_tensor_parallel(split: Split, problem: ProblemSpec) -> None:
-    """A tensor-parallel split that can run exactly as labelled — else bad input, naming the numbers."""
-    from gaeq.problem.tp import plan_problem
-
-    where = f"the {split.trainer} cell w{split.world_size} tp{split.tensor_parallel} mb{split.micro_batch_size}"
-    if split.trainer not in TENSOR_PARALLEL_TRAINERS:
-        raise MatrixError(
-            f"tensor_parallel runs in the {', '.join(sorted(TENSOR_PARALLEL_TRAINERS))} trainers, not "
-            f"{split.trainer} ({where})"
-        )
-    if split.world_size % split.tensor_parallel:
-        raise MatrixError(
-            f"world_size {split.world_size} is not divisible by tensor_parallel {split.tensor_parallel} ({where})"
-        )
-    if split.dtype not in ("fp32", "bf16"):
-        raise MatrixError(
-            f"tensor-parallel cells run fp32 and bf16 (autocast over fp32 weights), not {split.dtype} ({where})"
-        )
-    if split.trainer == "deepspeed" and (problem.deepspeed_config is not None or split.offload != "none"):
-        raise MatrixError(f"DeepSpeed AutoTP cells run gaeq's own DeepSpeed config, without offload ({where})")
-    if why := plan_problem(problem, split.tensor_parallel):
-        raise MatrixError(f"tensor_parallel {split.tensor_parallel}: {why}")
-
-
-def _check_hf_trainer(problem: ProblemSpec, spec: MatrixSpec) -> None:
-    """What the transformers Trainer can be set to from the problem, exactly — else bad input, why."""
-    why = None
-    if getattr(problem.data, "kind", None) != "tokens":
-        why = "it counts num_items_in_batch as the labels that are not -100: token data only"
-    elif problem.deepspeed_config is not None:
-        why = "a deepspeed_config goes to the Trainer through TrainingArguments(deepspeed=...), not offered yet"
-    elif problem.optimizer.name != "adamw":
-        why = f"its optimizer is AdamW (optim=adamw_torch), the problem's is {problem.optimizer.name}"
-    elif problem.schedule.warmup_steps:
-        why = (
-            "transformers' linear warmup starts at lr 0 at step 0, gaeq's at lr / warmup_steps: "
-            "no lr_scheduler_type gives this schedule (use warmup_steps: 0)"
-        )
-    elif "grads" in spec.track:
-        why = "the Trainer clips before a callback sees the gradients: track params, not grads"
-    if why:
-        raise MatrixError(f"trainer hf / hf_deepspeed: {why}")
-
-
-NVME_NEEDS_ZERO3 = (
-    "nvme offload needs ZeRO-3: DeepSpeed 0.19's ZeRO-1/2 optimizer takes device nvme for cpu "
-    "(the state stays in memory, no file is written)"
-)
-
-
-def _nvme_unsupported() -> str | None:
-    from gaeq.accelerator import nvme_unsupported_reason  # imports DeepSpeed: only for nvme cells
-
-    return nvme_unsupported_reason()
-
-
-def _fp16_unsupported() -> str | None:
-    from gaeq.accelerator import fp16_unsupported_reason  # imports torch/DeepSpeed: only for fp16 cells
-
-    return fp16_unsupported_reason()

@@ -1,0 +1,210 @@
+"""The rules a split must keep to become a cell, each a small named function (bad input names the
+rule it broke), and why a valid cell may still not run here. `Expander.cell` asks them in this order."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+
+from gaeq.bugs import BUGS
+from gaeq.matrix.cell import Split
+from gaeq.matrix.schema import FaultSpec, MatrixError, MatrixSpec
+from gaeq.problem.spec import ProblemSpec
+from gaeq.registry import DEEPSPEED_TRAINERS, INSTALL_HF, TENSOR_PARALLEL_TRAINERS, TRAINERS, dtypes_said
+
+
+def split_rules(split: Split, problem: ProblemSpec, spec: MatrixSpec) -> Split:
+    """Every cross-field rule of a split; returns it with DeepSpeed's ZeRO stage filled in (0)."""
+    split = deepspeed_axes(split)
+    if split.tensor_parallel > 1:
+        check_tensor_parallel(split, problem)
+    ds_bf16_needs_zero(split)
+    library_installed(split)
+    nvme_runs_own_config(split, problem)
+    hf_deepspeed_rules(split)
+    if split.trainer in ("hf", "hf_deepspeed"):
+        check_hf_trainer(problem, spec)
+    ds_fp16_is_deepspeeds(split)
+    trainer_runs_dtype(split)
+    if problem.mirror is not None and split.trainer == "deepspeed":
+        check_precision(problem.mirror.precision, split.dtype)
+    return split
+
+
+def _where(split: Split) -> str:
+    return f"the {split.trainer} cell w{split.world_size} mb{split.micro_batch_size}"
+
+
+def deepspeed_axes(split: Split) -> Split:
+    """zero_stage and offload are DeepSpeed settings; a DeepSpeed cell without a stage is ZeRO-0."""
+    deepspeed = split.trainer in DEEPSPEED_TRAINERS
+    if not deepspeed and split.zero_stage is not None:
+        raise MatrixError(f"zero_stage is a DeepSpeed setting; {_where(split)} sets it")
+    if deepspeed and split.zero_stage is None:
+        split = dataclasses.replace(split, zero_stage=0)
+    if not deepspeed and split.offload != "none":
+        raise MatrixError(f"offload is a DeepSpeed setting; {_where(split)} sets it")
+    return split
+
+
+def ds_bf16_needs_zero(split: Split) -> None:
+    if split.dtype == "ds_bf16" and not (split.trainer == "deepspeed" and split.zero_stage >= 1):
+        raise MatrixError(
+            "dtype ds_bf16 is DeepSpeed's bf16 mixed precision: DeepSpeed cells at ZeRO ≥ 1 only "
+            "(at ZeRO-0 DeepSpeed 0.19 cannot accumulate bf16 gradients in fp32)"
+        )
+
+
+def library_installed(split: Split) -> None:
+    if (package := TRAINERS[split.trainer].package) and importlib.util.find_spec(package) is None:
+        raise MatrixError(f"trainer {split.trainer} needs {package}: {INSTALL_HF}")
+
+
+def nvme_runs_own_config(split: Split, problem: ProblemSpec) -> None:
+    if split.offload == "nvme" and problem.deepspeed_config is not None:
+        raise MatrixError(
+            "nvme offload runs gaeq's own DeepSpeed config (with its swap folder and aio section), not a "
+            "deepspeed_config"
+        )
+
+
+def hf_deepspeed_rules(split: Split) -> None:
+    """The Trainer's DeepSpeed config: fp32, a ZeRO stage ≥ 1, nothing else."""
+    if split.trainer != "hf_deepspeed":
+        return
+    if split.dtype != "fp32" or split.offload != "none":
+        raise MatrixError(
+            "the hf_deepspeed trainer runs fp32 without offload (the Trainer's DeepSpeed config: ZeRO stage only)"
+        )
+    if split.zero_stage == 0:
+        raise MatrixError(
+            "the hf_deepspeed trainer needs ZeRO ≥ 1: at ZeRO-0 DeepSpeed's engine reports no global grad norm, "
+            "so the Trainer logs none and the cell could not be compared"
+        )
+
+
+def ds_fp16_is_deepspeeds(split: Split) -> None:
+    if split.dtype == "ds_fp16" and split.trainer != "deepspeed":
+        raise MatrixError("dtype ds_fp16 is DeepSpeed's fp16 mixed precision: DeepSpeed cells only (torch: fp16)")
+
+
+def trainer_runs_dtype(split: Split) -> None:
+    dtypes = TRAINERS[split.trainer].dtypes
+    if split.dtype not in dtypes:
+        raise MatrixError(f"the {split.trainer} trainer runs {dtypes_said(dtypes)}, not {split.dtype}")
+
+
+def bug_rules(bug: str, split: Split, problem: ProblemSpec) -> None:
+    """A planted bug exists where its entry says (gaeq/bugs.py): trainers, config, world, TP, loss, dtype."""
+    if bug not in BUGS:
+        raise MatrixError(f"unknown bug {bug!r}; known: {', '.join(sorted(BUGS))}")
+    planted = BUGS[bug]
+    if split.trainer not in planted.trainers:
+        raise MatrixError(f"bug {bug!r} exists only in the {'/'.join(planted.trainers)} trainer")
+    if planted.needs_deepspeed_config and problem.deepspeed_config is None:
+        raise MatrixError(f"bug {bug!r} exists only in a problem with a deepspeed_config")
+    if split.world_size < planted.min_world_size:
+        raise MatrixError(f"bug {bug!r} needs world_size ≥ {planted.min_world_size}, the cell has {split.world_size}")
+    if split.tensor_parallel < planted.min_tensor_parallel:
+        raise MatrixError(
+            f"bug {bug!r} needs tensor_parallel ≥ {planted.min_tensor_parallel}, the cell has {split.tensor_parallel}"
+        )
+    if planted.loss is not None and problem.loss != planted.loss:
+        raise MatrixError(f"bug {bug!r} exists only with loss {planted.loss}, not {problem.loss!r}")
+    if planted.dtypes and split.dtype not in planted.dtypes:
+        raise MatrixError(f"bug {bug!r} exists only in {'/'.join(planted.dtypes)} cells, not {split.dtype}")
+
+
+def fault_rules(fault: FaultSpec, split: Split, problem: ProblemSpec) -> None:
+    if fault.rank >= split.world_size:
+        raise MatrixError(f"fault.rank {fault.rank} does not exist at world_size {split.world_size}")
+    if fault.step >= problem.steps:
+        raise MatrixError(f"fault.step {fault.step} is past the last step ({problem.steps - 1})")
+
+
+def skip_reason(split: Split) -> str | None:
+    """Why a valid cell does not run (here): a rule of DeepSpeed's, or what this machine lacks."""
+    if split.offload != "none" and split.zero_stage == 0:
+        return "offload needs ZeRO ≥ 1 (ZeRO-0 has no partitioned optimizer to offload)"
+    if split.offload == "nvme" and split.zero_stage < 3:
+        return NVME_NEEDS_ZERO3
+    if split.offload == "nvme" and (reason := _nvme_unsupported()):
+        return reason
+    if split.dtype in ("fp16", "ds_fp16") and (reason := _fp16_unsupported()):
+        return reason
+    return None
+
+
+def check_precision(precision: str, dtype: str) -> None:
+    """A DeepSpeed cell of a deepspeed_config problem is labelled with the file's precision."""
+    if precision == "fp32" and dtype in ("ds_bf16", "ds_fp16"):
+        section = "bf16" if dtype == "ds_bf16" else "fp16"
+        raise MatrixError(f"dtype {dtype} is DeepSpeed's {section} section, which deepspeed_config does not enable")
+    if precision != "fp32" and dtype != precision:
+        section = "bf16" if precision == "ds_bf16" else "fp16"
+        raise MatrixError(
+            f"deepspeed_config enables {section} ({section}.enabled: true): its DeepSpeed cells are {precision}, "
+            f"not {dtype} — set dtype: {precision} (with a DeepSpeed baseline)"
+        )
+
+
+def check_tensor_parallel(split: Split, problem: ProblemSpec) -> None:
+    """A tensor-parallel split that can run exactly as labelled — else bad input, naming the numbers."""
+    from gaeq.problem.tp import plan_problem
+
+    where = f"the {split.trainer} cell w{split.world_size} tp{split.tensor_parallel} mb{split.micro_batch_size}"
+    if split.trainer not in TENSOR_PARALLEL_TRAINERS:
+        raise MatrixError(
+            f"tensor_parallel runs in the {', '.join(sorted(TENSOR_PARALLEL_TRAINERS))} trainers, not "
+            f"{split.trainer} ({where})"
+        )
+    if split.world_size % split.tensor_parallel:
+        raise MatrixError(
+            f"world_size {split.world_size} is not divisible by tensor_parallel {split.tensor_parallel} ({where})"
+        )
+    if split.dtype not in ("fp32", "bf16"):
+        raise MatrixError(
+            f"tensor-parallel cells run fp32 and bf16 (autocast over fp32 weights), not {split.dtype} ({where})"
+        )
+    if split.trainer == "deepspeed" and (problem.deepspeed_config is not None or split.offload != "none"):
+        raise MatrixError(f"DeepSpeed AutoTP cells run gaeq's own DeepSpeed config, without offload ({where})")
+    if why := plan_problem(problem, split.tensor_parallel):
+        raise MatrixError(f"tensor_parallel {split.tensor_parallel}: {why}")
+
+
+def check_hf_trainer(problem: ProblemSpec, spec: MatrixSpec) -> None:
+    """What the transformers Trainer can be set to from the problem, exactly — else bad input, why."""
+    why = None
+    if getattr(problem.data, "kind", None) != "tokens":
+        why = "it counts num_items_in_batch as the labels that are not -100: token data only"
+    elif problem.deepspeed_config is not None:
+        why = "a deepspeed_config goes to the Trainer through TrainingArguments(deepspeed=...), not offered yet"
+    elif problem.optimizer.name != "adamw":
+        why = f"its optimizer is AdamW (optim=adamw_torch), the problem's is {problem.optimizer.name}"
+    elif problem.schedule.warmup_steps:
+        why = (
+            "transformers' linear warmup starts at lr 0 at step 0, gaeq's at lr / warmup_steps: "
+            "no lr_scheduler_type gives this schedule (use warmup_steps: 0)"
+        )
+    elif "grads" in spec.track:
+        why = "the Trainer clips before a callback sees the gradients: track params, not grads"
+    if why:
+        raise MatrixError(f"trainer hf / hf_deepspeed: {why}")
+
+
+NVME_NEEDS_ZERO3 = (
+    "nvme offload needs ZeRO-3: DeepSpeed 0.19's ZeRO-1/2 optimizer takes device nvme for cpu "
+    "(the state stays in memory, no file is written)"
+)
+
+
+def _nvme_unsupported() -> str | None:
+    from gaeq.accelerator import nvme_unsupported_reason  # imports DeepSpeed: only for nvme cells
+
+    return nvme_unsupported_reason()
+
+
+def _fp16_unsupported() -> str | None:
+    from gaeq.accelerator import fp16_unsupported_reason  # imports torch/DeepSpeed: only for fp16 cells
+
+    return fp16_unsupported_reason()
