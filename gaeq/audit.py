@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from gaeq.problem.dsconfig import BATCH_KEYS, ConfigError, cell_config, mirror
+from gaeq.problem.dsconfig import BATCH_KEYS, ConfigError, mirror, split_config
 
 Effect = Literal["breaks", "risk", "fine"]
 LOW = ("bf16", "bfloat16", "fp16", "float16", "half")
@@ -221,15 +221,7 @@ def overrides_of(config: dict[str, Any], cells) -> list[str]:
     for cell in cells:
         if cell.trainer != "deepspeed" or cell.skip_reason:
             continue
-        _, changed = cell_config(
-            config,
-            train_batch_size=cell.train_batch_size,
-            micro_batch_size=cell.micro_batch_size,
-            grad_accum_steps=cell.grad_accum_steps,
-            zero_stage=cell.zero_stage,
-            offload=cell.offload,
-            load_universal=bool(cell.resume and cell.resume.universal),
-        )
+        _, changed = split_config(config, cell)
         for o in changed:
             seen.setdefault((o.key, repr(o.file_value), o.why), set()).add(o.cell_value)
     return [

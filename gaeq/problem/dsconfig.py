@@ -177,6 +177,20 @@ class Override:
     why: str
 
 
+def split_config(config: dict[str, Any], cell: Any) -> tuple[dict[str, Any], list[Override]]:
+    """:func:`cell_config` for a matrix cell (anything with its split's fields: batch sizes, GA,
+    ZeRO stage, offload, resume)."""
+    return cell_config(
+        config,
+        train_batch_size=cell.train_batch_size,
+        micro_batch_size=cell.micro_batch_size,
+        grad_accum_steps=cell.grad_accum_steps,
+        zero_stage=cell.zero_stage,
+        offload=cell.offload,
+        load_universal=bool(cell.resume and cell.resume.universal),
+    )
+
+
 def cell_config(
     config: dict[str, Any],
     *,

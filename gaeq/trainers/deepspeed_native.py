@@ -23,7 +23,7 @@ from deepspeed.utils import groups, safe_get_full_fp32_param, safe_get_full_grad
 from gaeq.accelerator import allow_emulated_fp16
 from gaeq.bugs import Bug
 from gaeq.matrix import Cell
-from gaeq.problem.dsconfig import cell_config
+from gaeq.problem.dsconfig import split_config
 from gaeq.problem.optim import build_scheduler, deepspeed_optimizer
 from gaeq.problem.spec import ProblemSpec
 from gaeq.problem.tp import tp_plan
@@ -164,15 +164,7 @@ def deepspeed_config(
     `nvme_path`: the folder nvme offload swaps to, through buffers of `nvme_buffer_numel`
     elements (at least the largest parameter)."""
     if problem.deepspeed_config is not None:
-        config, _ = cell_config(
-            problem.deepspeed_config,
-            train_batch_size=cell.train_batch_size,
-            micro_batch_size=cell.micro_batch_size,
-            grad_accum_steps=cell.grad_accum_steps,
-            zero_stage=cell.zero_stage,
-            offload=cell.offload,
-            load_universal=bool(cell.resume and cell.resume.universal),
-        )
+        config, _ = split_config(problem.deepspeed_config, cell)
         return config
     config = {
         "train_batch_size": cell.train_batch_size,
