@@ -24,7 +24,6 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
-from gaeq.registry import TRAINERS
 from gaeq.runtime import server
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -187,20 +186,11 @@ def _live_processes(matches, *, grace: float) -> list[int]:
         time.sleep(0.2)
 
 
-PRELOAD_EVERYTHING = tuple(
-    dict.fromkeys([server.PRELOAD, *(m for spec in TRAINERS.values() for m in spec.preload), server.PRELOAD_HF])
-)
-"""What the session's fork server imports: what every trainer's cells need (gaeq/registry.py)."""
-
-
 def start_session_fork_server() -> None:
     """The fork server every in-process run's ranks fork from (:func:`tests.helpers.gaeq_run_here`),
-    with every preload; started once — by tests/conftest.py as a session that will train starts, so
-    that its imports overlap pytest's collection."""
-    from multiprocessing import forkserver
-
+    with every module a fork server may import; started once — by tests/conftest.py as a session
+    that will train starts, so that its imports overlap pytest's collection."""
     from gaeq.runtime import lifeline
 
     lifeline.mark_parent()  # the session's fork server and its ranks die with pytest
-    server.rank_context(isolate=False, preload=PRELOAD_EVERYTHING)
-    forkserver.ensure_running()
+    server.start(server.PRELOAD_ORDER)

@@ -15,21 +15,27 @@ from gaeq.matrix import Cell
 from gaeq.problem.spec import HFModelSpec, ProblemSpec
 from gaeq.registry import TRAINERS
 
+PRELOAD = "gaeq.runtime.preload"
+"""What every fork server imports: torch and the manual trainer."""
+PRELOAD_HF = "gaeq.runtime.preload_hf"
+"""transformers, for a cell whose model is a transformers class (whatever its trainer)."""
+PRELOAD_ORDER = tuple(dict.fromkeys([PRELOAD, *(m for spec in TRAINERS.values() for m in spec.preload), PRELOAD_HF]))
+"""Every module a fork server may import, in the order it imports them."""
+
 
 def warm_up(cells: Sequence[Cell], problems: Mapping[str, ProblemSpec], *, isolate: bool = False) -> None:
     """Start the fork server now (its imports take seconds), so that it is ready by the time the
     first process group is launched; call it before other start-up work."""
     if not isolate and sys.platform == "linux":
-        rank_context(isolate=False, preload=preload_modules(cells, problems))
-        from multiprocessing import forkserver
-
-        forkserver.ensure_running()
+        start(preload_modules(cells, problems))
 
 
-PRELOAD = "gaeq.runtime.preload"
-"""What every fork server imports: torch and the manual trainer."""
-PRELOAD_HF = "gaeq.runtime.preload_hf"
-"""transformers, for a cell whose model is a transformers class (whatever its trainer)."""
+def start(preload: Sequence[str]) -> None:
+    """Start the fork server with these imports (Linux), unless it runs already."""
+    from multiprocessing import forkserver
+
+    rank_context(isolate=False, preload=preload)
+    forkserver.ensure_running()
 
 
 def preload_modules(cells: Sequence[Cell], problems: Mapping[str, ProblemSpec]) -> list[str]:
@@ -37,11 +43,10 @@ def preload_modules(cells: Sequence[Cell], problems: Mapping[str, ProblemSpec]) 
     what each cell's trainer needs (gaeq/registry.py: DeepSpeed, accelerate, transformers) and
     transformers for a transformers model, only when a cell needs them (the server's imports are on
     the critical path of every run: the first group cannot start before they are done)."""
-    wanted = {module for c in cells for module in TRAINERS[c.trainer].preload}
+    wanted = {PRELOAD, *(module for c in cells for module in TRAINERS[c.trainer].preload)}
     if any(isinstance(problems[c.variant].model, HFModelSpec) for c in cells):
         wanted.add(PRELOAD_HF)
-    order = dict.fromkeys(module for spec in TRAINERS.values() for module in spec.preload)
-    return [PRELOAD, *(module for module in order | {PRELOAD_HF: None} if module in wanted)]
+    return [module for module in PRELOAD_ORDER if module in wanted]
 
 
 def rank_context(*, isolate: bool, preload: Sequence[str]):
