@@ -14,7 +14,9 @@ syncs on every GA-th call), which is checked against the plan's boundary at ever
 from __future__ import annotations
 
 import math
+import os
 import time
+from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -23,10 +25,23 @@ from gaeq.matrix import Cell
 from gaeq.problem.optim import build_optimizer, build_scheduler, gradient_clipping
 from gaeq.problem.spec import ProblemSpec
 from gaeq.trainers.base import RunContext, StepRecorder, build_cell_problem, inject_fault
+from gaeq.trainers.library_state import reset_accelerate_state
 from gaeq.trainers.provenance import Provenance
 
 MIXED_PRECISION = {"fp32": "no", "bf16": "bf16"}
 """Cell dtype → accelerate's mixed_precision (autocast over fp32 weights, as in the torch trainer)."""
+
+
+def promised(cell: Cell, problem: ProblemSpec) -> dict[str, Any]:
+    """What an accelerate cell's label promises (:mod:`gaeq.trainers.provenance` checks it after step 1)."""
+    return {
+        # gaeq's ranks run as a launcher starts them (LOCAL_RANK set): accelerate then wraps DDP
+        # at world 1 too, as under `accelerate launch` or torchrun — a 1-rank all-reduce, a no-op.
+        "ddp": cell.world_size > 1 or "LOCAL_RANK" in os.environ,
+        "grad_accum_steps": cell.grad_accum_steps,
+        "mixed_precision": MIXED_PRECISION[cell.dtype],
+        "scheduler_steps_with_optimizer": cell.bug == Bug.ACCELERATE_SCHEDULER_PER_PROCESS,
+    }
 
 
 def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
@@ -47,7 +62,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     recorder.count_collectives(net if isinstance(net, DDP) else None)
     ran = Provenance(
         cell,
-        problem,
+        promised=promised(cell, problem),
         **task.model_facts(),
         world_size=accelerator.num_processes,
         ddp=isinstance(net, DDP),
@@ -109,18 +124,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         )
     recorder.close()
     accelerator.free_memory()
-    return ran.ran
-
-
-def reset_accelerate_state() -> None:
-    """accelerate keeps process-wide singletons (its state, the accumulation counter): cells share
-    the process, so the previous cell's are reset before a cell builds its Accelerator (here, or
-    inside the transformers Trainer) — except the distributed state, which is the process group gaeq
-    already joined."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=False)
-    GradientState._reset_state()
+    return ran.facts
 
 
 def new_accelerator(cell: Cell, grad_accum_steps: int, *, cpu: bool):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import math
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,11 @@ from gaeq.trainers.provenance import Provenance
 from gaeq.trainers.tensor_parallel import TensorParallel, full
 
 
+def promised(cell: Cell, problem: ProblemSpec) -> dict[str, Any]:
+    """What an FSDP2 cell's label promises: the model sharded, every parameter a shard."""
+    return {"fsdp": True, "sharded_parameters": True}
+
+
 def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     """Train the cell on this rank; returns what really ran (:mod:`gaeq.trainers.provenance`)."""
     task = build_cell_problem(cell, problem, ctx)
@@ -37,10 +43,10 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     model = task.model.to(ctx.device)
     # ACCUMULATION: FSDP2 shards every block, then the rest (the root), over the data-parallel
     # ranks; its reduce-scatter averages gradients over them (÷ dp), as DDP's all-reduce does.
-    split = TensorParallel(cell=cell, device=ctx.device) if cell.tensor_parallel > 1 else None
-    if split is not None:
-        split.parallelize(model)  # first the layers over each tensor-parallel group, then FSDP2
-    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,)) if split is None else split.mesh["dp"]
+    tp = TensorParallel(cell=cell, device=ctx.device) if cell.tensor_parallel > 1 else None
+    if tp is not None:
+        tp.parallelize(model)  # first the layers over each tensor-parallel group, then FSDP2
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,)) if tp is None else tp.mesh["dp"]
     for block in shard_units(model):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -49,19 +55,16 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     last_param = list(model.parameters())[-1]
     # clip_grad_norm_ returns the pre-clipping norm; max_norm=inf measures without clipping.
     max_norm = gradient_clipping(problem) or math.inf
-    clip_grad_norm_ = (
-        torch.nn.utils.clip_grad_norm_ if split is None else tensor_parallel.clip_grad_norm_
-    )  # DTensors on two meshes
-    if cell.bug == Bug.TP_GRAD_NORM_PER_SHARD:
-        clip_grad_norm_ = functools.partial(
-            tensor_parallel.clip_grad_norm_, per_shard=True
-        )  # planted bug: each rank its slices' norm
+    # DTensors on two meshes
+    clip_grad_norm_ = torch.nn.utils.clip_grad_norm_ if tp is None else tensor_parallel.clip_grad_norm_
+    if cell.bug == Bug.TP_GRAD_NORM_PER_SHARD:  # planted bug: each rank clips by its slices' norm
+        clip_grad_norm_ = functools.partial(tensor_parallel.clip_grad_norm_, per_shard=True)
     recorder = StepRecorder(cell=cell, ctx=ctx, steps=problem.steps)
     recorder.count_collectives(model if ctx.world_size > 1 else None)
-    recorder.count_collectives(split)
+    recorder.count_collectives(tp)
     ran = Provenance(
         cell,
-        problem,
+        promised=promised(cell, problem),
         **task.model_facts(),
         world_size=dist.get_world_size() if dist.is_initialized() else 1,
         tensor_parallel=tensor_parallel.tensor_parallel_of(model),
@@ -117,7 +120,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
             seconds=time.perf_counter() - started,
         )
     recorder.close()
-    return ran.ran
+    return ran.facts
 
 
 def shard_units(model: torch.nn.Module) -> list[torch.nn.Module]:

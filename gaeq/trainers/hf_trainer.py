@@ -28,8 +28,10 @@ from gaeq.problem.build import BuiltProblem
 from gaeq.problem.data import IGNORE_INDEX
 from gaeq.problem.models import sample_keys
 from gaeq.problem.spec import ProblemSpec
-from gaeq.trainers.accelerate_native import reset_accelerate_state
+from gaeq.registry import TRAINERS
 from gaeq.trainers.base import RunContext, StepRecorder, build_cell_problem, inject_fault
+from gaeq.trainers.deepspeed_config import deepspeed_config
+from gaeq.trainers.library_state import forget_parallel_groups, reset_accelerate_state
 from gaeq.trainers.provenance import Provenance, engine_norm_dtype
 
 SCHEDULES = {"constant": "constant", "warmup_cosine": "cosine_with_min_lr"}
@@ -42,9 +44,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     task = build_cell_problem(cell, problem, ctx)
     plan = task.plan
     reset_accelerate_state()  # the Trainer builds its own Accelerator
-    if cell.trainer == "hf_deepspeed":
-        from gaeq.trainers.deepspeed_native import forget_parallel_groups
-
+    if TRAINERS[cell.trainer].deepspeed:
         forget_parallel_groups()  # ... and its own DeepSpeed engine
     # loss: hf — the transformers model's own loss takes num_items_in_batch; any other loss (a
     # transformers model's logits under cross_entropy, gaeq's models) goes through a wrapper.
@@ -78,7 +78,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         disable_tqdm=True,
         remove_unused_columns=False,
         dataloader_num_workers=0,
-        deepspeed=trainer_deepspeed_config(cell, problem) if cell.trainer == "hf_deepspeed" else None,
+        deepspeed=trainer_deepspeed_config(cell, problem) if TRAINERS[cell.trainer].deepspeed else None,
     )
     dataset = PositionDataset(task, steps=problem.steps, with_positions=not own_loss)
     trainer = PlanTrainer(model=model, args=args, train_dataset=dataset)
@@ -93,7 +93,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     recorder = StepRecorder(cell=cell, ctx=ctx, steps=problem.steps)
     ran = Provenance(
         cell,
-        problem,
+        promised=promised(cell, problem),
         **task.model_facts(),
         world_size=trainer.accelerator.num_processes,
         grad_accum_steps=args.gradient_accumulation_steps,
@@ -109,10 +109,22 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     finally:
         for hook in hooks:
             hook.remove()
-    ran.ran["ddp"] = isinstance(trainer.model_wrapped, DDP)  # for the record (accelerate wraps under a launcher)
+    ran.facts["ddp"] = isinstance(trainer.model_wrapped, DDP)  # for the record (accelerate wraps under a launcher)
     recorder.close()
     trainer.accelerator.free_memory()
-    return ran.ran
+    return ran.facts
+
+
+def promised(cell: Cell, problem: ProblemSpec) -> dict[str, Any]:
+    """What a Trainer cell's label promises (:mod:`gaeq.trainers.provenance` checks it after step 1)."""
+    label = {
+        "grad_accum_steps": cell.grad_accum_steps,
+        "model_accepts_loss_kwargs": cell.bug != Bug.HF_LOSS_PER_MICRO_BATCH,
+        "average_tokens_across_devices": cell.bug != Bug.HF_TOKENS_PER_DEVICE,
+    }
+    if TRAINERS[cell.trainer].deepspeed:  # hf_deepspeed: the engine the Trainer built
+        label["zero_stage"] = cell.zero_stage
+    return label
 
 
 def trainer_deepspeed_config(cell: Cell, problem: ProblemSpec) -> dict[str, Any]:
@@ -121,8 +133,6 @@ def trainer_deepspeed_config(cell: Cell, problem: ProblemSpec) -> dict[str, Any]
     to it as "auto": the batch triple and the clipping it derives from its arguments (it refuses an
     explicit value that differs), and no scheduler section (the Trainer's lr_scheduler_type then
     drives DeepSpeed's engine)."""
-    from gaeq.trainers.deepspeed_native import deepspeed_config
-
     config = deepspeed_config(cell, problem)
     for key in (
         "train_batch_size",
@@ -207,12 +217,12 @@ class Recording(TrainerCallback):
         self.step = state.global_step
         if self.step == 0:  # what the Trainer built in train(): the model's wrapper, DeepSpeed's engine
             wrapped = self.trainer.model_wrapped
-            self.ran.ran["engine"] = type(wrapped).__name__
+            self.ran.facts["engine"] = type(wrapped).__name__
             if self.trainer.is_deepspeed_enabled:
-                self.ran.ran["zero_stage"] = wrapped.zero_optimization_stage()
-                self.ran.ran["grad_norm_dtype"] = engine_norm_dtype(wrapped)
+                self.ran.facts["zero_stage"] = wrapped.zero_optimization_stage()
+                self.ran.facts["grad_norm_dtype"] = engine_norm_dtype(wrapped)
             else:  # accelerate's clip_grad_norm_ → torch's, in the gradients' dtype
-                self.ran.ran["grad_norm_dtype"] = str(next(wrapped.parameters()).dtype).removeprefix("torch.")
+                self.ran.facts["grad_norm_dtype"] = str(next(wrapped.parameters()).dtype).removeprefix("torch.")
         inject_fault(self.cell, rank=self.rank, step=self.step)
         self.started = time.perf_counter()
         self.lr = optimizer.param_groups[0]["lr"]

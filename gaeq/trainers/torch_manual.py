@@ -13,6 +13,7 @@ import contextlib
 import functools
 import math
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,16 @@ from gaeq.trainers.provenance import Provenance
 from gaeq.trainers.tensor_parallel import TensorParallel, full
 
 
+def promised(cell: Cell, problem: ProblemSpec) -> dict[str, Any]:
+    """What a torch cell's label promises (:mod:`gaeq.trainers.provenance` checks it after step 1)."""
+    return {
+        "ddp": cell.world_size > 1 and cell.tensor_parallel == 1,
+        "grad_scaler": cell.dtype == "fp16",
+        # the baseline is the reference: its norm summed in float64; every other cell's as users sum it
+        "grad_norm_dtype": "float64" if cell.role == Role.BASELINE else "float32",
+    }
+
+
 def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     """Train the cell on this rank; returns what really ran (:mod:`gaeq.trainers.provenance`)."""
     task = build_cell_problem(cell, problem, ctx)
@@ -37,10 +48,10 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     # ACCUMULATION: we own data parallelism. DDP averages gradients over ranks (÷ world); with
     # tensor parallelism the plan's layers are split over each tensor-parallel group (DTensor) and
     # we average over the data-parallel ranks ourselves (DDP does not take DTensor parameters).
-    split = TensorParallel(cell=cell, device=ctx.device) if cell.tensor_parallel > 1 else None
-    if split is not None:
-        split.parallelize(model)
-    ddp = DDP(model) if ctx.world_size > 1 and split is None else None
+    tp = TensorParallel(cell=cell, device=ctx.device) if cell.tensor_parallel > 1 else None
+    if tp is not None:
+        tp.parallelize(model)
+    ddp = DDP(model) if ctx.world_size > 1 and tp is None else None
     net = ddp or model
     optimizer = build_optimizer(model.parameters(), problem)
     if cell.bug == Bug.LR_ZERO:
@@ -59,23 +70,20 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     )
     # clip_grad_norm_ returns the pre-clipping norm; max_norm=inf measures without clipping.
     max_norm = gradient_clipping(problem) or math.inf
-    clip_grad_norm_ = (
-        torch.nn.utils.clip_grad_norm_ if split is None else tensor_parallel.clip_grad_norm_
-    )  # a sharded model's norm
+    # a model split over ranks sums its norm over the slices
+    clip_grad_norm_ = torch.nn.utils.clip_grad_norm_ if tp is None else tensor_parallel.clip_grad_norm_
     if cell.role == Role.BASELINE:  # the reference sums the norm that clips in float64, not in float32 as users do
         clip_grad_norm_ = functools.partial(tensor_parallel.clip_grad_norm_, dtype=torch.float64)
-    if cell.bug == Bug.TP_GRAD_NORM_PER_SHARD:
-        clip_grad_norm_ = functools.partial(
-            tensor_parallel.clip_grad_norm_, per_shard=True
-        )  # planted bug: each rank its slices' norm
+    if cell.bug == Bug.TP_GRAD_NORM_PER_SHARD:  # planted bug: each rank clips by its slices' norm
+        clip_grad_norm_ = functools.partial(tensor_parallel.clip_grad_norm_, per_shard=True)
     if cell.bug == Bug.UNMIRRORED_DEFAULT_CLIPPING:  # planted bug: no key in the file, so "no clipping"
         max_norm = problem.mirror.gradient_clipping or math.inf
     last_param = list(model.parameters())[-1]
     recorder = StepRecorder(cell=cell, ctx=ctx, steps=problem.steps)
-    recorder.count_collectives(ddp or split)
+    recorder.count_collectives(ddp or tp)
     ran = Provenance(
         cell,
-        problem,
+        promised=promised(cell, problem),
         **task.model_facts(),
         world_size=dist.get_world_size() if dist.is_initialized() else 1,
         ddp=isinstance(net, DDP),
@@ -113,8 +121,8 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
             if cell.bug == Bug.SCHEDULER_EVERY_MICRO_STEP and not boundary:
                 scheduler.step()  # planted bug: the schedule runs GA× too fast
             local_loss_sum += micro_loss.item() * num_items
-        if split is not None:  # ACCUMULATION: the boundary's all-reduce over the data-parallel ranks
-            split.average_gradients(model.parameters())
+        if tp is not None:  # ACCUMULATION: the boundary's all-reduce over the data-parallel ranks
+            tp.average_gradients(model.parameters())
         if cell.bug == Bug.ONE_GRAD_SCALED:
             last_param.grad.mul_(4.0)  # planted bug: one tensor's gradient 4× (AdamW hardly notices)
         # ACCUMULATION: at the boundary we unscale (fp16), clip, step the optimizer, step the
@@ -152,4 +160,4 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         if step + 1 in cell.save_at:
             save_torch(model, optimizer, scheduler, run_dir=ctx.run_dir, cell_id=cell.id, step=step + 1, rank=ctx.rank)
     recorder.close()
-    return ran.ran
+    return ran.facts

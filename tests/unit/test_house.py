@@ -249,3 +249,27 @@ def test_every_planted_bug_has_a_site_and_every_site_names_a_planted_bug():
 def test_the_control_a_string_site_is_found():
     tree = ast.parse('if cell.bug == "no_loss_divison":\n    pass\nif cell.bug == Bug.LR_ZERO:\n    pass\n')
     assert [named_bug(site) for site in bug_sites(tree)] == [None, "LR_ZERO"]
+
+
+def trainer_functions(tree: ast.Module) -> set[str]:
+    """The functions a trainer module defines at its top level."""
+    return {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+
+
+TRAINER_FUNCTIONS = {"train", "promised"}
+"""What a registered trainer's module defines: ``train(*, cell, problem, ctx)`` and what its label
+promises, ``promised(cell, problem)`` (gaeq/trainers/provenance.py checks it after step 1)."""
+
+
+def test_every_registered_trainer_module_trains_and_says_what_it_promises():
+    from gaeq.registry import TRAINERS
+
+    for spec in TRAINERS.values():
+        path = REPO / (spec.module.replace(".", "/") + ".py")
+        missing = TRAINER_FUNCTIONS - trainer_functions(ast.parse(path.read_text()))
+        assert not missing, f"{spec.module} (trainer {spec.name}) does not define {sorted(missing)}"
+
+
+def test_the_control_a_trainer_module_without_promises_is_found():
+    tree = ast.parse("def train(*, cell, problem, ctx):\n    return {}\n")
+    assert TRAINER_FUNCTIONS - trainer_functions(tree) == {"promised"}
