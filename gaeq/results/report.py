@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import json
-import math
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 from importlib import metadata
 from pathlib import Path
 
 from gaeq.files import atomic_write
-from gaeq.matrix import Cell, Matrix, Role, group_key
+from gaeq.matrix import Cell, Matrix, group_key
 from gaeq.registry import TRAINERS
-from gaeq.results.compare import Comparison, Tolerance, Verdict, compare_traces, tolerance_for
+from gaeq.results.cell_report import CellReport, Cost
+from gaeq.results.compare import Tolerance, Verdict, compare_traces, tolerance_for
 from gaeq.results.floor import NoiseFloor
 from gaeq.results.outcome import CellOutcome
 from gaeq.results.snapshots import compare_snapshots, read_snapshots
@@ -21,118 +21,6 @@ from gaeq.results.trace import TraceStore, cell_dir
 
 VERDICTS = tuple(Verdict)
 EXIT_OK, EXIT_VERDICT, EXIT_BAD_INPUT, EXIT_RUN_FAILED = 0, 1, 2, 3
-
-
-@dataclass(frozen=True, kw_only=True)
-class Cost:
-    """What a cell cost, derived from its trace (never stored twice)."""
-
-    samples_per_s: float | None = None
-    """Training loop only: samples / summed step time."""
-    step_seconds: float | None = None
-    """Mean optimizer-step time."""
-    peak_mem_bytes: int | None = None
-    """Rank 0's peak RSS (CUDA: max allocated) during the cell."""
-    comm_bytes_per_step: float | None = None
-    """Mean bytes through collectives per optimizer step (rank 0; nccl-tests sizes)."""
-    model_state_bytes: int | None = None
-    """Parameters + gradients + optimizer state rank 0 holds while accumulating (None: not measured)."""
-
-    @classmethod
-    def of(cls, trace) -> Cost:
-        if not trace:
-            return cls()
-        seconds = sum(r.seconds for r in trace)
-        samples = len(trace) * (trace[0].samples // (trace[0].step + 1))
-        return cls(
-            samples_per_s=samples / seconds if seconds > 0 else None,
-            step_seconds=seconds / len(trace),
-            peak_mem_bytes=max(r.peak_mem_bytes for r in trace),
-            comm_bytes_per_step=sum(r.comm_bytes for r in trace) / len(trace),
-            model_state_bytes=max(r.model_state_bytes for r in trace) or None,
-        )
-
-
-_FROM_CELL = (
-    "id",
-    "trainer",
-    "world_size",
-    "tensor_parallel",
-    "micro_batch_size",
-    "grad_accum_steps",
-    "zero_stage",
-    "offload",
-    "dtype",
-    "variant",
-    "bug",
-    "expect",
-)
-_FROM_COMPARISON = (
-    "max_abs_loss_diff", "max_rel_grad_norm_diff", "max_abs_grad_diff", "max_abs_param_diff",
-    "first_divergent_step", "caught_by", "divergence_steps", "margin",
-)  # fmt: skip
-_FROM_COST = tuple(f.name for f in fields(Cost))
-JSON_FIELDS = (*_FROM_CELL, "role", "verdict", *_FROM_COMPARISON, "reason", "seconds", *_FROM_COST, "ran")
-"""A cell's entry in report.json, in this order."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class CellReport:
-    """A judged cell: the cell, how its run ended, its comparison with the baseline, its cost.
-
-    Read it by field name — ``report.world_size``, ``report.max_abs_loss_diff``,
-    ``report.samples_per_s`` — whichever part holds it (None where that part is missing: a cell
-    that did not run has no comparison); :meth:`to_json` flattens it for report.json."""
-
-    cell: Cell
-    verdict: Verdict
-    reason: str
-    comparison: Comparison | None = None
-    outcome: CellOutcome | None = None
-    cost: Cost = Cost()
-
-    @property
-    def id(self) -> str:
-        return self.cell.id
-
-    @property
-    def role(self) -> str:
-        return self.cell.role.value
-
-    @property
-    def grad_accum_steps(self) -> int | None:
-        return self.cell.grad_accum_steps if self.cell.divisible else None
-
-    @property
-    def seconds(self) -> float | None:
-        return self.outcome.seconds if self.outcome else None
-
-    @property
-    def ran(self) -> dict | None:
-        """What really ran, read back from the live objects (gaeq.trainers.provenance)."""
-        return self.outcome.ran if self.outcome else None
-
-    def __getattr__(self, name: str):
-        if name in _FROM_CELL:
-            return getattr(self.cell, name)
-        if name in _FROM_COMPARISON:
-            return getattr(self.comparison, name) if self.comparison is not None else None
-        if name in _FROM_COST:
-            return getattr(self.cost, name)
-        raise AttributeError(name)
-
-    @property
-    def as_expected(self) -> bool:
-        """The verdict the cell expects; a noise-floor twin is gaeq's instrument, not a claim: whatever
-        it shows is reported (an error still fails the run)."""
-        return (
-            self.verdict == Verdict.SKIPPED
-            or self.verdict == self.expect
-            or (self.cell.role == Role.FLOOR and self.verdict != Verdict.ERROR)
-        )
-
-    def to_json(self) -> dict:
-        return {name: _finite(getattr(self, name)) for name in JSON_FIELDS}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -346,7 +234,3 @@ def _dropout_note(dropout: Mapping[str, float] | None) -> str:
         f" — the model's config has dropout ({knobs}): torch's global RNG draws its masks, so they depend on "
         "the split; set them to 0 in model.config to compare accumulation"
     )
-
-
-def _finite(value):
-    return None if isinstance(value, float) and not math.isfinite(value) else value

@@ -1,0 +1,155 @@
+"""One judged cell: :class:`CellReport` (the cell, how its run ended, its comparison with the
+baseline, its cost) and what report.json and the tables read from it, each by its own name."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar, overload
+
+from gaeq.matrix import Cell, Role
+from gaeq.results.compare import Comparison, Verdict
+from gaeq.results.outcome import CellOutcome
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cost:
+    """What a cell cost, derived from its trace (never stored twice)."""
+
+    samples_per_s: float | None = None
+    """Training loop only: samples / summed step time."""
+    step_seconds: float | None = None
+    """Mean optimizer-step time."""
+    peak_mem_bytes: int | None = None
+    """Rank 0's peak RSS (CUDA: max allocated) during the cell."""
+    comm_bytes_per_step: float | None = None
+    """Mean bytes through collectives per optimizer step (rank 0; nccl-tests sizes)."""
+    model_state_bytes: int | None = None
+    """Parameters + gradients + optimizer state rank 0 holds while accumulating (None: not measured)."""
+
+    @classmethod
+    def of(cls, trace) -> Cost:
+        if not trace:
+            return cls()
+        seconds = sum(r.seconds for r in trace)
+        samples = len(trace) * (trace[0].samples // (trace[0].step + 1))
+        return cls(
+            samples_per_s=samples / seconds if seconds > 0 else None,
+            step_seconds=seconds / len(trace),
+            peak_mem_bytes=max(r.peak_mem_bytes for r in trace),
+            comm_bytes_per_step=sum(r.comm_bytes for r in trace) / len(trace),
+            model_state_bytes=max(r.model_state_bytes for r in trace) or None,
+        )
+
+
+class Part(Generic[T]):
+    """A :class:`CellReport` field read from one of its parts — ``cell``, ``comparison`` or
+    ``cost`` — under the same name; None where that part is missing (a cell that did not run has
+    no comparison)."""
+
+    def __init__(self, part: str) -> None:
+        self.part = part
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, report: None, owner: type) -> Part[T]: ...
+    @overload
+    def __get__(self, report: CellReport, owner: type) -> T | None: ...
+    def __get__(self, report, owner=None):
+        if report is None:
+            return self
+        holder = getattr(report, self.part)
+        return None if holder is None else getattr(holder, self.name)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CellReport:
+    """A judged cell: the cell, how its run ended, its comparison with the baseline, its cost.
+    Read it by field name, whichever part holds it; :meth:`to_json` flattens it for report.json."""
+
+    cell: Cell
+    verdict: Verdict
+    reason: str
+    comparison: Comparison | None = None
+    outcome: CellOutcome | None = None
+    cost: Cost = Cost()
+
+    # The cell: what it is.
+    id = Part[str]("cell")
+    trainer = Part[str]("cell")
+    world_size = Part[int]("cell")
+    tensor_parallel = Part[int]("cell")
+    micro_batch_size = Part[int]("cell")
+    zero_stage = Part[int]("cell")
+    offload = Part[str]("cell")
+    dtype = Part[str]("cell")
+    variant = Part[str]("cell")
+    bug = Part[str]("cell")
+    expect = Part[Verdict]("cell")
+
+    @property
+    def grad_accum_steps(self) -> int | None:
+        """None where the batch does not divide (the cell is bad input, not a split)."""
+        return self.cell.grad_accum_steps if self.cell.divisible else None
+
+    @property
+    def role(self) -> str:
+        return self.cell.role.value
+
+    # Its comparison with the baseline (gaeq.results.compare.Comparison).
+    max_abs_loss_diff = Part[float]("comparison")
+    max_rel_grad_norm_diff = Part[float]("comparison")
+    max_abs_grad_diff = Part[float]("comparison")
+    max_abs_param_diff = Part[float]("comparison")
+    first_divergent_step = Part[int]("comparison")
+    caught_by = Part[str]("comparison")
+    divergence_steps = Part[dict]("comparison")
+    margin = Part[float]("comparison")
+
+    # How its run ended.
+    @property
+    def seconds(self) -> float | None:
+        return self.outcome.seconds if self.outcome else None
+
+    @property
+    def ran(self) -> dict | None:
+        """What really ran, read back from the live objects (gaeq.trainers.provenance)."""
+        return self.outcome.ran if self.outcome else None
+
+    # What it cost (Cost).
+    samples_per_s = Part[float]("cost")
+    step_seconds = Part[float]("cost")
+    peak_mem_bytes = Part[int]("cost")
+    comm_bytes_per_step = Part[float]("cost")
+    model_state_bytes = Part[int]("cost")
+
+    @property
+    def as_expected(self) -> bool:
+        """The verdict the cell expects; a noise-floor twin is gaeq's instrument, not a claim: whatever
+        it shows is reported (an error still fails the run)."""
+        return (
+            self.verdict == Verdict.SKIPPED
+            or self.verdict == self.expect
+            or (self.cell.role == Role.FLOOR and self.verdict != Verdict.ERROR)
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {name: _finite(getattr(self, name)) for name in JSON_FIELDS}
+
+
+JSON_FIELDS = (
+    *("id", "trainer", "world_size", "tensor_parallel", "micro_batch_size", "grad_accum_steps", "zero_stage"),
+    *("offload", "dtype", "variant", "bug", "expect", "role", "verdict"),
+    *("max_abs_loss_diff", "max_rel_grad_norm_diff", "max_abs_grad_diff", "max_abs_param_diff"),
+    *("first_divergent_step", "caught_by", "divergence_steps", "margin", "reason", "seconds"),
+    *("samples_per_s", "step_seconds", "peak_mem_bytes", "comm_bytes_per_step", "model_state_bytes", "ran"),
+)
+"""A cell's entry in report.json, in this order."""
+
+
+def _finite(value: Any) -> Any:
+    return None if isinstance(value, float) and not math.isfinite(value) else value
