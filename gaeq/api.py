@@ -54,11 +54,12 @@ def load(matrix: str | Path | Mapping[str, Any] | Matrix, *, check: bool = True)
 
 def check_problems(m: Matrix) -> None:
     """Build every problem of `m` and push two samples through it; MatrixError naming what failed."""
-    from gaeq.problem.build import check_problem
+    from gaeq.problem.build import check_problem, import_plugins_from
 
+    import_plugins_from(m.plugin_dirs)
     for name, problem in m.problems.items():
         try:
-            check_problem(problem, search=m.plugin_dirs)
+            check_problem(problem)
         except ValueError as exc:  # PluginError, or a built-in's own size checks
             raise MatrixError(f"problem {name!r}: {exc}") from None
 
@@ -198,7 +199,7 @@ def run(
         problems=m.problems,
         run_dir=run_dir,
         timeout_s=m.spec.timeout_s,
-        search=m.plugin_dirs,
+        plugin_dirs=m.plugin_dirs,
         isolate=isolate,
         launcher=launcher,
         lanes=lanes,

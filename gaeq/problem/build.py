@@ -11,7 +11,9 @@ Plugin contract (README: Plugins), each named ``{import: "package.module:functio
 A model may also be a transformers causal LM by class name (``model: {hf: ..., config: {...}}``,
 gaeq/problem/hf.py), and ``loss: hf`` its own loss.
 
-Modules are imported with the matrix file's folder and the working directory on ``sys.path``.
+Modules are imported from ``sys.path``, where :func:`import_plugins_from` puts the matrix file's
+folder and the working directory (and ``--search`` folders) once per process: the parent before it
+checks the problem, each rank before its first cell.
 """
 
 from __future__ import annotations
@@ -64,11 +66,16 @@ class BuiltProblem:
         return sum(self.loss_elements(i) for i in indices)
 
 
-def resolve(plugin: PluginSpec, *, role: str, search: Sequence[str] = ()) -> Callable:
-    module_name, _, attr = plugin.import_.partition(":")
-    for folder in reversed(search):
+def import_plugins_from(folders: Sequence[str]) -> None:
+    """Put the folders plugin modules are imported from at the front of ``sys.path``, the first
+    folder first (a folder already there stays where it is)."""
+    for folder in reversed(folders):
         if folder not in sys.path:
             sys.path.insert(0, folder)
+
+
+def resolve(plugin: PluginSpec, *, role: str) -> Callable:
+    module_name, _, attr = plugin.import_.partition(":")
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # noqa: BLE001 - any import failure is the plugin's
@@ -81,15 +88,15 @@ def resolve(plugin: PluginSpec, *, role: str, search: Sequence[str] = ()) -> Cal
     return fn
 
 
-def build_problem(problem: ProblemSpec, *, search: Sequence[str] = ()) -> BuiltProblem:
-    dataset = _build_data(problem, search)
+def build_problem(problem: ProblemSpec) -> BuiltProblem:
+    dataset = _build_data(problem)
     # A private generator state: the init must not depend on what ran before in this process
     # (processes are reused across cells).
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(problem.seed)
-        model = _build_model(problem, dataset, search)
+        model = _build_model(problem, dataset)
     if isinstance(problem.loss, PluginSpec):
-        loss_sum = resolve(problem.loss, role="loss", search=search)
+        loss_sum = resolve(problem.loss, role="loss")
     elif problem.loss == "hf":
         loss_sum = None
     else:
@@ -97,13 +104,13 @@ def build_problem(problem: ProblemSpec, *, search: Sequence[str] = ()) -> BuiltP
     return BuiltProblem(dataset=dataset, model=model, loss_sum=loss_sum)
 
 
-def _build_data(problem: ProblemSpec, search: Sequence[str]) -> Dataset:
+def _build_data(problem: ProblemSpec) -> Dataset:
     spec = problem.data
     if isinstance(spec, RegressionSpec):
         return RegressionData(spec, seed=problem.seed)
     if isinstance(spec, TokensSpec):
         return TokenData(spec, seed=problem.seed)
-    fn = resolve(spec, role="data", search=search)
+    fn = resolve(spec, role="data")
     try:
         dataset = fn(seed=problem.seed, **spec.args)
     except Exception as exc:  # noqa: BLE001
@@ -115,7 +122,7 @@ def _build_data(problem: ProblemSpec, search: Sequence[str]) -> Dataset:
     return dataset
 
 
-def _build_model(problem: ProblemSpec, dataset: Dataset, search: Sequence[str]) -> torch.nn.Module:
+def _build_model(problem: ProblemSpec, dataset: Dataset) -> torch.nn.Module:
     spec = problem.model
     if isinstance(spec, MLPSpec):
         return MLP(spec, in_features=dataset.in_features, out_features=dataset.out_features, seed=problem.seed)
@@ -123,7 +130,7 @@ def _build_model(problem: ProblemSpec, dataset: Dataset, search: Sequence[str]) 
         return GPT(spec, vocab_size=dataset.vocab_size, block_size=dataset.seq_len, seed=problem.seed)
     if isinstance(spec, HFModelSpec):
         return hf.build_hf_model(spec, vocab_size=dataset.vocab_size, seq_len=dataset.seq_len)
-    fn = resolve(spec, role="model", search=search)
+    fn = resolve(spec, role="model")
     try:
         model = fn(**spec.args)
     except Exception as exc:  # noqa: BLE001
@@ -133,14 +140,14 @@ def _build_model(problem: ProblemSpec, dataset: Dataset, search: Sequence[str]) 
     return model
 
 
-def check_problem(problem: ProblemSpec, *, search: Sequence[str] = ()) -> None:
+def check_problem(problem: ProblemSpec) -> None:
     """Build the problem and push two samples through it, before any process starts.
 
     Raises PluginError naming the plugin that breaks the contract.
     """
     from gaeq.problem.models import sample_keys
 
-    built = build_problem(problem, search=search)
+    built = build_problem(problem)
     name = lambda role: getattr(getattr(problem, role), "import_", role)  # noqa: E731
     try:
         batch = built.dataset.batch([0, 1])

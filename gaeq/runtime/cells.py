@@ -47,8 +47,8 @@ class RunOptions:
     run_dir: Path
     timeout_s: float
     """A cell whose ranks make no progress for this long is `error`."""
-    search: tuple[str, ...] = ()
-    """Folders plugin modules are imported from."""
+    plugin_dirs: tuple[str, ...] = ()
+    """Folders plugin modules are imported from (each rank puts them on its ``sys.path``)."""
     init_timeout_s: float = DEFAULT_INIT_TIMEOUT_S
     isolate: bool = False
     """One fresh process group per cell (what one launch per configuration costs)."""

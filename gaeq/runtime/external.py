@@ -53,7 +53,7 @@ def launched_main(*, matrix: Matrix, run_dir: Path, only: Sequence[str] = (), in
     me = dist.rank_from_env()
     cells = cells_for_launch(matrix, world_size=me.world_size, only=only)
     dist.set_accelerator_env()
-    worker.set_up_rank()
+    worker.set_up_rank(plugin_dirs=matrix.plugin_dirs)
     dist.join_from_env(
         with_deepspeed=any(TRAINERS[c.trainer].deepspeed for c in cells),
         with_nvme=any(c.offload == "nvme" for c in cells),
@@ -78,7 +78,6 @@ def _run_launched_cells(cells: Sequence[Cell], *, me: dist.LaunchedRank, matrix:
                 world_size=me.world_size,
                 device=dist.device_for(me.local_rank),
                 problem=matrix.problems[cell.variant],
-                search=matrix.plugin_dirs,
                 run_dir=run_dir,
             )
         except BaseException as exc:  # noqa: BLE001 - reported, then the launcher tears the group down
@@ -149,7 +148,7 @@ def run_launched_group(*, world_size: int, cells: Sequence[Cell], opts: RunOptio
     port = dist.free_port()
     cmd = launcher_command(launcher, world_size=world_size, port=port)
     cmd += ["worker", "--matrix", str(run_dir / MATRIX_FILE), "--out", str(run_dir)]
-    for folder in dict.fromkeys(opts.search):  # ordered, without repeats
+    for folder in dict.fromkeys(opts.plugin_dirs):  # ordered, without repeats
         cmd += ["--search", folder]
     for cell in cells:
         cmd += ["--cell", cell.id]

@@ -262,7 +262,7 @@ def _run_group(
         cores=cores,
         lane=lane,
         problems=dict(opts.problems),
-        search=opts.search,
+        plugin_dirs=opts.plugin_dirs,
         run_dir=str(opts.run_dir),
         init_timeout_s=init_timeout_s,
     )

@@ -64,8 +64,8 @@ class GroupJob:
     lane: int = 0
     problems: dict[str, ProblemSpec]
     """variant → problem"""
-    search: tuple[str, ...]
-    """Folders plugin modules are imported from."""
+    plugin_dirs: tuple[str, ...]
+    """Folders plugin modules are imported from: on the rank's ``sys.path`` before its first cell."""
     run_dir: str
     init_timeout_s: float
 
@@ -86,7 +86,7 @@ def worker_main(rank: int, job: GroupJob, events: Any, commands: Any) -> None:
     from gaeq.runtime import dist
 
     dist.set_accelerator_env()  # before anything imports DeepSpeed
-    set_up_rank(cores=job.cores)
+    set_up_rank(cores=job.cores, plugin_dirs=job.plugin_dirs)
     dist.init_process_group(
         rank=rank,
         world_size=job.world_size,
@@ -115,7 +115,6 @@ def worker_main(rank: int, job: GroupJob, events: Any, commands: Any) -> None:
                 world_size=job.world_size,
                 device=dist.device_for(rank),
                 problem=job.problems[cell.variant],
-                search=job.search,
                 run_dir=Path(job.run_dir),
                 on_step=lambda step, cell_id=cell.id: events.put(Msg(STEP, rank, cell_id, step=step)),
             )
@@ -130,9 +129,13 @@ def worker_main(rank: int, job: GroupJob, events: Any, commands: Any) -> None:
     _exit(events, 0)
 
 
-def set_up_rank(*, cores: tuple[int, ...] = ()) -> None:
+def set_up_rank(*, cores: tuple[int, ...] = (), plugin_dirs: tuple[str, ...] = ()) -> None:
     """Process-wide settings of a rank, before it joins its group (any launcher). `cores`: pin the
-    rank to them (gaeq's own launcher: its lane's cores)."""
+    rank to them (gaeq's own launcher: its lane's cores); `plugin_dirs`: where its cells' plugin
+    modules are imported from (on ``sys.path`` from here on)."""
+    from gaeq.problem.build import import_plugins_from
+
+    import_plugins_from(plugin_dirs)
     # DeepSpeed 0.19 calls collectives torch 2.13 deprecates; the warning repeats on every ZeRO
     # collective (hundreds of lines per cell log, and time).
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
@@ -164,7 +167,6 @@ def run_cell(
     world_size: int,
     device: Any,
     problem: ProblemSpec,
-    search: tuple[str, ...],
     run_dir: Path,
     on_step: Any = None,
 ) -> CellOutcome:
@@ -182,7 +184,6 @@ def run_cell(
             device=device,
             cell_dir=out,
             on_step=on_step or (lambda step: None),
-            search=search,
             run_dir=run_dir,
         )
         try:

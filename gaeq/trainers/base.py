@@ -18,8 +18,7 @@ import torch.distributed as dist
 
 from gaeq.bugs import Bug
 from gaeq.matrix import Cell
-from gaeq.problem.build import BuiltProblem
-from gaeq.problem.build import build_problem as build
+from gaeq.problem.build import BuiltProblem, build_problem
 from gaeq.problem.data import BatchPlan
 from gaeq.problem.hf import dropouts
 from gaeq.problem.loss import mean_of_means_count
@@ -40,8 +39,6 @@ class RunContext:
     cell_dir: Path
     on_step: Callable[[int], None] = lambda step: None
     """Called by rank 0 after each optimizer step (progress reporting)."""
-    search: tuple[str, ...] = ()
-    """Folders where plugin modules are imported from."""
     run_dir: Path | None = None
     """The run directory (checkpoints of resume experiments live there)."""
 
@@ -146,7 +143,7 @@ def build_cell_problem(cell: Cell, problem: ProblemSpec, ctx: RunContext) -> Cel
             num_samples=problem.num_samples,
             seed=problem.seed,
         ),
-        built=build(problem, search=ctx.search),
+        built=build_problem(problem),
         dtype=cell.dtype,
         device=ctx.device,
         data_rank=ctx.rank // cell.tensor_parallel,
