@@ -2,8 +2,9 @@
 
 - :mod:`~gaeq.matrix.schema` — the YAML schema (pydantic, every key checked and documented);
 - :mod:`~gaeq.matrix.cell` — :class:`Split`, :class:`Cell` and :class:`Matrix`, plain frozen data;
-- :mod:`~gaeq.matrix.expand` — axes × variants + explicit cells → cells, baselines included;
-- :mod:`~gaeq.matrix.resume` — checkpoint → resume experiments;
+- :mod:`~gaeq.matrix.expand` — axes × variants + explicit cells + resume experiments → cells, baselines included;
+- :mod:`~gaeq.matrix.rules` — the rules a split keeps to become a cell;
+- :mod:`~gaeq.matrix.resume` — the rules of checkpoint → resume experiments;
 - :mod:`~gaeq.matrix.load` — a file or a mapping → a :class:`Matrix`, or one :class:`MatrixError` line.
 """
 

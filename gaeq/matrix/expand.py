@@ -11,9 +11,10 @@ import itertools
 
 from pydantic import ValidationError
 
-from gaeq.matrix.cell import DEEPSPEED_ONLY, SPLIT_AXES, Cell, Fault, Matrix, Role, Split, group_key
+from gaeq.matrix import resume
+from gaeq.matrix.cell import DEEPSPEED_ONLY, SPLIT_AXES, Cell, Fault, Matrix, Resume, Role, Split, group_key
 from gaeq.matrix.rules import bug_rules, fault_rules, skip_reason, split_rules
-from gaeq.matrix.schema import BASE, TENSOR_METRICS, FaultSpec, MatrixError, MatrixSpec, describe
+from gaeq.matrix.schema import BASE, TENSOR_METRICS, FaultSpec, MatrixError, MatrixSpec, ResumeSpec, describe
 from gaeq.problem.spec import ProblemSpec
 from gaeq.registry import DEEPSPEED_TRAINERS, TENSOR_PARALLEL_TRAINERS
 
@@ -138,6 +139,37 @@ class Expander:
         cell = self.cell(split, **planted)
         self.cells.append(cell)
         return cell
+
+    def add_resume(self, r: ResumeSpec) -> None:
+        """The source cell (found or added, marked to checkpoint at `at_step`) and its resumed targets
+        (the rules: gaeq/matrix/resume.py)."""
+        src = r.from_
+        resume.plain_source(r)
+        split = self.split_of(src)
+        resume.at_step_inside(r, steps=self.problem(src.variant).steps)
+        self.ensure_baseline(dtype=split.dtype, variant=src.variant)
+        source = self.cell(split)
+        resume.source_rules(source, r)
+        source = self.save_at(source, step=r.at_step)
+        for t in r.to:
+            target = self.cell(
+                self.split_of(t, trainer=source.trainer, dtype=split.dtype, variant=src.variant),
+                expect=t.expect or ("diverge" if t.drop else "match"),
+            )
+            resume.target_rules(source, target, t, r)
+            resumed = Resume(source=source.id, step=r.at_step, universal=r.universal, drop=tuple(t.drop))
+            self.cells.append(dataclasses.replace(target, resume=resumed))
+
+    def save_at(self, cell: Cell, *, step: int) -> Cell:
+        """`cell` — the one already in the matrix if there is one, else appended — marked to write a
+        checkpoint after `step`."""
+        at = next((i for i, c in enumerate(self.cells) if c.id == cell.id), None)
+        if at is None:
+            self.cells.append(cell)
+            at = len(self.cells) - 1
+        marked = dataclasses.replace(self.cells[at], save_at=tuple(sorted({*self.cells[at].save_at, step})))
+        self.cells[at] = marked
+        return marked
 
     def cell(
         self, split: Split, *, bug: str | None = None, expect: str | None = None, fault: FaultSpec | None = None

@@ -12,7 +12,6 @@ from pydantic import ValidationError
 
 from gaeq.matrix.cell import Matrix
 from gaeq.matrix.expand import Expander
-from gaeq.matrix.resume import add_resume
 from gaeq.matrix.schema import MatrixError, MatrixSpec, describe
 from gaeq.problem.dsconfig import ConfigError, read_config
 
@@ -88,7 +87,7 @@ def expand(spec: MatrixSpec, *, plugin_dirs: tuple[str, ...] = ()) -> Matrix:
     for c in spec.cells:
         ex.add(ex.split_of(c), bug=c.bug, expect=c.expect, fault=c.fault)
     for r in spec.resume:
-        add_resume(ex, r)
+        ex.add_resume(r)
     if spec.noise_floor:
         ex.add_floor_twins()
     return ex.matrix(plugin_dirs=plugin_dirs)
