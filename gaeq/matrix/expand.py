@@ -11,8 +11,8 @@ import itertools
 
 from pydantic import ValidationError
 
-from gaeq.matrix import resume
 from gaeq.matrix.cell import DEEPSPEED_ONLY, SPLIT_AXES, Cell, Fault, Matrix, Resume, Role, Split, group_key
+from gaeq.matrix.resume import at_step_inside, plain_source, source_rules, target_rules
 from gaeq.matrix.rules import bug_rules, fault_rules, skip_reason, split_rules
 from gaeq.matrix.schema import BASE, TENSOR_METRICS, FaultSpec, MatrixError, MatrixSpec, ResumeSpec, describe
 from gaeq.problem.spec import ProblemSpec
@@ -144,19 +144,19 @@ class Expander:
         """The source cell (found or added, marked to checkpoint at `at_step`) and its resumed targets
         (the rules: gaeq/matrix/resume.py)."""
         src = r.from_
-        resume.plain_source(r)
+        plain_source(r)
         split = self.split_of(src)
-        resume.at_step_inside(r, steps=self.problem(src.variant).steps)
+        at_step_inside(r, steps=self.problem(src.variant).steps)
         self.ensure_baseline(dtype=split.dtype, variant=src.variant)
         source = self.cell(split)
-        resume.source_rules(source, r)
+        source_rules(source, r)
         source = self.save_at(source, step=r.at_step)
         for t in r.to:
             target = self.cell(
                 self.split_of(t, trainer=source.trainer, dtype=split.dtype, variant=src.variant),
                 expect=t.expect or ("diverge" if t.drop else "match"),
             )
-            resume.target_rules(source, target, t, r)
+            target_rules(source, target, t, r)
             resumed = Resume(source=source.id, step=r.at_step, universal=r.universal, drop=tuple(t.drop))
             self.cells.append(dataclasses.replace(target, resume=resumed))
 
