@@ -15,11 +15,11 @@ from typing import Annotated, NoReturn
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from gaeq import api
 from gaeq.files import atomic_write
 from gaeq.matrix import Matrix, MatrixError
+from gaeq.progress import RunProgress
 from gaeq.results.compare import Verdict
 from gaeq.results.render import cells_table, cost_table, floor_lines, problem_line, verdict_table, versions_line
 from gaeq.results.report import EXIT_BAD_INPUT
@@ -149,7 +149,6 @@ def run(
 ) -> None:
     """Train every cell of a matrix, compare each with its baseline, print the verdicts."""
     from gaeq.runtime.cells import check_launch
-    from gaeq.runtime.events import Event, EventKind
 
     try:
         check_launch(launcher=launcher, isolate=isolate, lanes=lanes)
@@ -159,55 +158,8 @@ def run(
         _bad_input("--resume needs --out: the run directory to resume")
     m = _load(matrix, check=False)  # the problems are checked by api.run, once the ranks' fork server is starting
     _stop_on_signals()
-    from gaeq.audit import overrides_of  # (no torch: the parent starts the ranks' fork server first)
-
-    for where, config, cells in _deepspeed_configs(m):  # never replaced silently
-        for line in overrides_of(config, cells):
-            console.print(f"deepspeed_config of {where}, overridden: {line}", highlight=False, soft_wrap=True)
-    steps = m.problem.steps
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=not console.is_terminal,
-    ) as progress:
-        overall = progress.add_task("cells", total=len(m.runnable()))
-        lanes_shown: dict[int, TaskID] = {}  # a row per group running side by side
-
-        def row(lane: int) -> TaskID:
-            if lane not in lanes_shown:
-                lanes_shown[lane] = progress.add_task("", total=steps, visible=False)
-            return lanes_shown[lane]
-
-        def on_event(event: Event) -> None:
-            current = row(event.lane)
-            if event.kind == EventKind.GROUP:
-                where = f"world size {event.world_size}" + (f", lane {event.lane}" if event.lane else "")
-                progress.update(current, description=f"  starting {where}", completed=0, visible=True)
-            elif event.kind == EventKind.SHM_FREED:
-                progress.console.print(
-                    f"freed {event.freed_bytes / 2**20:.0f} MB of /dev/shm: {event.freed_segments} all-reduce "
-                    "buffer(s) left by gaeq runs that were killed",
-                    highlight=False,
-                )
-            elif event.kind == EventKind.CONVERT:
-                progress.update(
-                    current, description=f"  ds_to_universal {event.cell_id} @ step {event.step}", visible=True
-                )
-            elif event.kind == EventKind.START:
-                progress.update(current, description=f"  {event.cell_id}", completed=0, visible=True)
-            elif event.kind == EventKind.STEP:
-                progress.update(current, completed=event.step + 1)
-            elif event.kind == EventKind.END:
-                progress.advance(overall)
-                if event.outcome.status == "error":
-                    progress.console.print(
-                        f"[bold red]error[/] {event.cell_id}: {escape(event.outcome.reason.splitlines()[0])}",
-                        highlight=False,
-                    )
-
+    _print_overrides(m)  # a user's DeepSpeed config is never overridden silently
+    with RunProgress(console, cells=len(m.runnable()), steps=m.problem.steps) as on_event:
         try:
             out = out or api.new_run_dir(m.spec.name)  # named here, so that an interruption can say where
             result = api.run(
@@ -229,6 +181,15 @@ def run(
     code = _print_result(result)
     console.print(f"Overlay in TensorBoard:  [bold]tensorboard --logdir {result.run_dir / TB_DIR}[/]", highlight=False)
     raise typer.Exit(code)
+
+
+def _print_overrides(m: Matrix) -> None:
+    """What each cell changes in a user's DeepSpeed config, one line per key."""
+    from gaeq.audit import overrides_of  # (no torch: the parent starts the ranks' fork server first)
+
+    for where, config, cells in _deepspeed_configs(m):
+        for line in overrides_of(config, cells):
+            console.print(f"deepspeed_config of {where}, overridden: {line}", highlight=False, soft_wrap=True)
 
 
 @app.command()
