@@ -169,32 +169,18 @@ def run(
     # one. (Plugins are imported and problems built after the fork server has been started, so that
     # its imports overlap with theirs; a plugin that fails stops the server with the run.)
     m = load(matrix, check=False)
-    if resume:
-        kept = _finished_cells(m, out)
-    elif out is not None and (Path(out) / "cells").exists():
-        raise FileExistsError(f"{out} already holds a run; pass another out (or resume it)")
-    else:
-        kept = {}
+    kept = _finished_cells(m, out) if resume else _no_run_in(out)
     check_world_sizes(m, gpus=False)  # without torch: its import would delay the fork server below
     lifeline.mark_parent()  # every process started from here on dies with this one
-    if launcher == "local":
-        warm_up(
-            m.runnable(), m.problems, isolate=isolate
-        )  # the ranks' fork server imports torch/DeepSpeed while the problems are checked
+    if launcher == "local":  # the ranks' fork server imports torch/DeepSpeed while the problems are checked
+        warm_up(m.runnable(), m.problems, isolate=isolate)
     check_problems(m)
     check_world_sizes(m, gpus=True)
-    run_dir = Path(out) if out is not None else new_run_dir(m.spec.name)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write(run_dir / MATRIX_FILE, yaml.safe_dump(m.source, sort_keys=False, allow_unicode=True))
-    record_versions(run_dir)
+    on_event = on_event or ignore
+    run_dir = _prepare_run_dir(m, out, kept=kept)
     freed = shm.free_orphans()  # what runs that were killed left in /dev/shm
     if freed.segments:
-        (on_event or ignore)(
-            Event(kind=EventKind.SHM_FREED, world_size=0, freed_bytes=freed.bytes, freed_segments=freed.segments)
-        )
-    for cell in m.runnable():
-        if cell.id not in kept:  # what an interrupted attempt left of it (partial trace, logs) goes
-            shutil.rmtree(cell_dir(run_dir, cell.id), ignore_errors=True)
+        on_event(Event(kind=EventKind.SHM_FREED, world_size=0, freed_bytes=freed.bytes, freed_segments=freed.segments))
     opts = RunOptions(
         problems=m.problems,
         run_dir=run_dir,
@@ -203,7 +189,7 @@ def run(
         isolate=isolate,
         launcher=launcher,
         lanes=lanes,
-        on_event=on_event or ignore,
+        on_event=on_event,
     )
     _import_report_libraries_meanwhile()
     outcomes = kept | run_all([c for c in m.runnable() if c.id not in kept], opts, done=kept)
@@ -250,6 +236,26 @@ def new_run_dir(name: str, *, root: Path = Path("runs")) -> Path:
         except FileExistsError:
             continue
     raise FileExistsError(f"no free run directory for {name} under {root}")
+
+
+def _no_run_in(out: str | Path | None) -> dict[str, CellOutcome]:
+    """A new run keeps no cell, and never writes over one that is there."""
+    if out is not None and (Path(out) / "cells").exists():
+        raise FileExistsError(f"{out} already holds a run; pass another out (or resume it)")
+    return {}
+
+
+def _prepare_run_dir(m: Matrix, out: str | Path | None, *, kept: Mapping[str, CellOutcome]) -> Path:
+    """The run directory, holding the matrix and the library versions — and of the cells it will
+    train, nothing an interrupted attempt left (a partial trace, logs)."""
+    run_dir = Path(out) if out is not None else new_run_dir(m.spec.name)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write(run_dir / MATRIX_FILE, yaml.safe_dump(m.source, sort_keys=False, allow_unicode=True))
+    record_versions(run_dir)
+    for cell in m.runnable():
+        if cell.id not in kept:
+            shutil.rmtree(cell_dir(run_dir, cell.id), ignore_errors=True)
+    return run_dir
 
 
 def _finished_cells(m: Matrix, out: str | Path | None) -> dict[str, CellOutcome]:
