@@ -92,57 +92,11 @@ def mirror(config: dict[str, Any]) -> Mirror:
     """The optimisation of `config`, or ConfigError naming the first key the torch side cannot mirror."""
     if _enabled(config.get("amp")):
         raise ConfigError("deepspeed_config.amp: apex AMP has no torch-side counterpart gaeq can mirror")
-    opt = config.get("optimizer")
-    if not isinstance(opt, dict) or "type" not in opt:
-        raise ConfigError(
-            "deepspeed_config.optimizer: absent — gaeq mirrors the optimizer DeepSpeed builds from the file, "
-            "so the file must name one (a client optimizer is not part of a config)"
-        )
-    optimizer = OptimizerMirror(type=str(opt["type"]), params=dict(opt.get("params") or {}))
-    kind, params = optimizer.type, optimizer.params
-    allowed = ADAM_PARAMS if optimizer.adam else SGD_PARAMS if kind == "SGD" else None
-    if allowed is None:
-        raise ConfigError(
-            f"deepspeed_config.optimizer.type: {kind!r} — gaeq mirrors Adam, AdamW (DeepSpeed's FusedAdam / "
-            "CPU Adam / torch_adam) and SGD on the torch side; other optimizers have no mirror"
-        )
-    for name, value in params.items():
-        if name not in allowed:
-            raise ConfigError(f"deepspeed_config.optimizer.params.{name}: not an option gaeq can mirror for {kind}")
-        if value == "auto":
-            raise ConfigError(
-                f"deepspeed_config.optimizer.params.{name}: 'auto' is filled in by the transformers Trainer; write a "
-                "value"
-            )
-    if params.get("bias_correction", True) is not True or params.get("amsgrad", False) is not False:
-        raise ConfigError(
-            "deepspeed_config.optimizer.params: bias_correction false / amsgrad true have no torch AdamW mirror"
-        )
-
-    sched = config.get("scheduler")
-    schedule, schedule_params = None, {}
-    if sched is not None:
-        schedule = sched.get("type") if isinstance(sched, dict) else None
-        if schedule not in SCHEDULES:
-            raise ConfigError(f"deepspeed_config.scheduler.type: {schedule!r} — gaeq mirrors {', '.join(SCHEDULES)}")
-        schedule_params = dict(sched.get("params") or {})
-        for name, value in schedule_params.items():
-            if name not in SCHEDULES[schedule]:
-                raise ConfigError(
-                    f"deepspeed_config.scheduler.params.{name}: not a parameter of DeepSpeed's {schedule}"
-                )
-            if value == "auto":
-                raise ConfigError(
-                    f"deepspeed_config.scheduler.params.{name}: 'auto' is filled in by the transformers Trainer; "
-                    "write a value"
-                )
-        if "total_num_steps" in SCHEDULES[schedule] and "total_num_steps" not in schedule_params:
-            raise ConfigError(f"deepspeed_config.scheduler.params.total_num_steps: DeepSpeed's {schedule} requires it")
-
+    optimizer = _optimizer(config.get("optimizer"))
+    schedule, schedule_params = _schedule(config.get("scheduler"))
     clipping = config.get("gradient_clipping")
     if clipping is not None and not isinstance(clipping, (int, float)):
         raise ConfigError(f"deepspeed_config.gradient_clipping: {clipping!r} is not a number")
-
     fp16, bf16 = _enabled(config.get("fp16")), _enabled(config.get("bf16", config.get("bfloat16")))
     if fp16 and bf16:
         raise ConfigError("deepspeed_config: fp16 and bf16 are both enabled")
@@ -165,6 +119,54 @@ def mirror(config: dict[str, Any]) -> Mirror:
         zero_stage=stage,
         offload=offload,
     )
+
+
+def _optimizer(opt: Any) -> OptimizerMirror:
+    """The file's optimizer section: Adam/AdamW or SGD, with options the torch side has."""
+    if not isinstance(opt, dict) or "type" not in opt:
+        raise ConfigError(
+            "deepspeed_config.optimizer: absent — gaeq mirrors the optimizer DeepSpeed builds from the file, "
+            "so the file must name one (a client optimizer is not part of a config)"
+        )
+    optimizer = OptimizerMirror(type=str(opt["type"]), params=dict(opt.get("params") or {}))
+    kind, params = optimizer.type, optimizer.params
+    allowed = ADAM_PARAMS if optimizer.adam else SGD_PARAMS if kind == "SGD" else None
+    if allowed is None:
+        raise ConfigError(
+            f"deepspeed_config.optimizer.type: {kind!r} — gaeq mirrors Adam, AdamW (DeepSpeed's FusedAdam / "
+            "CPU Adam / torch_adam) and SGD on the torch side; other optimizers have no mirror"
+        )
+    for name, value in params.items():
+        if name not in allowed:
+            raise ConfigError(f"deepspeed_config.optimizer.params.{name}: not an option gaeq can mirror for {kind}")
+        _not_auto(f"optimizer.params.{name}", value)
+    if params.get("bias_correction", True) is not True or params.get("amsgrad", False) is not False:
+        raise ConfigError(
+            "deepspeed_config.optimizer.params: bias_correction false / amsgrad true have no torch AdamW mirror"
+        )
+    return optimizer
+
+
+def _schedule(sched: Any) -> tuple[str | None, dict[str, Any]]:
+    """The file's scheduler section: one of DeepSpeed's :data:`SCHEDULES` and its params (None: constant lr)."""
+    if sched is None:
+        return None, {}
+    schedule = sched.get("type") if isinstance(sched, dict) else None
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"deepspeed_config.scheduler.type: {schedule!r} — gaeq mirrors {', '.join(SCHEDULES)}")
+    params = dict(sched.get("params") or {})
+    for name, value in params.items():
+        if name not in SCHEDULES[schedule]:
+            raise ConfigError(f"deepspeed_config.scheduler.params.{name}: not a parameter of DeepSpeed's {schedule}")
+        _not_auto(f"scheduler.params.{name}", value)
+    if "total_num_steps" in SCHEDULES[schedule] and "total_num_steps" not in params:
+        raise ConfigError(f"deepspeed_config.scheduler.params.total_num_steps: DeepSpeed's {schedule} requires it")
+    return schedule, params
+
+
+def _not_auto(key: str, value: Any) -> None:
+    if value == "auto":
+        raise ConfigError(f"deepspeed_config.{key}: 'auto' is filled in by the transformers Trainer; write a value")
 
 
 @dataclass(frozen=True, kw_only=True)
