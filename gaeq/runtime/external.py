@@ -141,26 +141,17 @@ def run_launched_group(*, world_size: int, cells: Sequence[Cell], opts: RunOptio
     their outcomes in the run directory (which holds the matrix as ``matrix.yaml``). Returns the
     outcomes of the cells that ended — finished, or failed (the first cell without an outcome when
     the launcher died or stalled); the caller launches again for the rest."""
-    launcher, run_dir, on_event = opts.launcher, opts.run_dir, opts.on_event
-    timeout_s, init_timeout_s = opts.timeout_s, opts.init_timeout_s
-    log = run_dir / "logs" / f"{launcher}-w{world_size}.log"
+    log = opts.run_dir / "logs" / f"{opts.launcher}-w{world_size}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     port = dist.free_port()
-    cmd = launcher_command(launcher, world_size=world_size, port=port)
-    cmd += ["worker", "--matrix", str(run_dir / MATRIX_FILE), "--out", str(run_dir)]
-    for folder in dict.fromkeys(opts.plugin_dirs):  # ordered, without repeats
-        cmd += ["--search", folder]
-    for cell in cells:
-        cmd += ["--cell", cell.id]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.setdefault("DS_ACCELERATOR", "cuda" if dist.has_cuda() else "cpu")
-    outcomes: dict[str, CellOutcome] = {}
     with shm.group_on(port):  # a marker while it runs; DeepSpeed's shm segments freed after
         with log.open("ab") as out:
             # Its own session: a stalled or interrupted launch is killed with every rank it started.
             # (It dies with gaeq, too: a killed gaeq cannot kill it.)
             proc = subprocess.Popen(
-                cmd,
+                worker_command(opts, world_size=world_size, port=port, cells=cells),
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -169,37 +160,57 @@ def run_launched_group(*, world_size: int, cells: Sequence[Cell], opts: RunOptio
                 preexec_fn=lifeline.die_with_parent(),
             )
         try:
-            deadline = time.monotonic() + init_timeout_s
-            pending = list(cells)
-            on_event(Event(kind=EventKind.START, world_size=world_size, cell_id=pending[0].id))
-            while pending:
-                outcome = read_outcome(cell_dir(run_dir, pending[0].id))
-                if outcome is not None:
-                    cell = pending.pop(0)
-                    outcomes[cell.id] = outcome
-                    on_event(Event(kind=EventKind.END, world_size=world_size, cell_id=cell.id, outcome=outcome))
-                    if outcome.status != "done":  # the failing rank exits; the launcher stops the rest
-                        _wait(proc, seconds=30)
-                        break
-                    if pending:
-                        on_event(Event(kind=EventKind.START, world_size=world_size, cell_id=pending[0].id))
-                    deadline = time.monotonic() + timeout_s
-                    continue
-                code = proc.poll()
-                if code is not None:
-                    time.sleep(0.2)  # an outcome written just before the exit
-                    if read_outcome(cell_dir(run_dir, pending[0].id)) is None:
-                        why = f"{launcher} exited with code {code} before the cell finished"
-                        _fail(pending[0], why, log=log, outcomes=outcomes, world_size=world_size, opts=opts)
-                        break
-                    continue
-                if time.monotonic() > deadline:
-                    why = f"timed out: no cell finished for {timeout_s:.0f} s under {launcher} (a rank hangs?)"
-                    _fail(pending[0], why, log=log, outcomes=outcomes, world_size=world_size, opts=opts)
-                    break
-                time.sleep(0.2)
+            return _watch(proc, cells=cells, world_size=world_size, log=log, opts=opts)
         finally:
             _stop(proc)
+
+
+def worker_command(opts: RunOptions, *, world_size: int, port: int, cells: Sequence[Cell]) -> list[str]:
+    """The launcher's command line: ``gaeq worker`` on the run directory's matrix, for `cells`."""
+    cmd = launcher_command(opts.launcher, world_size=world_size, port=port)
+    cmd += ["worker", "--matrix", str(opts.run_dir / MATRIX_FILE), "--out", str(opts.run_dir)]
+    for folder in dict.fromkeys(opts.plugin_dirs):  # ordered, without repeats
+        cmd += ["--search", folder]
+    for cell in cells:
+        cmd += ["--cell", cell.id]
+    return cmd
+
+
+def _watch(
+    proc: subprocess.Popen, *, cells: Sequence[Cell], world_size: int, log: Path, opts: RunOptions
+) -> dict[str, CellOutcome]:
+    """The cells' outcomes as rank 0 writes them, in order, until one fails, the launcher exits
+    without the next one, or none comes for `timeout_s` (after `init_timeout_s` for the first)."""
+    outcomes: dict[str, CellOutcome] = {}
+    deadline = time.monotonic() + opts.init_timeout_s
+    pending = list(cells)
+    opts.on_event(Event(kind=EventKind.START, world_size=world_size, cell_id=pending[0].id))
+    while pending:
+        outcome = read_outcome(cell_dir(opts.run_dir, pending[0].id))
+        if outcome is not None:
+            cell = pending.pop(0)
+            outcomes[cell.id] = outcome
+            opts.on_event(Event(kind=EventKind.END, world_size=world_size, cell_id=cell.id, outcome=outcome))
+            if outcome.status != "done":  # the failing rank exits; the launcher stops the rest
+                _wait(proc, seconds=30)
+                break
+            if pending:
+                opts.on_event(Event(kind=EventKind.START, world_size=world_size, cell_id=pending[0].id))
+            deadline = time.monotonic() + opts.timeout_s
+            continue
+        code = proc.poll()
+        if code is not None:
+            time.sleep(0.2)  # an outcome written just before the exit
+            if read_outcome(cell_dir(opts.run_dir, pending[0].id)) is None:
+                why = f"{opts.launcher} exited with code {code} before the cell finished"
+                _fail(pending[0], why, log=log, outcomes=outcomes, world_size=world_size, opts=opts)
+                break
+            continue
+        if time.monotonic() > deadline:
+            why = f"timed out: no cell finished for {opts.timeout_s:.0f} s under {opts.launcher} (a rank hangs?)"
+            _fail(pending[0], why, log=log, outcomes=outcomes, world_size=world_size, opts=opts)
+            break
+        time.sleep(0.2)
     return outcomes
 
 

@@ -155,6 +155,7 @@ class _GroupRun:
         self.index = {c.id: i for i, c in enumerate(cells)}
         self.pool = pool
         self.commands = commands
+        self.opts = opts
         self.run_dir = opts.run_dir
         self.on_event = opts.on_event
         self.ready: set[int] = set()
@@ -254,7 +255,6 @@ def _run_group(
     ctx = rank_context(isolate=opts.isolate, preload=preload_modules(cells, opts.problems))
     events = ctx.Queue()
     commands = [ctx.Queue() for _ in range(world_size)]
-    timeout_s, init_timeout_s = opts.timeout_s, opts.init_timeout_s
     job = worker.GroupJob(
         world_size=world_size,
         port=free_port(),
@@ -264,7 +264,7 @@ def _run_group(
         problems=dict(opts.problems),
         plugin_dirs=opts.plugin_dirs,
         run_dir=str(opts.run_dir),
-        init_timeout_s=init_timeout_s,
+        init_timeout_s=opts.init_timeout_s,
     )
     procs = [
         ctx.Process(
@@ -279,36 +279,42 @@ def _run_group(
         try:
             for p in procs:
                 p.start()
-            deadline = time.monotonic() + init_timeout_s
-            while not state.stopped and not stop.is_set():
-                try:
-                    msg = events.get(timeout=0.2)
-                except queue.Empty:
-                    msg = None
-                if msg is not None and state.handle(msg):
-                    started = len(state.ready) == world_size
-                    deadline = time.monotonic() + (timeout_s if started else init_timeout_s)
-                if state.failures or any(p.exitcode is not None for p in procs):
-                    # Ranks are exiting: either the group finished (last DONEs still in the pipe) or
-                    # it is failing. Let it settle, then name the root cause.
-                    _drain(events, state)
-                    if state.stopped:
-                        break
-                    why, rank = _root_cause(procs, state)
-                    state.fail(why, rank=rank)
-                    break
-                if time.monotonic() > deadline:
-                    started = len(state.ready) == world_size
-                    budget = timeout_s if started else init_timeout_s
-                    phase = "in the cell" if started else "while joining the process group"
-                    state.fail(f"timed out: no progress for {budget:.0f} s {phase} (a rank hangs?)", rank=None)
-                    break
+            _watch(procs, events, state, stop=stop)
         finally:
             _stop(procs, graceful=state.stopped)
             for q in (events, *commands):
                 q.close()
                 q.cancel_join_thread()
     return state.outcomes
+
+
+def _watch(procs: list, events, state: _GroupRun, *, stop: threading.Event) -> None:
+    """Hand the ranks' messages to `state` until the group is done, fails (a rank failed or exited:
+    the root cause named), makes no progress within its budget, or `stop` is set."""
+    timeout_s, init_timeout_s = state.opts.timeout_s, state.opts.init_timeout_s
+    deadline = time.monotonic() + init_timeout_s
+    while not state.stopped and not stop.is_set():
+        try:
+            msg = events.get(timeout=0.2)
+        except queue.Empty:
+            msg = None
+        if msg is not None and state.handle(msg):
+            started = len(state.ready) == state.world_size
+            deadline = time.monotonic() + (timeout_s if started else init_timeout_s)
+        if state.failures or any(p.exitcode is not None for p in procs):
+            # Ranks are exiting: either the group finished (last DONEs still in the pipe) or it is
+            # failing. Let it settle, then name the root cause.
+            _drain(events, state)
+            if not state.stopped:
+                why, rank = _root_cause(procs, state)
+                state.fail(why, rank=rank)
+            return
+        if time.monotonic() > deadline:
+            started = len(state.ready) == state.world_size
+            budget = timeout_s if started else init_timeout_s
+            phase = "in the cell" if started else "while joining the process group"
+            state.fail(f"timed out: no progress for {budget:.0f} s {phase} (a rank hangs?)", rank=None)
+            return
 
 
 def _drain(events, state: _GroupRun, *, seconds: float = 1.0) -> None:
