@@ -28,35 +28,36 @@ from gaeq.problem.spec import RegressionSpec, TokensSpec, indivisible_message
 class BatchPlan:
     train_batch_size: int
     micro_batch_size: int
-    world_size: int
+    data_parallel: int
+    """Ranks that see different samples (the world ÷ tensor parallel): a step's batch is split over them."""
     num_samples: int | None = None
     """Finite dataset size (positions walk a per-epoch permutation), or None for an endless stream."""
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("train_batch_size", "micro_batch_size", "world_size"):
+        for name in ("train_batch_size", "micro_batch_size", "data_parallel"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.train_batch_size % (self.micro_batch_size * self.world_size):
+        if self.train_batch_size % (self.micro_batch_size * self.data_parallel):
             raise ValueError(
                 indivisible_message(
                     train_batch_size=self.train_batch_size,
                     micro_batch_size=self.micro_batch_size,
-                    world_size=self.world_size,
+                    world_size=self.data_parallel,
                 )
             )
 
     @property
     def grad_accum_steps(self) -> int:
-        return self.train_batch_size // (self.micro_batch_size * self.world_size)
+        return self.train_batch_size // (self.micro_batch_size * self.data_parallel)
 
     def positions(self, *, step: int, micro_step: int, rank: int) -> range:
-        """Global positions of the micro-batch that `rank` processes at (`step`, `micro_step`)."""
+        """Global positions of the micro-batch that data-parallel `rank` processes at (`step`, `micro_step`)."""
         if not 0 <= micro_step < self.grad_accum_steps:
             raise ValueError(f"micro_step {micro_step} outside [0, {self.grad_accum_steps})")
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} outside [0, {self.world_size})")
-        start = step * self.train_batch_size + (micro_step * self.world_size + rank) * self.micro_batch_size
+        if not 0 <= rank < self.data_parallel:
+            raise ValueError(f"rank {rank} outside [0, {self.data_parallel})")
+        start = step * self.train_batch_size + (micro_step * self.data_parallel + rank) * self.micro_batch_size
         return range(start, start + self.micro_batch_size)
 
     def sample_indices(self, *, step: int, micro_step: int, rank: int) -> list[int]:

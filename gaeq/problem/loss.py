@@ -29,8 +29,8 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
 LOSSES = {"mse": mse_sum, "cross_entropy": cross_entropy_sum}
 
 
-def mean_of_means_count(*, micro_elements: int, grad_accum_steps: int, world_size: int) -> int:
+def mean_of_means_count(*, micro_elements: int, grad_accum_steps: int, data_parallel: int) -> int:
     """The count the planted bug ``mean_of_means`` divides by: as if every micro-batch of the global
     batch held this one's elements. Each micro-batch then weighs the same, whatever its element
     count — the mean of micro-batch means. Exact only when every micro-batch has as many elements."""
-    return micro_elements * grad_accum_steps * world_size
+    return micro_elements * grad_accum_steps * data_parallel

@@ -79,7 +79,7 @@ class CellProblem:
             return mean_of_means_count(
                 micro_elements=mb.loss_elements,
                 grad_accum_steps=self.plan.grad_accum_steps,
-                world_size=self.plan.world_size,
+                data_parallel=self.plan.data_parallel,
             )
         if cell.bug == Bug.HF_NUM_ITEMS_PER_MICRO_BATCH:
             return mb.loss_elements  # planted bug: num_items_in_batch of the micro-batch, not the global batch
@@ -107,7 +107,7 @@ class CellProblem:
     @property
     def data_parallel(self) -> int:
         """Ranks that see different samples: the ranks gradients are averaged over."""
-        return self.plan.world_size
+        return self.plan.data_parallel
 
     def micro_batch(self, *, step: int, micro_step: int) -> MicroBatch:
         """This rank's micro-batch at (`step`, `micro_step`)."""
@@ -139,7 +139,7 @@ def build_cell_problem(cell: Cell, problem: ProblemSpec, ctx: RunContext) -> Cel
         plan=BatchPlan(
             train_batch_size=cell.train_batch_size,
             micro_batch_size=cell.micro_batch_size,
-            world_size=cell.data_parallel,
+            data_parallel=cell.data_parallel,
             num_samples=problem.num_samples,
             seed=problem.seed,
         ),

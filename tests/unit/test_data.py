@@ -24,7 +24,9 @@ def splits(batch: int):
 def test_every_split_covers_each_sample_of_the_step_exactly_once(num_samples):
     reference = None
     for micro, world in splits(B):
-        plan = BatchPlan(train_batch_size=B, micro_batch_size=micro, world_size=world, num_samples=num_samples, seed=3)
+        plan = BatchPlan(
+            train_batch_size=B, micro_batch_size=micro, data_parallel=world, num_samples=num_samples, seed=3
+        )
         assert plan.grad_accum_steps == B // (micro * world)
         for step in range(4):
             seen = [
@@ -43,24 +45,24 @@ def test_every_split_covers_each_sample_of_the_step_exactly_once(num_samples):
 
 
 def test_layout_is_micro_step_major_then_rank():
-    plan = BatchPlan(train_batch_size=8, micro_batch_size=2, world_size=2)
+    plan = BatchPlan(train_batch_size=8, micro_batch_size=2, data_parallel=2)
     assert list(plan.positions(step=1, micro_step=0, rank=0)) == [8, 9]
     assert list(plan.positions(step=1, micro_step=0, rank=1)) == [10, 11]
     assert list(plan.positions(step=1, micro_step=1, rank=0)) == [12, 13]
 
 
 def test_finite_dataset_walks_a_fresh_permutation_each_epoch():
-    plan = BatchPlan(train_batch_size=4, micro_batch_size=4, world_size=1, num_samples=8, seed=1)
+    plan = BatchPlan(train_batch_size=4, micro_batch_size=4, data_parallel=1, num_samples=8, seed=1)
     epochs = [[plan.sample_at(p) for p in range(e * 8, (e + 1) * 8)] for e in range(3)]
     assert all(sorted(e) == list(range(8)) for e in epochs)
     assert epochs[0] != epochs[1]
-    other_seed = BatchPlan(train_batch_size=4, micro_batch_size=4, world_size=1, num_samples=8, seed=2)
+    other_seed = BatchPlan(train_batch_size=4, micro_batch_size=4, data_parallel=1, num_samples=8, seed=2)
     assert [other_seed.sample_at(p) for p in range(8)] != epochs[0]
 
 
 def test_indivisible_plan_is_rejected_with_numbers():
     with pytest.raises(ValueError, match="train_batch_size 10 is not divisible by micro_batch_size 4 × world_size 1"):
-        BatchPlan(train_batch_size=10, micro_batch_size=4, world_size=1)
+        BatchPlan(train_batch_size=10, micro_batch_size=4, data_parallel=1)
 
 
 def test_a_sample_is_a_pure_function_of_seed_and_index():
@@ -75,8 +77,8 @@ def test_a_sample_is_a_pure_function_of_seed_and_index():
 
 
 def test_runs_of_positions_map_like_single_positions_across_epochs():
-    plan = BatchPlan(train_batch_size=8, micro_batch_size=2, world_size=2, num_samples=6, seed=3)
+    plan = BatchPlan(train_batch_size=8, micro_batch_size=2, data_parallel=2, num_samples=6, seed=3)
     for start, stop in [(0, 6), (4, 9), (5, 20), (7, 8), (12, 12)]:
         assert plan.samples_at(range(start, stop)) == [plan.sample_at(p) for p in range(start, stop)]
-    endless = BatchPlan(train_batch_size=8, micro_batch_size=2, world_size=2)
+    endless = BatchPlan(train_batch_size=8, micro_batch_size=2, data_parallel=2)
     assert endless.samples_at(range(3, 9)) == list(range(3, 9))

@@ -96,13 +96,13 @@ def accumulated_grads(built, plan: BatchPlan, *, count: str) -> list[torch.Tenso
     model.zero_grad(set_to_none=True)
     positions = range(plan.train_batch_size)
     normaliser = built.total_loss_elements([plan.sample_at(p) for p in positions])
-    for rank in range(plan.world_size):
+    for rank in range(plan.data_parallel):
         for micro_step in range(plan.grad_accum_steps):
             indices = [plan.sample_at(p) for p in plan.positions(step=0, micro_step=micro_step, rank=rank)]
             inputs, targets = built.dataset.batch(indices)
             num_items = normaliser if count == "global" else built.total_loss_elements(indices)
-            loss = built.micro_loss(model, inputs, targets, num_items=num_items) * plan.world_size
-            (loss / plan.world_size).backward()  # the all-reduce's average over ranks
+            loss = built.micro_loss(model, inputs, targets, num_items=num_items) * plan.data_parallel
+            (loss / plan.data_parallel).backward()  # the all-reduce's average over ranks
     return [p.grad.clone() for p in model.parameters()]
 
 
@@ -116,9 +116,10 @@ def test_the_models_own_loss_with_the_global_count_accumulates_to_the_full_batch
         },
     }
     built = build_problem(problem(config, train_batch_size=16))
-    full = accumulated_grads(built, BatchPlan(train_batch_size=16, micro_batch_size=16, world_size=1), count="global")
+    whole = BatchPlan(train_batch_size=16, micro_batch_size=16, data_parallel=1)
+    full = accumulated_grads(built, whole, count="global")
     for micro, world in [(2, 1), (4, 2), (1, 4)]:
-        plan = BatchPlan(train_batch_size=16, micro_batch_size=micro, world_size=world)
+        plan = BatchPlan(train_batch_size=16, micro_batch_size=micro, data_parallel=world)
         split = accumulated_grads(built, plan, count="global")
         for a, b in zip(full, split):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)

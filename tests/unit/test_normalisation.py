@@ -26,17 +26,17 @@ def token_weights(plan: BatchPlan, *, step: int, naive: bool) -> list[float]:
     """The weight each valid token of the step ends up with in the accumulated, rank-averaged gradient."""
     normaliser = sum(DATA.loss_elements(plan.sample_at(p)) for p in range(step * B, (step + 1) * B))
     weights = []
-    for k, r in itertools.product(range(plan.grad_accum_steps), range(plan.world_size)):
+    for k, r in itertools.product(range(plan.grad_accum_steps), range(plan.data_parallel)):
         indices = plan.sample_indices(step=step, micro_step=k, rank=r)
         micro_elements = sum(DATA.loss_elements(i) for i in indices)
         num_items = normaliser
         if naive:
             num_items = mean_of_means_count(
-                micro_elements=micro_elements, grad_accum_steps=plan.grad_accum_steps, world_size=plan.world_size
+                micro_elements=micro_elements, grad_accum_steps=plan.grad_accum_steps, data_parallel=plan.data_parallel
             )
         # The trainers backpropagate loss sum ÷ num_items × world; accumulation sums micro-steps
         # (weight × 1); data parallelism averages ranks (÷ world).
-        weights += [plan.world_size / num_items / plan.world_size] * micro_elements
+        weights += [plan.data_parallel / num_items / plan.data_parallel] * micro_elements
     return weights
 
 
@@ -45,7 +45,7 @@ def test_every_split_weighs_every_valid_token_equally(step):
     counts = {DATA.loss_elements(i) for i in range(step * B, (step + 1) * B)}
     assert len(counts) > 3  # the lengths really vary
     for micro, world in splits():
-        plan = BatchPlan(train_batch_size=B, micro_batch_size=micro, world_size=world)
+        plan = BatchPlan(train_batch_size=B, micro_batch_size=micro, data_parallel=world)
         weights = token_weights(plan, step=step, naive=False)
         assert sum(weights) == pytest.approx(1.0, abs=1e-12)
         assert max(weights) == pytest.approx(min(weights), rel=1e-12)
@@ -54,7 +54,7 @@ def test_every_split_weighs_every_valid_token_equally(step):
 def test_control_mean_of_means_sums_to_one_but_weighs_tokens_unequally():
     skewed = 0
     for micro, world in splits():
-        plan = BatchPlan(train_batch_size=B, micro_batch_size=micro, world_size=world)
+        plan = BatchPlan(train_batch_size=B, micro_batch_size=micro, data_parallel=world)
         weights = token_weights(plan, step=0, naive=True)
         assert sum(weights) == pytest.approx(1.0, abs=1e-12)
         counts = {
