@@ -204,13 +204,13 @@ REPORT_LIBRARIES = (
     "tensorboard.summary.writer.record_writer",
     "torch.utils.tensorboard.summary",
 )
-"""What judging a run imports (~2 s): the figure's matplotlib, TensorBoard's event writer."""
+"""What judging a run imports (seconds of it): the figure's matplotlib, TensorBoard's event writer."""
 
 
 def _import_report_libraries_meanwhile() -> None:
     """Import the report's libraries in a background thread while the ranks train (for `gaeq run`
     and every API caller): the parent only waits on their queue then, and the report no longer
-    starts with ~2 s of imports. (Python's import lock makes a module that judging needs before
+    starts with those imports. (Python's import lock makes a module that judging needs before
     the thread is done wait for it.)"""
 
     def load() -> None:

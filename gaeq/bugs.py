@@ -88,7 +88,7 @@ BUGS: dict[str, PlantedBug] = {
         PlantedBug(
             name=Bug.DEEPSPEED_DEFAULT_CLIPPING,
             trainers=("deepspeed",),
-            description="gradient_clipping is left out of the DeepSpeed config: 0.19 clips at 1.0 by default",
+            description="gradient_clipping is left out of the DeepSpeed config: DeepSpeed clips at 1.0 by default",
         ),
         PlantedBug(
             name=Bug.GRAD_ACCUM_BF16,
@@ -110,7 +110,7 @@ BUGS: dict[str, PlantedBug] = {
             needs_deepspeed_config=True,
             description=(
                 "the PyTorch reference of a DeepSpeed config without gradient_clipping does not clip — "
-                "but DeepSpeed clips at its default (1.0 in 0.19)"
+                "but DeepSpeed clips at its default (1.0)"
             ),
         ),
         PlantedBug(

@@ -271,8 +271,8 @@ def main() -> NoReturn:
     """The `gaeq` program: run the command, then leave without the interpreter's teardown.
 
     Everything a command writes is written and closed when it returns (atomically, gaeq.files);
-    what is left is finalising an interpreter that has imported torch, ~0.7 s of every `gaeq run`
-    spent on nothing. (The typer `app` itself, e.g. under CliRunner, returns normally.)"""
+    what is left is finalising an interpreter that has imported torch: time at the end of every
+    `gaeq run` spent on nothing. (The typer `app` itself, e.g. under CliRunner, returns normally.)"""
     try:
         app()
         code = 0

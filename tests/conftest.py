@@ -11,7 +11,7 @@ TRAINING_TESTS = (REPO / "tests" / "integration", REPO / "tests" / "notebooks")
 
 def pytest_sessionstart(session):
     """A session that will train starts its fork server now (tests/processes.py): its imports of
-    torch, DeepSpeed and transformers (~5 s) overlap the collection of the tests."""
+    torch, DeepSpeed and transformers overlap the collection of the tests."""
     config = session.config
     paths = [Path(config.invocation_params.dir, arg.split("::")[0]).resolve() for arg in config.args]
     if any(p == d or p in d.parents or d in p.parents for p in paths for d in TRAINING_TESTS):

@@ -48,7 +48,7 @@ def target_rules(source: Cell, target: Cell, t: ResumeTargetSpec, r: ResumeSpec)
         raise MatrixError(f"a universal checkpoint loads into ZeRO ≥ 1; target {target.id} is ZeRO-0")
     if r.universal and target.zero_stage == 3 and source.zero_stage != 3:
         raise MatrixError(
-            f"DeepSpeed 0.19 loads a universal checkpoint into ZeRO-3 only when it was saved at ZeRO-3 "
+            f"DeepSpeed loads a universal checkpoint into ZeRO-3 only when it was saved at ZeRO-3 "
             f"(source {source.id} is ZeRO-{source.zero_stage}: the ZeRO-3 loader finds no model-state files)"
         )
     if r.universal and "optimizer" in t.drop:

@@ -51,7 +51,7 @@ def ds_bf16_needs_zero(split: Split) -> None:
     if split.dtype == "ds_bf16" and not (split.trainer == "deepspeed" and split.zero_stage >= 1):
         raise MatrixError(
             "dtype ds_bf16 is DeepSpeed's bf16 mixed precision: DeepSpeed cells at ZeRO ≥ 1 only "
-            "(at ZeRO-0 DeepSpeed 0.19 cannot accumulate bf16 gradients in fp32)"
+            "(at ZeRO-0 DeepSpeed cannot accumulate bf16 gradients in fp32)"
         )
 
 
@@ -193,7 +193,7 @@ def check_hf_trainer(problem: ProblemSpec, spec: MatrixSpec) -> None:
 
 
 NVME_NEEDS_ZERO3 = (
-    "nvme offload needs ZeRO-3: DeepSpeed 0.19's ZeRO-1/2 optimizer takes device nvme for cpu "
+    "nvme offload needs ZeRO-3: DeepSpeed's ZeRO-1/2 optimizer takes device nvme for cpu "
     "(the state stays in memory, no file is written)"
 )
 

@@ -1,7 +1,7 @@
-"""One optimisation spec → the torch objects *and* the DeepSpeed config, so both sides agree.
+"""One optimisation spec → the torch objects *and* the DeepSpeed config, so every side agrees.
 
-Every knob that changes the optimisation is written out here explicitly for both trainers.
-Library defaults are not trusted: DeepSpeed 0.19 clips gradients to 1.0 unless told otherwise.
+Every knob that changes the optimisation is written out here explicitly for every trainer.
+Library defaults are not trusted: DeepSpeed clips gradients to 1.0 unless told otherwise.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], problem: ProblemSpec) 
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, problem: ProblemSpec):
-    """Used by both trainers (DeepSpeed receives it as a client scheduler, stepped at each boundary).
+    """Used by every trainer (DeepSpeed receives it as a client scheduler, stepped at each boundary).
     With a deepspeed_config: the torch trainer's mirror of the file's scheduler (DeepSpeed builds its own)."""
     if problem.mirror is not None:
         from gaeq.problem.mirror import DeepSpeedSchedule
@@ -79,7 +79,7 @@ def deepspeed_optimizer(spec: OptimizerSpec) -> dict[str, Any]:
 
 
 def _optimizer_kwargs(spec: OptimizerSpec) -> dict[str, Any]:
-    # foreach=False: the same per-tensor kernels on both sides (and on any device).
+    # foreach=False: the same per-tensor kernels for every trainer (and on any device).
     if spec.name == "adamw":
         return {
             "lr": spec.lr,

@@ -20,7 +20,7 @@ Depth = Annotated[int, Field(gt=0, le=32)]
 Samples = Annotated[int, Field(gt=0, le=2**20)]
 """Batch sizes."""
 Dtype = Literal["fp32", "bf16", "fp16", "ds_bf16", "ds_fp16"]
-"""fp32; bf16 / fp16 = forward autocast on both trainers (fp32 weights and gradients; fp16 adds
+"""fp32; bf16 / fp16 = forward autocast on every trainer (fp32 weights and gradients; fp16 adds
 torch's GradScaler on the torch side); ds_bf16 / ds_fp16 = DeepSpeed's own mixed precision (half
 weights and gradients, fp32 master weights; fp16 with dynamic loss scaling) — DeepSpeed only."""
 
@@ -212,7 +212,7 @@ class ProblemSpec(Spec):
     optimizer: OptimizerSpec = OptimizerSpec()
     schedule: ScheduleSpec = ScheduleSpec()
     gradient_clipping: float = Field(
-        0.0, ge=0, description="Max global grad norm at the boundary; 0 disables. Set explicitly on both trainers."
+        0.0, ge=0, description="Max global grad norm at the boundary; 0 disables. Set explicitly on every trainer."
     )
     deepspeed_config: dict[str, Any] | None = Field(
         None,

@@ -56,24 +56,17 @@ class Tolerance:
 
 
 DEFAULT_TOLERANCES: dict[str, Tolerance] = {
-    # Measured on the default matrix (fp32, 50 steps): max |Δloss| 7.5e-8, max rel Δ grad norm 2.1e-7.
+    # Each set above what float summation order produced on this lab's runs and far below what an
+    # accumulation bug produces: the measurements and the controls are the README's table (Verdicts).
     "fp32": Tolerance(loss_atol=1e-6, loss_rtol=1e-6, grad_norm_rtol=1e-5, tensor_atol=1e-8, tensor_rtol=1e-5),
-    # Autocast bf16 forward (both sides): the micro-batch size changes which matmuls round to bf16.
-    # Measured (30 steps, micro 4-16, ZeRO 0-3): max |Δloss| 8.1e-5, max rel Δ grad norm 1.7e-3.
-    # Tensors (experiments/zero.yaml, 20 steps): fp32 max |Δ|/max|x| 4.7e-7 (grads), 1.9e-7 (params);
-    # bf16 9.4e-3 (grads), 1.4e-2 (params).
+    # Autocast bf16 forward (fp32 weights): the micro-batch size changes which matmuls round to bf16.
     "bf16": Tolerance(loss_atol=1e-3, loss_rtol=1e-3, grad_norm_rtol=2e-2, tensor_atol=1e-5, tensor_rtol=1e-1),
     # DeepSpeed bf16 (bf16 weights, fp32 master weights and accumulation) against a GA-1 ds_bf16 baseline.
     "ds_bf16": Tolerance(loss_atol=1e-3, loss_rtol=1e-3, grad_norm_rtol=2e-2, tensor_atol=1e-5, tensor_rtol=1e-1),
-    # Autocast fp16 forward (both sides; GradScaler on the torch side). Measured with emulated fp16
-    # kernels (GAEQ_FP16_EMULATION=1, torch 2.13 CPU; experiments/zero.yaml and fp16.yaml, 20
-    # steps, GA 1-8, ZeRO 0-3, offload): max |Δloss| 2.3e-5, max rel Δ grad norm 2.4e-4 (≈15×
-    # inside), tensors max |Δ| 7.6e-5 (grads), 1.9e-5 (params). The fp16 baseline itself is
-    # 3.3e-5 from the fp32 one; clipping the scaled gradient is off by 5e-3 (loss), 6.5e4 (norm).
+    # Autocast fp16 forward (GradScaler on the torch side), measured with emulated fp16 kernels.
     "fp16": Tolerance(loss_atol=3e-4, loss_rtol=3e-4, grad_norm_rtol=5e-3, tensor_atol=1e-6, tensor_rtol=1e-2),
     # DeepSpeed fp16 (fp16 weights and accumulation, fp32 master weights, dynamic loss scale)
-    # against a GA-1 ds_fp16 baseline. Measured as fp16 (experiments/fp16.yaml, ZeRO 1-3, world
-    # 1-2, GA 2-8): max |Δloss| 2.9e-5, max rel Δ grad norm 3.4e-4; ZeRO-0's unscaled loss 2.1e-2.
+    # against a GA-1 ds_fp16 baseline.
     "ds_fp16": Tolerance(loss_atol=3e-4, loss_rtol=3e-4, grad_norm_rtol=5e-3, tensor_atol=1e-6, tensor_rtol=1e-2),
 }
 

@@ -24,9 +24,8 @@ FACTOR = 10.0
 ladder, experiments/scale.yaml: cells stay within a few times their twin's)."""
 CEILING = 1000.0
 """The floor widens a constant tolerance by at most this factor: a twin that drifts further is not
-measuring rounding (it is rejected, and its group judged by the constants). Set from the ladder: its
-largest twin drifted ~110× the fp32 constant (21 M parameters, clipping active), its weakest
-planted control stays ~300× above this ceiling."""
+measuring rounding (it is rejected, and its group judged by the constants). Set from the ladder's largest
+twin and weakest planted control (README: Verdicts, the noise floor)."""
 
 
 @dataclass(frozen=True, kw_only=True)

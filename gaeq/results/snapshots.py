@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from gaeq.files import replacing
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: `gaeq run` starts the ranks' fork
-    import torch  # server before its own process pays for torch (~1.7 s)
+    import torch  # server before its own process pays for torch
 
 SNAPSHOT_FILE = "snapshots.safetensors"
 KINDS = ("grads", "params")

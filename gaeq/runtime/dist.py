@@ -1,7 +1,7 @@
 """Backend and device choice, and process-group set-up for one rank.
 
 torch is imported inside the functions that need it: `gaeq run`'s parent imports this module
-before it starts the ranks' fork server, which should not wait ~1.7 s for the parent's torch.
+before it starts the ranks' fork server, which should not wait for the parent's torch.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Imported once by the fork server (`gaeq run` without --isolate), so that every rank it forks
 starts with torch and the trainers already loaded: a process group then starts in a fraction of a
-second instead of paying ~2 s of imports per rank, and the first cell of a group no longer pays the
-lazy imports (torch._dynamo, which torch's optimizer constructors pull in, ~1.5 s).
+second instead of paying seconds of imports per rank, and the first cell of a group no longer pays the
+lazy imports (torch._dynamo, which torch's optimizer constructors pull in). What they cost: README,
+How fast the lab is.
 
 What else the server imports depends on the matrix (`server.preload_modules`): DeepSpeed
 (preload_deepspeed.py), accelerate (preload_accelerate.py), transformers (preload_hf.py) — each only

@@ -1,5 +1,5 @@
-"""Imported by the fork server as well when a matrix has DeepSpeed cells (~1.2 s, paid once instead of
-by every rank of every group; see preload.py)."""
+"""Imported by the fork server as well when a matrix has DeepSpeed cells (paid once instead of by
+every rank of every group; see preload.py)."""
 
 import deepspeed  # noqa: F401
 import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401  (ZeRO's optimizer check: torch.compile)

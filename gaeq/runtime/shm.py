@@ -1,6 +1,6 @@
 """DeepSpeed's shared memory: freed after every group, and after runs that were killed.
 
-DeepSpeed 0.19's CPU comm op (ops/csrc/cpu/comm/shm.cpp) creates one 66 MB segment per rank and
+DeepSpeed's CPU comm op (ops/csrc/cpu/comm/shm.cpp) creates one 66 MB segment per rank and
 process group, ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>``, and never
 unlinks it: each group would leak 66 MB of RAM per rank until reboot (a test suite: gigabytes).
 gaeq unlinks a group's segments once its ranks are gone (:func:`release_group`).

@@ -136,7 +136,7 @@ def set_up_rank(*, cores: tuple[int, ...] = (), plugin_dirs: tuple[str, ...] = (
     from gaeq.problem.build import import_plugins_from
 
     import_plugins_from(plugin_dirs)
-    # DeepSpeed 0.19 calls collectives torch 2.13 deprecates; the warning repeats on every ZeRO
+    # DeepSpeed calls collectives torch deprecates; the warning repeats on every ZeRO
     # collective (hundreds of lines per cell log, and time).
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     import torch
@@ -156,7 +156,8 @@ def set_up_rank(*, cores: tuple[int, ...] = (), plugin_dirs: tuple[str, ...] = (
 
 def group_ready() -> None:
     """After joining: everything imported so far lives as long as the rank. Keep it out of the
-    collections DeepSpeed forces (gc.collect() in every ZeRO-3 set-up, ~0.25 s over this heap)."""
+    collections DeepSpeed forces (a gc.collect() over this whole heap in every ZeRO-3 set-up; README:
+    How fast the lab is)."""
     gc.freeze()
 
 

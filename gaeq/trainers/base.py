@@ -1,4 +1,4 @@
-"""What both trainers share: the problem they build, step accounting, recording, fault injection.
+"""What every trainer shares: the problem it builds, step accounting, recording, fault injection.
 
 Everything that is *not* about how gradients are accumulated lives here, so that the two trainer
 modules differ only where accumulation really differs.
@@ -55,7 +55,7 @@ class MicroBatch:
 
 @dataclass(frozen=True, kw_only=True)
 class CellProblem:
-    """The built problem of one cell: identical for both trainers."""
+    """The built problem of one cell: identical for every trainer."""
 
     plan: BatchPlan
     """Which samples each data-parallel rank sees (its world_size: the data-parallel ranks)."""
@@ -153,7 +153,7 @@ def build_cell_problem(cell: Cell, problem: ProblemSpec, ctx: RunContext) -> Cel
 HALF_MODEL = {"ds_bf16": torch.bfloat16, "ds_fp16": torch.float16}
 """Dtypes in which DeepSpeed holds the model itself in half precision."""
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
-"""Dtypes computed by forward-pass autocast over fp32 weights, on both trainers."""
+"""Dtypes computed by forward-pass autocast over fp32 weights, on every trainer."""
 
 
 def autocast(dtype: str, device: torch.device) -> contextlib.AbstractContextManager:

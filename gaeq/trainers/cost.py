@@ -1,4 +1,4 @@
-"""What a cell costs, counted the same way for both trainers: bytes through the collectives, memory.
+"""What a cell costs, counted the same way for every trainer: bytes through the collectives, memory.
 
 Bytes follow the nccl-tests convention for a collective's *size*: all-reduce, reduce and broadcast
 count their tensor; reduce-scatter its whole input buffer; all-gather its whole output buffer. So

@@ -38,7 +38,7 @@ def deepspeed_config(
         "train_micro_batch_size_per_gpu": cell.micro_batch_size,
         "gradient_accumulation_steps": cell.grad_accum_steps,
         "optimizer": deepspeed_optimizer(problem.optimizer),
-        # DeepSpeed 0.19 clips to 1.0 by default; 0.0 means off, as in the torch trainer.
+        # DeepSpeed clips to 1.0 by default; 0.0 means off, as in the torch trainer.
         "gradient_clipping": problem.gradient_clipping,
         # Average over ranks after the backward, like DDP: no pre-division, no extra factor.
         "prescale_gradients": False,
@@ -63,12 +63,12 @@ def deepspeed_config(
         config["aio"] = AIO
     if cell.tensor_parallel > 1:
         config["tensor_parallel"] = _autotp_config(cell, tp_plan or {})
-        # DeepSpeed 0.19 checks train_batch_size twice, in ways no value satisfies with AutoTP: the
+        # DeepSpeed checks train_batch_size twice, in ways no value satisfies with AutoTP: the
         # engine wants micro × GA × world (tp ranks counted as if they saw other samples), ZeRO-3's
         # zero.Init micro × GA × dp. Left out, it is derived (and the engine reports tp × B).
         del config["train_batch_size"]
     if cell.bug == Bug.DEEPSPEED_DEFAULT_CLIPPING:
-        del config["gradient_clipping"]  # planted bug: trusts DeepSpeed's default (1.0 in 0.19)
+        del config["gradient_clipping"]  # planted bug: trusts DeepSpeed's default (1.0)
     return config
 
 
@@ -110,7 +110,7 @@ def _fp16_config(cell: Cell) -> dict[str, Any]:
 
 def _grad_accum_dtype(cell: Cell) -> str:
     """Where micro-step gradients pile up. ds_bf16: fp32 (bf16 only as a planted bug). ds_fp16:
-    fp16 — DeepSpeed 0.19 accumulates an fp16 model's gradients in fp16 at every stage (its
+    fp16 — DeepSpeed accumulates an fp16 model's gradients in fp16 at every stage (its
     ZeRO-0 refuses anything else); the loss scale keeps them out of the subnormals."""
     if cell.dtype == "ds_fp16":
         return "fp16"

@@ -47,7 +47,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         nvme_buffer_numel=max(p.numel() for p in model.parameters()),
     )
     if cell.offload == "nvme":
-        # DeepSpeed 0.19's own ZeRO-3 partitioning takes an fp32 model for bf16 on a CPU without fp16
+        # DeepSpeed's own ZeRO-3 partitioning takes an fp32 model for bf16 on a CPU without fp16
         # (`Init._set_dtype`: `dtype or fp16 if … else bf16 if …` binds the wrong way) and would swap its
         # parameters to nvme as bf16. Partitioned here, without a dtype, the config's (fp32) is used.
         deepspeed.zero.Init(module=model, config_dict_or_path=config)

@@ -35,7 +35,9 @@ def test_an_interrupted_run_leaves_only_complete_files_and_resume_finishes_it(si
         axes={"trainer": ["torch"], "world_size": [1], "micro_batch_size": [4, 8]},
         cells=[{"trainer": "deepspeed", "world_size": 2, "micro_batch_size": 2, "zero_stage": 1}],
     )
-    spec["problem"]["steps"] = STEPS  # the DeepSpeed cell trains for over a second: the signal lands inside it
+    spec["problem"]["steps"] = (
+        STEPS  # the DeepSpeed cell is still training when the signal lands (asserted: it has no outcome)
+    )
     matrix, out = write_matrix(spec), tmp_path / "run"
     cmd = gaeq_command("run", "--matrix", str(matrix), "--out", str(out))
     long_cell = out / "cells" / "deepspeed-z1-w2-mb2-ga4"

@@ -36,7 +36,7 @@ SHARED = {"03_changing_world_size": ("universal_run", "GAEQ_UNIVERSAL_RUN"), "04
 def execute(path):
     """The executed notebook, or the exception (CellExecutionError names the failing cell)."""
     nb = nbformat.read(path, as_version=4)
-    # Each cell gets 5 minutes: the first DeepSpeed start on a fresh machine JIT-builds an op (~30 s).
+    # Each cell gets 5 minutes: the first DeepSpeed start on a fresh machine JIT-builds an op (tens of seconds).
     client = NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}})
     try:
         client.execute()

@@ -172,7 +172,7 @@ def test_nvme_offload_is_zero3_and_skipped_with_the_command_where_libaio_is_miss
     monkeypatch.setattr("gaeq.accelerator.nvme_unsupported_reason", lambda: None)
     cells = {c.id: c for c in load_matrix(write_matrix(small_spec(axes=axes))).cells}
     assert cells["deepspeed-z3-nvmeoff-w2-mb4-ga2"].skip_reason is None
-    # DeepSpeed 0.19's ZeRO-1/2 take device nvme for cpu: such a cell would be labelled what it is not
+    # DeepSpeed's ZeRO-1/2 take device nvme for cpu: such a cell would be labelled what it is not
     assert "nvme offload needs ZeRO-3" in cells["deepspeed-z1-nvmeoff-w2-mb4-ga2"].skip_reason
 
     monkeypatch.setattr("gaeq.accelerator.nvme_unsupported_reason", lambda: "no libaio: apt-get install libaio-dev")
