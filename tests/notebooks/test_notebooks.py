@@ -46,13 +46,16 @@ def execute(path):
 
 
 @pytest.fixture(scope="session")
-def executed(request):
+def executed(request, tmp_path_factory):
     """Every notebook executed once for the session, all four side by side, each in a kernel of its
     own: notebook 2's world-2 DeepSpeed group overlaps the others' imports and judging, which was
     measured faster than running it after them (README, Tests)."""
     from concurrent.futures import ThreadPoolExecutor
 
     with pytest.MonkeyPatch.context() as env:
+        # The runs a notebook writes to a temporary directory go to the session's, which pytest
+        # cleans up, not to the machine's /tmp.
+        env.setenv("TMPDIR", str(tmp_path_factory.mktemp("kernels")))
         for fixture, variable in SHARED.values():
             env.setenv(variable, str(request.getfixturevalue(fixture)[3]))  # kernels inherit it when they start
         with ThreadPoolExecutor(len(NOTEBOOKS)) as pool:
