@@ -181,10 +181,11 @@ def check_hf_trainer(problem: ProblemSpec, spec: MatrixSpec) -> None:
         why = "a deepspeed_config goes to the Trainer through TrainingArguments(deepspeed=...), not offered yet"
     elif problem.optimizer.name != "adamw":
         why = f"its optimizer is AdamW (optim=adamw_torch), the problem's is {problem.optimizer.name}"
-    elif problem.schedule.warmup_steps:
+    elif problem.schedule.warmup_steps and problem.schedule.warmup_convention != "transformers":
         why = (
-            "transformers' linear warmup starts at lr 0 at step 0, gaeq's at lr / warmup_steps: "
-            "no lr_scheduler_type gives this schedule (use warmup_steps: 0)"
+            "transformers' linear warmup starts at lr 0 at step 0, gaeq's at lr / warmup_steps: no "
+            "lr_scheduler_type gives gaeq's — set schedule.warmup_convention: transformers (every trainer of the "
+            "matrix then warms up as the Trainer does)"
         )
     elif "grads" in spec.track:
         why = "the Trainer clips before a callback sees the gradients: track params, not grads"

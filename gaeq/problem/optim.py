@@ -22,8 +22,8 @@ def lr_factor(schedule: ScheduleSpec, *, steps: int) -> Callable[[int], float]:
     def factor(s: int) -> float:
         if schedule.name == "constant":
             return 1.0
-        if s < schedule.warmup_steps:
-            return (s + 1) / schedule.warmup_steps
+        if s < schedule.warmup_steps:  # transformers' warmup starts at 0, gaeq's one step further
+            return (s + (schedule.warmup_convention == "gaeq")) / schedule.warmup_steps
         progress = min(1.0, (s - schedule.warmup_steps) / max(1, steps - schedule.warmup_steps))
         floor = schedule.min_lr_ratio
         return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))

@@ -135,6 +135,13 @@ class OptimizerSpec(Spec):
 class ScheduleSpec(Spec):
     name: Literal["constant", "warmup_cosine"] = "warmup_cosine"
     warmup_steps: int = Field(0, ge=0, description="Linear warmup, in optimizer steps (never micro-steps).")
+    warmup_convention: Literal["gaeq", "transformers"] = Field(
+        "gaeq",
+        description="Where the linear warmup starts. gaeq: step s of the warmup runs at lr·(s+1)/warmup_steps "
+        "(the peak at its last step); transformers: lr·s/warmup_steps — lr 0 at step 0, as transformers' "
+        "get_linear/get_cosine_schedule_with_warmup (and the Trainer's warmup_steps) do. Every trainer of the "
+        "matrix follows it, so Trainer cells with warmup share the baseline.",
+    )
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Cosine floor as a fraction of the peak lr.")
 
 

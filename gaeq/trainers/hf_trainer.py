@@ -35,8 +35,8 @@ from gaeq.trainers.library_state import forget_parallel_groups, reset_accelerate
 from gaeq.trainers.provenance import Provenance, engine_norm_dtype
 
 SCHEDULES = {"constant": "constant", "warmup_cosine": "cosine_with_min_lr"}
-"""gaeq's schedule → transformers' lr_scheduler_type (the same lr at every step without warmup:
-transformers' linear warmup starts at lr 0, gaeq's at lr / warmup_steps — the expander refuses it)."""
+"""gaeq's schedule → transformers' lr_scheduler_type: the same lr at every step, warmup included when
+the matrix follows transformers' warmup convention (lr 0 at step 0; the expander refuses gaeq's)."""
 
 
 def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
@@ -64,7 +64,8 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         weight_decay=spec.weight_decay,
         lr_scheduler_type=SCHEDULES[schedule.name],
         lr_scheduler_kwargs={"min_lr_rate": schedule.min_lr_ratio} if schedule.name == "warmup_cosine" else {},
-        warmup_steps=0,
+        # gaeq's constant schedule has no warmup; the cosine's is transformers' own (rules.check_hf_trainer)
+        warmup_steps=schedule.warmup_steps if schedule.name == "warmup_cosine" else 0,
         # 0 would skip clip_grad_norm_ — and with it the grad norm; inf measures without clipping.
         max_grad_norm=problem.gradient_clipping or math.inf,
         # The global batch's token count, gathered over ranks; False counts each rank's own.

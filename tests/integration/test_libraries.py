@@ -42,7 +42,7 @@ def test_libraries_experiment(tmp_path):
     for trainer in ("accelerate", "hf"):
         mine = [c for c in twins if c["trainer"] == trainer]
         assert {(c["world_size"], c["grad_accum_steps"]) for c in mine} == {(1, 6), (2, 3), (2, 1)}
-        assert max(c["max_abs_loss_diff"] for c in mine) < 1e-5  # measured ≤ 6.0e-7
+        assert max(c["max_abs_loss_diff"] for c in mine) < 1e-5  # float rounding only
         assert cells[f"{trainer}-w2-mb4-ga3@llama"]["ran"]["model"] == "LlamaForCausalLM"
     for c in twins:
         ran = c["ran"]

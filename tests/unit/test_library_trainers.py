@@ -72,7 +72,13 @@ def test_the_transformers_trainer_matches_and_without_num_items_it_is_the_mean_o
         "model": {"kind": "gpt", "n_layer": 1, "n_head": 2, "n_embd": 16},
         "data": {"kind": "tokens", "vocab_size": 16, "seq_len": 12},
         "loss": "cross_entropy",
-        "schedule": {"name": "warmup_cosine", "warmup_steps": 0, "min_lr_ratio": 0.1},
+        # the Trainer's warmup (lr 0 at step 0), which every cell of the matrix follows
+        "schedule": {
+            "name": "warmup_cosine",
+            "warmup_steps": 3,
+            "warmup_convention": "transformers",
+            "min_lr_ratio": 0.1,
+        },
     }  # weight decay 0.01 on every parameter: the Trainer's default would spare biases and norms
     matrix = load_matrix(write_matrix(spec))
     report = judge(matrix, run_in_process(matrix, tmp_path), TraceStore(tmp_path))
@@ -87,6 +93,39 @@ def test_the_transformers_trainer_matches_and_without_num_items_it_is_the_mean_o
         control.reason
     )
     assert control.ran["model_accepts_loss_kwargs"] is False
+
+
+@pytest.mark.parametrize("convention", ["transformers", "gaeq"])
+def test_the_trainers_own_scheduler_gives_gaeqs_lr_at_every_step_under_its_warmup_convention(convention):
+    """What the Trainer builds from TrainingArguments(lr_scheduler_type, warmup_steps, min_lr_rate) against
+    gaeq's schedule: the same lr at every step under transformers' convention; gaeq's own (the control)
+    is one warmup step ahead."""
+    import torch
+    from torch.optim.lr_scheduler import LambdaLR
+    from transformers import get_scheduler
+
+    from gaeq.problem.optim import lr_factor
+    from gaeq.problem.spec import ScheduleSpec
+    from gaeq.trainers.hf_trainer import SCHEDULES
+
+    steps, lr = 20, 3e-3
+    schedule = ScheduleSpec(name="warmup_cosine", warmup_steps=5, min_lr_ratio=0.1, warmup_convention=convention)
+    theirs = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    ours = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    trainer = get_scheduler(
+        SCHEDULES[schedule.name],
+        theirs,
+        num_warmup_steps=schedule.warmup_steps,
+        num_training_steps=steps,
+        scheduler_specific_kwargs={"min_lr_rate": schedule.min_lr_ratio},
+    )
+    gaeq = LambdaLR(ours, lr_factor(schedule, steps=steps))
+    differ = []
+    for step in range(steps):
+        if abs(trainer.get_last_lr()[0] - gaeq.get_last_lr()[0]) > 1e-12:
+            differ.append(step)
+        theirs.step(), ours.step(), trainer.step(), gaeq.step()
+    assert differ == ([] if convention == "transformers" else list(range(schedule.warmup_steps)))
 
 
 @pytest.mark.parametrize(
