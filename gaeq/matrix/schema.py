@@ -1,6 +1,6 @@
 """The matrix file's schema: pydantic at the YAML boundary, `extra="forbid"` (a typo is an error,
 never a silently ignored knob). Each model documents its fields; the CLI's `validate` and the
-README's matrix reference are written from them.
+matrix reference (docs/matrix.md) are written from them.
 """
 
 from __future__ import annotations

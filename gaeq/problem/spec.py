@@ -2,7 +2,7 @@
 
 Every cell of a matrix variant trains the same problem; only the split differs. Built-in models
 take their input/output sizes from the data (never written twice). Any of model, data and loss
-may instead name a plugin, ``{import: "package.module:function", args: {...}}`` (README: Plugins).
+may instead name a plugin, ``{import: "package.module:function", args: {...}}`` (docs/matrix.md: Plugins).
 """
 
 from __future__ import annotations
@@ -224,7 +224,7 @@ class ProblemSpec(Spec):
     deepspeed_config: dict[str, Any] | None = Field(
         None,
         description="Your own DeepSpeed config (in the matrix file: a path relative to it, JSON or YAML, or a "
-        "mapping). DeepSpeed cells run it as it is, bar the split (README: Check your own setup); the "
+        "mapping). DeepSpeed cells run it as it is, bar the split (docs/your-setup.md); the "
         "optimisation (optimizer, scheduler, gradient_clipping) then comes from it alone, mirrored on the torch side.",
     )
     steps: int = Field(50, gt=0, le=1_000_000, description="Optimizer steps (not micro-steps).")

@@ -57,7 +57,7 @@ class Tolerance:
 
 DEFAULT_TOLERANCES: dict[str, Tolerance] = {
     # Each set above what float summation order produced on this lab's runs and far below what an
-    # accumulation bug produces: the measurements and the controls are the README's table (Verdicts).
+    # accumulation bug produces: the measurements and the controls are docs/verdicts.md's table.
     "fp32": Tolerance(loss_atol=1e-6, loss_rtol=1e-6, grad_norm_rtol=1e-5, tensor_atol=1e-8, tensor_rtol=1e-5),
     # Autocast bf16 forward (fp32 weights): the micro-batch size changes which matmuls round to bf16.
     "bf16": Tolerance(loss_atol=1e-3, loss_rtol=1e-3, grad_norm_rtol=2e-2, tensor_atol=1e-5, tensor_rtol=1e-1),

@@ -25,7 +25,7 @@ ladder, experiments/scale.yaml: cells stay within a few times their twin's)."""
 CEILING = 1000.0
 """The floor widens a constant tolerance by at most this factor: a twin that drifts further is not
 measuring rounding (it is rejected, and its group judged by the constants). Set from the ladder's largest
-twin and weakest planted control (README: Verdicts, the noise floor)."""
+twin and weakest planted control (docs/verdicts.md, the noise floor)."""
 
 
 @dataclass(frozen=True, kw_only=True)

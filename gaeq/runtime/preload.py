@@ -1,7 +1,7 @@
 """Imported once by the fork server (`gaeq run` without --isolate), so that every rank it forks
 starts with torch and the trainers already loaded: a process group then starts in a fraction of a
 second instead of paying seconds of imports per rank, and the first cell of a group no longer pays the
-lazy imports (torch._dynamo, which torch's optimizer constructors pull in). What they cost: README,
+lazy imports (torch._dynamo, which torch's optimizer constructors pull in). What they cost: docs/costs-and-speed.md,
 How fast the lab is.
 
 What else the server imports depends on the matrix (`server.preload_modules`): DeepSpeed

@@ -146,7 +146,7 @@ def set_up_rank(*, cores: tuple[int, ...] = (), plugin_dirs: tuple[str, ...] = (
     # One intra-op thread per rank, whatever the machine and however the run is scheduled: the
     # thread count changes summation order (the GPT's traces differ bitwise between 1 and 2), so a
     # cell's numbers would otherwise depend on the core count and on its neighbours. The models a
-    # CPU lab trains are too small for intra-op threads to pay (README, "How fast the lab is").
+    # CPU lab trains are too small for intra-op threads to pay (docs/costs-and-speed.md, How fast the lab is).
     # The variables tell the libraries too: accelerate, where OMP_NUM_THREADS is unset, sets torch's
     # threads to physical cores ÷ local ranks — 2 threads on a rank pinned to one core, its cells
     # many times slower, and every later cell of the rank on 2 threads.
@@ -156,7 +156,7 @@ def set_up_rank(*, cores: tuple[int, ...] = (), plugin_dirs: tuple[str, ...] = (
 
 def group_ready() -> None:
     """After joining: everything imported so far lives as long as the rank. Keep it out of the
-    collections DeepSpeed forces (a gc.collect() over this whole heap in every ZeRO-3 set-up; README:
+    collections DeepSpeed forces (a gc.collect() over this whole heap in every ZeRO-3 set-up; docs/costs-and-speed.md:
     How fast the lab is)."""
     gc.freeze()
 

@@ -122,7 +122,7 @@ def test_gaeq_run_through_an_external_launcher_gives_the_same_traces_bitwise(lau
 
 
 def worker_launch(launcher: str, matrix, out, *, node_rank: int, nodes: int, port: int, hostfile=None) -> list[str]:
-    """The README's "On a cluster" commands: `gaeq worker` under torchrun or DeepSpeed's launcher,
+    """docs/where-it-runs.md's "On a cluster" commands: `gaeq worker` under torchrun or DeepSpeed's launcher,
     as node `node_rank` of `nodes` (one rank a node), meeting at 127.0.0.1:`port`."""
     worker = ["--module", "gaeq", "worker", "--matrix", str(matrix), "--out", str(out)]
     if launcher == "torchrun" and nodes == 1:
@@ -158,7 +158,7 @@ def nodes(launcher: str, matrix, out, *, count: int, hostfile=None) -> list[list
 
 
 def test_the_cluster_recipe_run_as_two_nodes_gives_the_local_traces_bitwise(local_run, tmp_path):
-    """What a cluster does (README, "On a cluster"), with two nodes of one rank each on this
+    """What a cluster does (docs/where-it-runs.md, "On a cluster"), with two nodes of one rank each on this
     machine: the baseline launched on its own (`torchrun --standalone`) while world 2 runs as two
     torchrun agents (c10d rendezvous), all into the same shared directory, then `gaeq report`; and
     world 2 as DeepSpeed's launcher on each of two hosts of a hostfile. Traces bitwise those of

@@ -18,8 +18,8 @@ from tests.helpers import cells_by_id, gaeq_run_here
 pytestmark = pytest.mark.integration
 
 
-# The experiment's library cells at GA 6, 3 and 1, both problems, and all its traps (the whole file,
-# 45 cells, runs in the README; here its corners, to keep the suite's time).
+# The experiment's library cells at GA 6, 3 and 1, both problems, and all its traps (the whole file
+# runs in docs/concepts.md; here its corners, to keep the suite's time).
 CELLS = [
     {"trainer": trainer, "world_size": world, "micro_batch_size": micro, "variant": variant}
     for trainer in ("accelerate", "hf")

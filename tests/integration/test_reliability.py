@@ -145,7 +145,7 @@ def still_training(proc, partial, seconds: float = 2.0) -> bool:
 
 
 def test_a_run_started_with_sigint_ignored_keeps_it_ignored_and_stops_on_sighup(write_matrix, tmp_path):
-    """The choice (README, "Signals"): a background run (`gaeq run … &` from a script, a CI
+    """The choice (docs/where-it-runs.md, "Signals"): a background run (`gaeq run … &` from a script, a CI
     runner) inherits SIGINT ignored and keeps it so — a stray Ctrl-C in that terminal does not stop
     it; SIGHUP (its terminal closed) and SIGTERM always do. Which signals stop a run is the CLI's,
     whatever the cell: a world-1 torch cell is enough."""

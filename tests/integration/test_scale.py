@@ -1,6 +1,6 @@
 """experiments/scale.yaml's corner at a million parameters: DeepSpeed ZeRO 0-3 with clipping active.
 
-The false alarm this lab once raised (README: Verdicts): an MLP of ~1 M parameters, AdamW, clipping
+The false alarm this lab once raised (docs/verdicts.md): an MLP of ~1 M parameters, AdamW, clipping
 1.0, where DeepSpeed's ZeRO ≥ 1 sums the grad norm in float64 and torch in float32 — every ZeRO cell
 "diverged" although nothing about accumulation was wrong. Now the baseline's norm is float64 and
 the twin measures the rest: every split matches, the controls are caught, and the same run judged

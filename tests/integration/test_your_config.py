@@ -69,7 +69,7 @@ def your_config_run(tmp_path_factory):
     config = json.loads((REPO_ROOT / "experiments" / "ds_config.json").read_text())
     # torch_adam: DeepSpeed builds torch's AdamW instead of FusedAdam, whose JIT build (about a minute, once
     # on a fresh machine) the suite cannot afford; `gaeq run --matrix experiments/your_config.yaml` runs
-    # FusedAdam (README: Check your own setup), and test_deepspeed_config.py checks its mirrored defaults.
+    # FusedAdam (docs/your-setup.md), and test_deepspeed_config.py checks its mirrored defaults.
     config["optimizer"]["params"]["torch_adam"] = True
     spec["problem"]["deepspeed_config"] = config
     spec.pop("axes")

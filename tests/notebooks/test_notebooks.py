@@ -49,7 +49,7 @@ def execute(path):
 def executed(request, tmp_path_factory):
     """Every notebook executed once for the session, all four side by side, each in a kernel of its
     own: notebook 2's world-2 DeepSpeed group overlaps the others' imports and judging, which was
-    measured faster than running it after them (README, Tests)."""
+    measured faster than running it after them (docs/tests.md)."""
     from concurrent.futures import ThreadPoolExecutor
 
     with pytest.MonkeyPatch.context() as env:
