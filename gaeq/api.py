@@ -13,6 +13,7 @@ Nothing here prints: progress goes to `on_event`, problems are raised (`MatrixEr
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import shutil
@@ -47,21 +48,36 @@ def load(matrix: str | Path | Mapping[str, Any] | Matrix, *, check: bool = True)
     if isinstance(matrix, Matrix):
         return matrix
     m = matrix_from_dict(dict(matrix)) if isinstance(matrix, Mapping) else load_matrix(matrix)
-    if check:
-        check_problems(m)
-    return m
+    return check_problems(m) if check else m
 
 
-def check_problems(m: Matrix) -> None:
-    """Build every problem of `m` and push two samples through it; MatrixError naming what failed."""
+def check_problems(m: Matrix) -> Matrix:
+    """Build every problem of `m` and push two samples through it (MatrixError naming what failed);
+    returns `m` with what the built models decide: an nvme cell that would swap nothing is skipped."""
     from gaeq.problem.build import check_problem, import_plugins_from
 
     import_plugins_from(m.plugin_dirs)
+    numels = {}
     for name, problem in m.problems.items():
         try:
-            check_problem(problem)
+            built = check_problem(problem)
         except ValueError as exc:  # PluginError, or a built-in's own size checks
             raise MatrixError(f"problem {name!r}: {exc}") from None
+        numels[name] = [p.numel() for p in built.model.parameters()]
+    return _skip_what_would_not_swap(m, numels)
+
+
+def _skip_what_would_not_swap(m: Matrix, numels: Mapping[str, list[int]]) -> Matrix:
+    """An nvme cell whose partitions are all below DeepSpeed's swap threshold is `skipped` with the
+    reason, before training (its label would promise files DeepSpeed never writes)."""
+    nvme = [c for c in m.runnable() if c.offload == "nvme"]
+    if not nvme:
+        return m
+    from gaeq.trainers.deepspeed_config import nvme_swaps_nothing
+
+    why = {c.id: reason for c in nvme if (reason := nvme_swaps_nothing(c, numels[c.variant]))}
+    cells = tuple(dataclasses.replace(c, skip_reason=why[c.id]) if c.id in why else c for c in m.cells)
+    return dataclasses.replace(m, cells=cells)
 
 
 def check_world_sizes(m: Matrix, *, gpus: bool) -> None:
@@ -174,7 +190,7 @@ def run(
     lifeline.mark_parent()  # every process started from here on dies with this one
     if launcher == "local":  # the ranks' fork server imports torch/DeepSpeed while the problems are checked
         warm_up(m.runnable(), m.problems, isolate=isolate)
-    check_problems(m)
+    m = check_problems(m)
     check_world_sizes(m, gpus=True)
     on_event = on_event or ignore
     run_dir = _prepare_run_dir(m, out, kept=kept)

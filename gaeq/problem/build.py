@@ -1,6 +1,6 @@
 """From a ProblemSpec to the objects a trainer uses: dataset, model, loss — built-ins or plugins.
 
-Plugin contract (README: Plugins), each named ``{import: "package.module:function", args: {...}}``:
+Plugin contract (docs/matrix.md: Plugins), each named ``{import: "package.module:function", args: {...}}``:
 
 - data:  ``function(*, seed, **args)`` → an object with ``batch(indices) -> (inputs, targets)``
   (tensors, one row per index) and optionally ``loss_elements(index) -> int`` (default 1);
@@ -140,8 +140,9 @@ def _build_model(problem: ProblemSpec, dataset: Dataset) -> torch.nn.Module:
     return model
 
 
-def check_problem(problem: ProblemSpec) -> None:
-    """Build the problem and push two samples through it, before any process starts.
+def check_problem(problem: ProblemSpec) -> BuiltProblem:
+    """Build the problem and push two samples through it, before any process starts; returns what
+    was built (its model's sizes decide what a cell can do: nvme offload).
 
     Raises PluginError naming the plugin that breaks the contract.
     """
@@ -171,3 +172,4 @@ def check_problem(problem: ProblemSpec) -> None:
     if not (isinstance(loss, torch.Tensor) and loss.ndim == 0 and loss.requires_grad):
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise PluginError(f"loss {name('loss')!r} must return a scalar tensor with a gradient (a sum), got {shape}")
+    return built

@@ -143,6 +143,26 @@ def _zero_config(cell: Cell, nvme_path: Path | None, nvme_buffer_numel: int) -> 
     return zero
 
 
+def nvme_swaps_nothing(cell: Cell, numels: list[int]) -> str | None:
+    """Why an nvme cell would write no swap file (None: it writes some). DeepSpeed swaps a tensor only
+    from max(MIN_AIO_BYTES, the aio block size) bytes on, and ZeRO-3 hands its swappers partitions:
+    each parameter's slice (⌈numel ÷ ranks⌉ elements, the model's dtype) to the parameter swapper, the
+    rank's slices of every parameter together (fp32) to the optimizer swapper."""
+    from deepspeed.runtime.swap_tensor.utils import MIN_AIO_BYTES
+
+    threshold = max(MIN_AIO_BYTES, AIO["block_size"])
+    partitions = [-(-n // cell.data_parallel) for n in numels]
+    largest = max(partitions) * (2 if cell.dtype in ("ds_bf16", "ds_fp16") else 4)
+    optimizer = sum(partitions) * 4
+    if max(largest, optimizer) >= threshold:
+        return None
+    return (
+        f"nvme offload would swap nothing: DeepSpeed swaps a tensor only from {threshold:,} bytes on, and at "
+        f"world {cell.world_size} ZeRO-3's largest parameter partition is {largest:,} bytes, the rank's optimizer "
+        f"state partition {optimizer:,} — everything would stay in memory (a wider model swaps)"
+    )
+
+
 AIO = {
     "block_size": 1_048_576,
     "queue_depth": 8,

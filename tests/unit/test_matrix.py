@@ -188,3 +188,45 @@ def test_the_swap_folder_is_kept_only_when_asked(write_matrix, monkeypatch):
         kept.keep_nvme_swap
         and not load_matrix(write_matrix(small_spec(axes=None, cells=[cell]))).cells[-1].keep_nvme_swap
     )
+
+
+def mlp_nvme_matrix(write_matrix, *, hidden: int, depth: int, worlds: list[int]):
+    """An MLP 16 → hidden (× depth) → 4 whose nvme cells run at `worlds`, checked as `gaeq run` checks it."""
+    import gaeq
+
+    spec = small_spec(
+        axes={
+            "trainer": ["deepspeed"],
+            "world_size": worlds,
+            "micro_batch_size": [2],
+            "zero_stage": [3],
+            "offload": ["nvme"],
+        }
+    )
+    spec["problem"]["model"] = {"kind": "mlp", "hidden": hidden, "depth": depth}
+    spec["problem"]["data"] = {"kind": "regression", "in_features": 16, "out_features": 4}
+    return {c.world_size: c for c in gaeq.load(write_matrix(spec)).cells if c.offload == "nvme"}
+
+
+def test_an_nvme_cell_that_would_swap_nothing_is_skipped_before_training_with_the_reason(write_matrix, monkeypatch):
+    """DeepSpeed swaps a tensor from 1 MiB on, and ZeRO-3 hands its swappers partitions: a 640-wide MLP's
+    640×640 weight swaps whole at world 1 (1.6 MB) and not in halves at world 2 (0.8 MB; the rank's
+    optimizer partition 0.85 MB). Decided from the built model before any process starts."""
+    monkeypatch.setattr("gaeq.accelerator.nvme_unsupported_reason", lambda: None)
+    cells = mlp_nvme_matrix(write_matrix, hidden=640, depth=2, worlds=[1, 2])
+    assert cells[1].skip_reason is None
+    assert cells[2].skip_reason == (
+        "nvme offload would swap nothing: DeepSpeed swaps a tensor only from 1,048,576 bytes on, and at world 2 "
+        "ZeRO-3's largest parameter partition is 819,200 bytes, the rank's optimizer state partition 847,368 — "
+        "everything would stay in memory (a wider model swaps)"
+    )
+
+
+@pytest.mark.parametrize(("hidden", "swaps"), [(512, True), (500, False)])
+def test_the_optimizer_partition_alone_decides_at_the_threshold(write_matrix, monkeypatch, hidden, swaps):
+    """At world 2, three hidden layers: every parameter's slice is under 1 MiB, the rank's fp32 optimizer
+    partition is 1,072,136 bytes at width 512 (it swapped: the cell matched) and 1,023,008 at width 500
+    (trained anyway, it wrote no file: LabelMismatch swapped_to_nvme) — the rule is exact on both sides."""
+    monkeypatch.setattr("gaeq.accelerator.nvme_unsupported_reason", lambda: None)
+    cell = mlp_nvme_matrix(write_matrix, hidden=hidden, depth=3, worlds=[2])[2]
+    assert (cell.skip_reason is None) == swaps, cell.skip_reason
