@@ -1,9 +1,10 @@
 """TensorBoard event files: one run per cell under ``RUN_DIR/tb/<cell id>/``.
 
 Every run carries the same tags, so the Scalars dashboard overlays all cells on one chart per tag;
-a custom-scalars layout ("equivalence") puts the loss of every cell and the differences from the
-baseline on multiline charts; each run's hparams (trainer, world, micro, GA, ZeRO stage, dtype,
-verdict) let the HParams dashboard filter by configuration.
+a custom-scalars layout ("equivalence") opens with the differences from the baseline as log10, each
+cell's tolerance drawn as its own line beside them (1e-8 next to 1e-2 on the default axis), then the
+loss of every cell and the linear differences on multiline charts; each run's hparams (trainer,
+world, micro, GA, ZeRO stage, dtype, verdict) let the HParams dashboard filter by configuration.
 
 Event files are written once per cell, after judging, from the cell's trace — so their values are
 the trace's (as float32), and `gaeq report` rewrites them with the new verdicts. hparams are written
@@ -13,6 +14,7 @@ directory per call.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import socket
@@ -33,6 +35,14 @@ REL_GRAD_NORM_DIFF = "vs_baseline/rel_grad_norm_diff"
 LOSS_TOLERANCE = "vs_baseline/loss_tolerance"
 """What |Δloss| may reach at each step: the constant, or the noise floor's envelope (gaeq.results.floor)."""
 GRAD_NORM_TOLERANCE = "vs_baseline/grad_norm_tolerance"
+LOG10 = {
+    ABS_LOSS_DIFF: "vs_baseline/log10_abs_loss_diff",
+    REL_GRAD_NORM_DIFF: "vs_baseline/log10_rel_grad_norm_diff",
+    LOSS_TOLERANCE: "vs_baseline/log10_loss_tolerance",
+    GRAD_NORM_TOLERANCE: "vs_baseline/log10_grad_norm_tolerance",
+}
+"""The same four as log10: 1e-8 next to 1e-2 on TensorBoard's default linear axis (exact zeros — the
+baseline against itself — are not drawn: they have no logarithm)."""
 STEP_SECONDS = "cost/step_seconds"
 COMM_BYTES = "cost/comm_bytes"
 PEAK_MEM = "cost/peak_mem_bytes"
@@ -42,6 +52,14 @@ MAX_REL_GRAD_NORM_DIFF = "summary/max_rel_grad_norm_diff"
 
 LAYOUT = {
     "equivalence": {
+        "log10 |Δloss| vs baseline — above its tolerance line: diverged": [
+            "Multiline",
+            [f"^{LOG10[ABS_LOSS_DIFF]}$", f"^{LOG10[LOSS_TOLERANCE]}$"],
+        ],
+        "log10 rel Δ grad norm vs baseline — above its tolerance line: diverged": [
+            "Multiline",
+            [f"^{LOG10[REL_GRAD_NORM_DIFF]}$", f"^{LOG10[GRAD_NORM_TOLERANCE]}$"],
+        ],
         "loss — every cell": ["Multiline", [f"^{LOSS}$"]],
         "|Δloss| vs baseline, and its tolerance": ["Multiline", [f"^{ABS_LOSS_DIFF}$", f"^{LOSS_TOLERANCE}$"]],
         "rel Δ grad norm vs baseline, and its tolerance": [
@@ -83,11 +101,16 @@ def write_tensorboard(run_dir: Path, report: Report, traces: TraceStore) -> Path
                 tol, floor = report.tolerances[cell.dtype], report.floors.get(cell.cell.group)
                 by_step = {r.step: r for r in base}
                 for d in step_diffs(base, trace):
-                    writer.add_scalar(ABS_LOSS_DIFF, d.abs_loss, d.step)
-                    writer.add_scalar(REL_GRAD_NORM_DIFF, d.rel_grad_norm, d.step)
                     loss_tol, grad_tol = tolerances_at(tol, by_step[d.step], floor)
-                    writer.add_scalar(LOSS_TOLERANCE, loss_tol.value, d.step)
-                    writer.add_scalar(GRAD_NORM_TOLERANCE, grad_tol.value, d.step)
+                    for tag, value in (
+                        (ABS_LOSS_DIFF, d.abs_loss),
+                        (REL_GRAD_NORM_DIFF, d.rel_grad_norm),
+                        (LOSS_TOLERANCE, loss_tol.value),
+                        (GRAD_NORM_TOLERANCE, grad_tol.value),
+                    ):
+                        writer.add_scalar(tag, value, d.step)
+                        if value > 0 and math.isfinite(value):
+                            writer.add_scalar(LOG10[tag], math.log10(value), d.step)
             writer.add_custom_scalars(LAYOUT)
             _add_hparams(writer, params[cell.id], domains, cell)
         finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import time
@@ -14,6 +15,7 @@ from typer.testing import CliRunner
 
 from gaeq.cli import app
 from gaeq.matrix import load_matrix
+from gaeq.results.tensorboard import ABS_LOSS_DIFF, GRAD_NORM_TOLERANCE, LOG10, LOSS_TOLERANCE, REL_GRAD_NORM_DIFF
 from gaeq.runtime.dist import free_port
 from tests.helpers import run_in_process, small_spec
 from tests.processes import running
@@ -63,8 +65,25 @@ def test_tensorboard_server_lists_every_cell_with_the_loss_tag(tmp_path):
         points = fetch(f"{base}/data/plugin/scalars/scalars?run=torch-w1-mb2-ga8&tag=train/loss")
         assert [p[1] for p in points] == list(range(12))
 
+        # the differences as log10 beside their tolerance: the answer on the default linear axis
+        baseline = cells[0]
+        assert all({LOG10[ABS_LOSS_DIFF], LOG10[LOSS_TOLERANCE]} <= set(tags[c]) for c in cells if c != baseline)
+        assert LOG10[ABS_LOSS_DIFF] not in tags[baseline]  # its differences are exact zeros
+        control = "torch-w1-mb2-ga8-bug_no_loss_division"
+        diff, tol = (
+            {p[1]: p[2] for p in fetch(f"{base}/data/plugin/scalars/scalars?run={control}&tag={tag}")}
+            for tag in (LOG10[REL_GRAD_NORM_DIFF], LOG10[GRAD_NORM_TOLERANCE])
+        )
+        assert diff[0] == pytest.approx(math.log10(7.0), abs=1e-4) and tol[0] < diff[0]  # GA 8: 8× the gradient
+        matching = {
+            p[1]: p[2] for p in fetch(f"{base}/data/plugin/scalars/scalars?run={cells[2]}&tag={LOG10[ABS_LOSS_DIFF]}")
+        }
+        assert matching and max(matching.values()) < -5  # a correct split sits orders of magnitude below
+
         layout = fetch(f"{base}/data/plugin/custom_scalars/layout")
         assert [c["title"] for c in layout["category"]] == ["equivalence", "cost"]
+        first = layout["category"][0]["chart"][0]
+        assert first["multiline"]["tag"] == [f"^{LOG10[ABS_LOSS_DIFF]}$", f"^{LOG10[LOSS_TOLERANCE]}$"]
 
         experiment = fetch(f"{base}/data/plugin/hparams/experiment", {"experimentName": ""})
         domains = {h["name"]: h.get("domainDiscrete") for h in experiment["hparamInfos"]}

@@ -80,7 +80,18 @@ def test_every_cell_is_one_run_with_identical_tags_and_the_trace_values(judged):
     baseline = read_trace(run_dir / "cells" / CELLS[0])
     for cell_id in CELLS:
         acc = accumulate(tb / cell_id)
-        assert set(acc.Tags()["scalars"]) == expected_tags
+        # the log10 twins of the differences and tolerances; the baseline's differences are exact zeros,
+        # which have no logarithm (not drawn), so it has the tolerances' only
+        logs = {tbmod.LOG10[t] for t in (tbmod.LOSS_TOLERANCE, tbmod.GRAD_NORM_TOLERANCE)}
+        if cell_id != CELLS[0]:
+            logs |= {tbmod.LOG10[t] for t in (tbmod.ABS_LOSS_DIFF, tbmod.REL_GRAD_NORM_DIFF)}
+        assert set(acc.Tags()["scalars"]) == expected_tags | logs
+        for tag in tbmod.LOG10:
+            linear = {e.step: e.value for e in acc.Scalars(tag) if e.value > 0}
+            logged = {e.step: e.value for e in acc.Scalars(tbmod.LOG10[tag])} if tbmod.LOG10[tag] in logs else {}
+            assert logged.keys() == linear.keys()  # every nonzero value, and only those
+            for step, value in logged.items():
+                assert value == pytest.approx(np.log10(linear[step]), abs=1e-5)
         trace = read_trace(run_dir / "cells" / cell_id)
         for tag, field in ((tbmod.LOSS, "loss"), (tbmod.GRAD_NORM, "grad_norm"), (tbmod.LR, "lr")):
             events = acc.Scalars(tag)
@@ -104,6 +115,11 @@ def test_every_cell_is_one_run_with_identical_tags_and_the_trace_values(judged):
         layout.ParseFromString(acc.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
         assert [c.title for c in layout.category] == ["equivalence", "cost"]
         charts = {ch.title: list(ch.multiline.tag) for ch in layout.category[0].chart}
+        assert next(iter(charts)) == "log10 |Δloss| vs baseline — above its tolerance line: diverged"  # first
+        assert charts[next(iter(charts))] == [
+            f"^{tbmod.LOG10[tbmod.ABS_LOSS_DIFF]}$",
+            f"^{tbmod.LOG10[tbmod.LOSS_TOLERANCE]}$",
+        ]
         assert charts["loss — every cell"] == [f"^{tbmod.LOSS}$"]
         assert charts["|Δloss| vs baseline, and its tolerance"] == [
             f"^{tbmod.ABS_LOSS_DIFF}$",
