@@ -23,7 +23,7 @@ from gaeq.progress import RunProgress
 from gaeq.results.compare import Verdict
 from gaeq.results.render import cells_table, cost_table, floor_lines, problem_line, verdict_table, versions_line
 from gaeq.results.report import EXIT_BAD_INPUT
-from gaeq.results.tensorboard import TB_DIR
+from gaeq.results.tensorboard import TB_ANSWER_URL, TB_DIR
 
 app = typer.Typer(
     name="gaeq",
@@ -179,7 +179,12 @@ def run(
             raise typer.Exit(130) from None
 
     code = _print_result(result)
-    console.print(f"Overlay in TensorBoard:  [bold]tensorboard --logdir {result.run_dir / TB_DIR}[/]", highlight=False)
+    console.print(
+        f"Overlay in TensorBoard:  [bold]tensorboard --logdir {result.run_dir / TB_DIR}[/], then open "
+        f"{TB_ANSWER_URL} (each cell's difference from the baseline as log10, beside its tolerance)",
+        highlight=False,
+        soft_wrap=True,
+    )
     raise typer.Exit(code)
 
 

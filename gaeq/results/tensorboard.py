@@ -26,6 +26,10 @@ from gaeq.results.report import Report
 from gaeq.results.trace import TraceStore
 
 TB_DIR = "tb"
+TB_ANSWER_URL = "http://localhost:6006/?tagFilter=log10#timeseries"
+"""Where the answer is at once: the Time Series dashboard (every run selected, however many — the
+Scalars and Custom Scalars dashboards select none beyond 40 runs) filtered to the log10 differences
+and their tolerances."""
 
 LOSS = "train/loss"
 GRAD_NORM = "train/grad_norm"
