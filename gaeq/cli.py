@@ -54,6 +54,13 @@ def validate(matrix: Annotated[Path, typer.Argument(help="Matrix YAML file.")]) 
     m = _load(matrix)
     console.print(cells_table(m))
     console.print(problem_line(m), highlight=False)
+    if m.problem.script is not None:  # what each cell runs (gaeq's probe loaded first: -m gaeq.script.attach)
+        from gaeq.script.launch import script_command
+
+        for cell in m.runnable():
+            command = script_command(cell, m.problem, out=Path("RUN_DIR", "cells", cell.id), port=0)
+            script = " ".join(command[command.index("gaeq.script.attach") + 1 :])
+            console.print(f"  {cell.id}: torchrun --nproc_per_node {cell.world_size} {script}", soft_wrap=True)
     from gaeq.audit import audit as audit_config
     from gaeq.audit import overrides_of
 

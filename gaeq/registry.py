@@ -37,6 +37,9 @@ class TrainerSpec:
     """The library it needs beyond gaeq's own dependencies (`pip install 'gaeq[hf]'`)."""
     preload: tuple[str, ...] = ()
     """Modules the ranks' fork server imports for its cells, beyond torch (a rank then forks with them)."""
+    script: bool = False
+    """Runs a user's own script under its launcher (gaeq.script), not a loop gaeq wrote: its module
+    launches a cell (``run_script_cell``) instead of training one on a rank."""
 
 
 INSTALL_HF = "pip install 'gaeq[hf]'"
@@ -69,6 +72,13 @@ TRAINERS: dict[str, TrainerSpec] = {
             tensor_parallel=True,
             checkpoints=True,
             preload=("gaeq.runtime.preload_deepspeed",),
+        ),
+        TrainerSpec(
+            name="script",
+            module="gaeq.script.launch",
+            description="the user's own training script, unchanged, under its launcher, watched by gaeq's probe",
+            dtypes=("fp32",),
+            script=True,
         ),
         TrainerSpec(
             name="fsdp",

@@ -106,6 +106,8 @@ class Cell(Split):
     save_at: tuple[int, ...] = ()
     """Checkpoint after these many optimizer steps (for resume experiments)."""
     resume: Resume | None = None
+    script_args: tuple[str, ...] = ()
+    """A script cell's extra arguments (after the script's own), e.g. a mistake behind a flag."""
     skip_reason: str | None = field(default=None, compare=False)
     role: Role = field(default=Role.CELL, compare=False)
     """Not part of what the cell is: the baseline's split listed among the axes is the same cell."""
@@ -145,6 +147,8 @@ class Cell(Split):
             parts.append(self.dtype)
         if self.bug:
             parts.append(f"bug_{self.bug}")
+        if self.script_args:
+            parts.append("args_" + "_".join(a.strip("-").replace("=", "_") for a in self.script_args))
         if self.fault:
             parts.append(f"fault_{self.fault.kind}_r{self.fault.rank}_s{self.fault.step}")
         if self.resume:

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from gaeq.matrix.cell import DEEPSPEED_ONLY, SPLIT_AXES, Cell, Fault, Matrix, Resume, Role, Split, group_key
 from gaeq.matrix.resume import at_step_inside, plain_source, source_rules, target_rules
-from gaeq.matrix.rules import bug_rules, fault_rules, skip_reason, split_rules
+from gaeq.matrix.rules import bug_rules, fault_rules, script_rules, skip_reason, split_rules
 from gaeq.matrix.schema import BASE, TENSOR_METRICS, FaultSpec, MatrixError, MatrixSpec, ResumeSpec, describe
 from gaeq.problem.spec import ProblemSpec
 from gaeq.registry import DEEPSPEED_TRAINERS, TENSOR_PARALLEL_TRAINERS
@@ -172,7 +172,13 @@ class Expander:
         return marked
 
     def cell(
-        self, split: Split, *, bug: str | None = None, expect: str | None = None, fault: FaultSpec | None = None
+        self,
+        split: Split,
+        *,
+        bug: str | None = None,
+        expect: str | None = None,
+        fault: FaultSpec | None = None,
+        args: tuple[str, ...] = (),
     ) -> Cell:
         """The one place a split is checked and becomes a cell (or a skipped cell, with the reason)."""
         problem = self.problem(split.variant)
@@ -181,10 +187,12 @@ class Expander:
             bug_rules(bug, split, problem)
         if fault is not None:
             fault_rules(fault, split, problem)
+        script_rules(split, problem, args=args)
         cell = Cell(
             **{a: getattr(split, a) for a in SPLIT_AXES},
             train_batch_size=problem.train_batch_size,
             bug=bug,
+            script_args=args,
             expect=expect or ("diverge" if bug else "match"),
             fault=Fault(**fault.model_dump()) if fault else None,
             snapshots=tuple(m for m in TENSOR_METRICS if m in self.spec.track),

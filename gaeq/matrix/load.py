@@ -43,6 +43,7 @@ def matrix_from_dict(
     relative to `base_dir` (default: the working directory)."""
     if not isinstance(raw, dict):
         raise MatrixError("the top level must be a mapping of keys (name, problem, axes, ...)")
+    raw = _script_matrix(raw, base_dir or Path.cwd()) if "script" in raw else raw
     raw = _inline_deepspeed_configs(raw, base_dir or Path.cwd())
     try:
         spec = MatrixSpec.model_validate(raw)
@@ -50,6 +51,37 @@ def matrix_from_dict(
         return dataclasses.replace(matrix, source=copy.deepcopy(raw))
     except ValidationError as exc:
         raise MatrixError(describe(exc)) from None
+
+
+SCRIPT_PROBLEM_KEYS = ("steps", "train_batch_size", "seed")
+"""What a script matrix writes beside `script:` at its top level: the problem's keys a script has too."""
+
+
+def _script_matrix(raw: dict, base_dir: Path) -> dict:
+    """A script matrix as the schema reads every matrix: `script` (its path and folder made absolute,
+    so that the run directory's copy runs from anywhere, its DeepSpeed config read), `steps`,
+    `train_batch_size` and `seed` as its problem, and `trainer: script` wherever a split names one."""
+    raw = copy.deepcopy(raw)
+    if "problem" in raw:
+        raise MatrixError("a script matrix has no problem: the script is the problem (steps, train_batch_size, seed)")
+    script = raw.pop("script")
+    if not isinstance(script, dict) or not isinstance(script.get("path"), str):
+        raise MatrixError("script: a mapping with at least path: <your training script>")
+    path = (base_dir / script["path"]).resolve()
+    if not path.is_file():
+        raise MatrixError(f"script.path: {script['path']}: {'is a directory' if path.is_dir() else 'no such file'}")
+    script = script | {"path": str(path), "cwd": str((base_dir / script.get("cwd", path.parent)).resolve())}
+    if isinstance(script.get("deepspeed_config"), str):
+        try:
+            script["deepspeed_config"] = read_config(base_dir / script["deepspeed_config"])
+        except ConfigError as exc:
+            raise MatrixError(f"script.deepspeed_config: {exc}") from None
+    raw["problem"] = {"script": script} | {k: raw.pop(k) for k in SCRIPT_PROBLEM_KEYS if k in raw}
+    if isinstance(raw.get("axes"), dict):
+        raw["axes"].setdefault("trainer", ["script"])
+    raw["baseline"] = {"trainer": "script"} | (raw.get("baseline") or {})
+    raw["cells"] = [{"trainer": "script"} | c if isinstance(c, dict) else c for c in raw.get("cells") or []]
+    return raw
 
 
 def _inline_deepspeed_configs(raw: dict, base_dir: Path) -> dict:
@@ -85,7 +117,7 @@ def expand(spec: MatrixSpec, *, plugin_dirs: tuple[str, ...] = ()) -> Matrix:
     if spec.axes is not None:
         ex.add_axes()
     for c in spec.cells:
-        ex.add(ex.split_of(c), bug=c.bug, expect=c.expect, fault=c.fault)
+        ex.add(ex.split_of(c), bug=c.bug, expect=c.expect, fault=c.fault, args=tuple(c.args))
     for r in spec.resume:
         ex.add_resume(r)
     if spec.noise_floor:

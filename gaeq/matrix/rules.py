@@ -11,6 +11,7 @@ from gaeq.matrix.cell import Split
 from gaeq.matrix.schema import FaultSpec, MatrixError, MatrixSpec
 from gaeq.problem.spec import ProblemSpec
 from gaeq.registry import DEEPSPEED_TRAINERS, INSTALL_HF, TENSOR_PARALLEL_TRAINERS, TRAINERS, dtypes_said
+from gaeq.script.placeholders import PlaceholderError, check
 
 
 def split_rules(split: Split, problem: ProblemSpec, spec: MatrixSpec) -> Split:
@@ -92,6 +93,22 @@ def trainer_runs_dtype(split: Split) -> None:
     dtypes = TRAINERS[split.trainer].dtypes
     if split.dtype not in dtypes:
         raise MatrixError(f"the {split.trainer} trainer runs {dtypes_said(dtypes)}, not {split.dtype}")
+
+
+def script_rules(split: Split, problem: ProblemSpec, *, args: tuple[str, ...]) -> None:
+    """A script matrix's cells run its script, and only they take script arguments."""
+    script = TRAINERS[split.trainer].script
+    if problem.script is not None and not script:
+        raise MatrixError(f"a script matrix runs its script in every cell; {_where(split)} names another trainer")
+    if problem.script is None and script:
+        raise MatrixError("trainer script runs a script matrix (script: at the matrix's top level)")
+    if args and not script:
+        raise MatrixError(f"args are a script cell's; {_where(split)} trains gaeq's own loop")
+    for arg in args:
+        try:
+            check(arg)
+        except PlaceholderError as exc:
+            raise MatrixError(f"args: {exc}") from None
 
 
 def bug_rules(bug: str, split: Split, problem: ProblemSpec) -> None:

@@ -80,6 +80,9 @@ class CellSpec(_Spec):
     bug: str | None = Field(None, description=f"A planted bug: one of {sorted(BUGS)}.")
     expect: Expect | None = Field(None, description="Default: 'diverge' with a bug, else 'match'.")
     fault: FaultSpec | None = None
+    args: list[str] = Field(
+        [], description="Script cells only: arguments after the script's own (a mistake behind a flag, say)."
+    )
 
 
 class BaselineSpec(_Spec):

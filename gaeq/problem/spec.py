@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
+from gaeq.script.spec import ScriptSpec
+
 PositiveInt = Annotated[int, Field(gt=0)]
 # Upper bounds keep a typo (hidden: 1e9) from becoming an out-of-memory kill while the problem is
 # checked: this lab trains small problems on CPUs. Bigger models come in as plugins.
@@ -226,6 +228,11 @@ class ProblemSpec(Spec):
         description="Your own DeepSpeed config (in the matrix file: a path relative to it, JSON or YAML, or a "
         "mapping). DeepSpeed cells run it as it is, bar the split (docs/your-setup.md); the "
         "optimisation (optimizer, scheduler, gradient_clipping) then comes from it alone, mirrored on the torch side.",
+    )
+    script: ScriptSpec | None = Field(
+        None,
+        description="A script matrix's problem: the user's own training script, run unchanged under every split; "
+        "written at the matrix's top level, with steps, train_batch_size and seed beside it.",
     )
     steps: int = Field(50, gt=0, le=1_000_000, description="Optimizer steps (not micro-steps).")
     seed: int = Field(0, ge=0, description="Seeds the model init and every sample (sample = f(seed, index)).")

@@ -32,10 +32,11 @@ class Verdict(Name):
     """It cannot run here (its reason says why)."""
 
 
-METRICS = ("grads", "params", "skipped", "loss", "grad_norm", "lr")
-"""What can be compared at every step, in the order a tie is reported: tensors first, because they
-localise a divergence to one parameter; then an fp16 update skipped on one side only, because it
-explains the rest."""
+METRICS = ("data", "init", "events", "grads", "params", "skipped", "loss", "grad_norm", "lr")
+"""What can be compared at every step, in the order a tie is reported: what a script's probe saw
+first (other samples, other initial weights, other calls explain every number after them); then
+tensors, because they localise a divergence to one parameter; then an fp16 update skipped on one
+side only, because it explains the rest."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,12 +127,14 @@ def compare_traces(
     tensors: TensorComparison | None = None,
     first_step: int = 0,
     floor: NoiseFloor | None = None,
+    checks: Mapping[str, tuple[int, str] | None] | None = None,
 ) -> Comparison:
     """Compare step by step from `first_step` (a resumed cell's first step) on — and, given
     `tensors`, parameter by parameter; the verdict names the first divergence. The loss and grad
     norm tolerances at each step are the constants of `tol`, widened by the `floor` measured in the
-    run (:func:`tolerances_at`). Raises ValueError if `other` does not cover exactly the baseline's
-    steps from `first_step`."""
+    run (:func:`tolerances_at`). `checks`: what else was compared and its first divergence, if any
+    (a script's data, init and events). Raises ValueError if `other` does not cover exactly the
+    baseline's steps from `first_step`."""
     base = [r for r in base if r.step >= first_step]
     if [r.step for r in other] != [r.step for r in base]:
         raise ValueError(f"trace has {len(other)} steps, the baseline has {len(base)} from step {first_step}")
@@ -168,10 +171,11 @@ def compare_traces(
             first["lr"] = (d.step, f"lr diverged at step {d.step}: {o.lr:.4g} vs {b.lr:.4g}")
     for kind, divergence in (tensors.first if tensors else {}).items():
         first[kind] = (divergence.step, divergence.describe())
-    compared = [m for m in METRICS if m in tracked or m in ("lr", "skipped")]
+    first |= {k: v for k, v in (checks or {}).items() if v is not None}  # a script's data, init, events
+    compared = [m for m in METRICS if m in tracked or m in ("lr", "skipped") or m in (checks or {})]
     caught_by = min(first, key=lambda m: (first[m][0], METRICS.index(m))) if first else None
     reason = "" if caught_by is None else first[caught_by][1]
-    if caught_by in TENSOR_KINDS and "loss" in tracked and "loss" not in first:
+    if caught_by in (*TENSOR_KINDS, *(checks or {})) and "loss" in tracked and "loss" not in first:
         reason += " (the loss still matches)"
     return Comparison(
         verdict=Verdict.MATCH if caught_by is None else Verdict.DIVERGE,

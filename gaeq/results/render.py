@@ -254,6 +254,8 @@ def cells_table(m: Matrix) -> Table:
 def problem_line(m: Matrix) -> str:
     """`gaeq validate`: the problem's batch, steps and optimisation in one line."""
     p = m.problem
+    if p.script is not None:
+        return f"train_batch_size {p.train_batch_size}, {p.steps} steps compared, seed {p.seed}: {p.script.path}"
     if p.mirror is None:
         optimisation = (
             f"{p.optimizer.name} lr {p.optimizer.lr:g}, schedule {p.schedule.name}, "

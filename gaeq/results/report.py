@@ -18,6 +18,7 @@ from gaeq.results.floor import NoiseFloor
 from gaeq.results.outcome import CellOutcome
 from gaeq.results.snapshots import compare_snapshots, read_snapshots
 from gaeq.results.trace import TraceStore, cell_dir
+from gaeq.script.verdict import read_probe, script_checks
 
 VERDICTS = tuple(Verdict)
 EXIT_OK, EXIT_VERDICT, EXIT_BAD_INPUT, EXIT_RUN_FAILED = 0, 1, 2, 3
@@ -207,6 +208,10 @@ def _judge_cell(
                 rtol=tolerance.tensor_rtol,
                 first_step=cell.first_step,
             )
+        checks = None
+        if TRAINERS[cell.trainer].script:  # what the probe saw in the user's script, before the numbers
+            base_probe, probe = (read_probe(cell_dir(traces.run_dir, i)) for i in (base_id, cell.id))
+            checks = script_checks(base_probe, probe) if base_probe and probe else None
         comparison = compare_traces(
             traces.get(base_id),
             traces.get(cell.id),
@@ -215,6 +220,7 @@ def _judge_cell(
             tensors=tensors,
             first_step=cell.first_step,
             floor=floor,
+            checks=checks,
         )
     except (OSError, ValueError, TypeError) as exc:
         return Verdict.ERROR, f"unreadable or incomplete results: {exc}", None

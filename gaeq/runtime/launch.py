@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from gaeq.matrix import Cell
+from gaeq.registry import TRAINERS
 from gaeq.results.outcome import CellOutcome, write_outcome
 from gaeq.results.trace import cell_dir
 from gaeq.runtime import shm, worker
@@ -73,10 +74,14 @@ def run_cells(cells: Sequence[Cell], opts: RunOptions) -> dict[str, CellOutcome]
     — or, with `isolate`, each cell gets one fresh group (the way one launch per configuration
     works). With `launcher` torchrun or deepspeed, that launcher starts each world size's ranks on
     ``gaeq worker`` (the run directory must hold the matrix as ``matrix.yaml``)."""
-    groups: dict[object, list[Cell]] = {}
-    for cell in cells:
-        groups.setdefault(cell.id if opts.isolate else cell.world_size, []).append(cell)
     outcomes: dict[str, CellOutcome] = {}
+    for cell in (c for c in cells if TRAINERS[c.trainer].script):  # the user's script: its own launch
+        from gaeq.script.launch import run_script_cell
+
+        outcomes[cell.id] = run_script_cell(cell, opts.problems[cell.variant], opts)
+    groups: dict[object, list[Cell]] = {}
+    for cell in (c for c in cells if not TRAINERS[c.trainer].script):
+        groups.setdefault(cell.id if opts.isolate else cell.world_size, []).append(cell)
     for group in groups.values():
         world_size = group[0].world_size
         if opts.launcher == "local":

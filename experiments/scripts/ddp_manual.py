@@ -1,0 +1,157 @@
+"""Tiny next-token training script with manual gradient accumulation + DDP (plain PyTorch).
+
+    python ddp_manual.py --batch_size 32 --grad_accum 1 --max_steps 5
+    torchrun --standalone --nproc_per_node 2 ddp_manual.py --batch_size 4 --grad_accum 4 --max_steps 5
+
+CPU only (gloo). Global batch = batch_size * grad_accum * world_size. --bug injects a common mistake.
+"""
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--batch_size", type=int, default=8, help="micro batch per rank")
+parser.add_argument("--grad_accum", type=int, default=4, help="accumulation steps per rank")
+parser.add_argument("--max_steps", type=int, default=20, help="optimizer steps")
+parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--lr", type=float, default=3e-3)
+parser.add_argument("--clip", type=float, default=1.0, help="max grad norm; 0 = off")
+parser.add_argument(
+    "--bug",
+    default="none",
+    choices=[
+        "none",
+        "no_loss_division",
+        "mean_of_means",
+        "sampler_seeded_by_rank",
+        "clip_every_micro_step",
+        "token_count_averaged_twice",
+    ],
+)
+args = parser.parse_args()
+
+# ---- distributed setup (torchrun sets these; plain `python` = one process) ----
+rank = int(os.environ.get("RANK", 0))
+world = int(os.environ.get("WORLD_SIZE", 1))
+local_rank = int(os.environ.get("LOCAL_RANK", 0))
+ddp = world > 1
+if ddp:
+    dist.init_process_group("gloo")
+master = rank == 0
+torch.set_num_threads(1)
+
+VOCAB, MAX_LEN, N = 32, 24, 4096
+
+
+class SyntheticSeqs(Dataset):
+    """Variable-length (4..24) modular arithmetic sequences; item i is a pure function of (seed, i)."""
+
+    def __init__(self, n, seed):
+        self.n, self.seed = n, seed
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
+        length = int(torch.randint(4, MAX_LEN + 1, (1,), generator=g))
+        start = torch.randint(1, VOCAB, (1,), generator=g)
+        stride = torch.randint(1, 4, (1,), generator=g)
+        toks = (start + stride * torch.arange(length)) % VOCAB
+        noise = torch.rand(length, generator=g) < 0.1  # 10% random tokens so it isn't trivial
+        toks = torch.where(noise, torch.randint(0, VOCAB, (length,), generator=g), toks)
+        x = torch.zeros(MAX_LEN - 1, dtype=torch.long)  # pad token 0 in inputs
+        y = torch.full((MAX_LEN - 1,), -100, dtype=torch.long)  # -100 = ignored in labels
+        x[: length - 1], y[: length - 1] = toks[:-1], toks[1:]
+        return x, y
+
+
+dataset = SyntheticSeqs(N, args.seed)
+sampler_seed = args.seed
+if args.bug == "sampler_seeded_by_rank":
+    sampler_seed = args.seed + rank  # BUG: each rank shuffles differently -> samples repeated/missing
+sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=sampler_seed, drop_last=False)
+sampler.set_epoch(0)
+loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
+
+
+class TinyLM(nn.Module):
+    """Sees the current and previous token: embeddings -> MLP -> vocab logits."""
+
+    def __init__(self, d=32, hidden=256):
+        super().__init__()
+        self.emb_cur = nn.Embedding(VOCAB, d)
+        self.emb_prev = nn.Embedding(VOCAB, d)
+        self.mlp = nn.Sequential(nn.Linear(2 * d, hidden), nn.GELU(), nn.Linear(hidden, VOCAB))
+
+    def forward(self, x):
+        prev = F.pad(x[:, :-1], (1, 0), value=0)
+        return self.mlp(torch.cat([self.emb_cur(x), self.emb_prev(prev)], dim=-1))
+
+
+torch.manual_seed(args.seed)  # same init on every rank and every split
+model = TinyLM()
+if ddp:
+    model = DDP(model)
+optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95), foreach=False)
+scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 2))  # 2-step warmup
+
+epoch, it = 0, iter(loader)
+
+
+def next_batch():
+    global epoch, it
+    try:
+        return next(it)
+    except StopIteration:
+        epoch += 1
+        sampler.set_epoch(epoch)
+        it = iter(loader)
+        return next(it)
+
+
+for step in range(args.max_steps):
+    # prefetch this step's micro-batches so the token count is known before any backward
+    micro_batches = [next_batch() for _ in range(args.grad_accum)]
+    n_tokens = torch.tensor(float(sum(int((y != -100).sum()) for _, y in micro_batches)))
+    if ddp:
+        dist.all_reduce(n_tokens, op=dist.ReduceOp.SUM)  # valid tokens of the whole global batch
+    scale = world  # x world because DDP averages gradients over ranks
+    if args.bug == "token_count_averaged_twice":
+        scale = 1  # BUG: count already global, then DDP averages again -> gradient / world
+    loss_accum = torch.zeros(())
+    for micro_step, (x, y) in enumerate(micro_batches):
+        if ddp:
+            model.require_backward_grad_sync = micro_step == args.grad_accum - 1  # all-reduce only on last
+        logits = model(x)
+        loss_sum = F.cross_entropy(logits.view(-1, VOCAB), y.view(-1), ignore_index=-100, reduction="sum")
+        loss = loss_sum / n_tokens * scale
+        if args.bug == "no_loss_division":
+            loss = loss_sum / (y != -100).sum()  # BUG: per-micro-batch mean and forgot / grad_accum
+        if args.bug == "mean_of_means":
+            loss = loss_sum / (y != -100).sum() / args.grad_accum  # BUG: every micro-batch weighs the same
+        loss.backward()
+        if args.bug == "clip_every_micro_step" and args.clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)  # BUG: clips partial sums
+        loss_accum += loss.detach()
+    # log the global mean loss: sum of micro losses / world, summed over ranks
+    loss_accum /= world
+    if ddp:
+        dist.all_reduce(loss_accum, op=dist.ReduceOp.SUM)
+    if args.clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    if master:
+        print(f"step {step} loss {loss_accum.item():.6f}", flush=True)
+
+if dist.is_initialized():
+    dist.destroy_process_group()

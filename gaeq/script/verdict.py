@@ -1,0 +1,69 @@
+"""What a script cell's probe saw, against its baseline's, before any number is compared: the same
+samples in every optimizer step, the same initial weights, the same calls per optimizer step. Each
+check gives its first divergence (step, reason); the trace comparison takes them as metrics
+(gaeq.results.compare.METRICS: data, then init, then events, then the numbers)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+from gaeq.script.contract import PROBE_FILE
+
+EVENTS = {
+    "optimizer_step": "optimizer.step()",
+    "clip": "clip_grad_norm_",
+    "zero_grad": "zero_grad()",
+    "scheduler": "scheduler.step()",
+}
+"""The calls counted per optimizer step (backward calls are the split's: GA per rank, checked first)."""
+
+
+def read_probe(cell_dir: Path) -> dict | None:
+    path = Path(cell_dir) / PROBE_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def script_checks(base: dict, cell: dict) -> dict[str, tuple[int, str] | None]:
+    """Each check's first divergence of `cell`'s probe from `base`'s (None: none): data, init, events."""
+    found: dict[str, tuple[int, str] | None] = dict.fromkeys(("data", "init", "events"))
+    steps = list(zip(base["steps"], cell["steps"]))
+    for b, c in steps:
+        if (why := _samples_differ(b["samples"], c["samples"])) is not None:
+            found["data"] = (c["step"], f"the data of step {c['step']}: {why}")
+            break
+    if base["initial"] != cell["initial"]:
+        found["init"] = (
+            0,
+            "the initial weights differ from the baseline's: the model's init depends on the rank or the split "
+            "(seed before building it, the same seed on every rank)",
+        )
+    for b, c in steps:
+        for event, call in EVENTS.items():
+            theirs, ours = b["events"].get(event, 0), c["events"].get(event, 0)
+            if theirs != ours:
+                found["events"] = (
+                    c["step"],
+                    f"{call} called {ours}× in optimizer step {c['step']}, the baseline {theirs}× "
+                    f"({'once per micro-step' if ours > theirs else 'not'} where the baseline calls it once per step?)",
+                )
+                break
+        if found["events"] is not None:
+            break
+    return found
+
+
+def _samples_differ(base: list[str], cell: list[str]) -> str | None:
+    """How one step's samples differ from the baseline's (None: the same multiset)."""
+    if base == cell:
+        return None
+    theirs, ours = Counter(base), Counter(cell)
+    missing, extra = sum((theirs - ours).values()), sum((ours - theirs).values())
+    twice = sum(n - 1 for n in ours.values() if n > 1)
+    why = f"{missing} of the baseline's {len(base)} samples missing, {extra} others in their place"
+    if twice:
+        why += f", {twice} sample(s) seen twice — ranks drawing overlapping shards (a sampler seeded per rank?)"
+    else:
+        why += " (a sampler, shard or RNG that depends on the split?)"
+    return why
