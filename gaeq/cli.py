@@ -58,7 +58,7 @@ def validate(matrix: Annotated[Path, typer.Argument(help="Matrix YAML file.")]) 
         from gaeq.script.launch import script_command
 
         for cell in m.runnable():
-            command = script_command(cell, m.problem, out=Path("RUN_DIR", "cells", cell.id), port=0)
+            command = script_command(cell, m.problem, out=Path("RUN_DIR", "cells", cell.id))
             script = " ".join(command[command.index("gaeq.script.attach") + 1 :])
             console.print(f"  {cell.id}: torchrun --nproc_per_node {cell.world_size} {script}", soft_wrap=True)
     from gaeq.audit import audit as audit_config

@@ -28,8 +28,9 @@ LOG_FILE = "script.log"
 DEEPSPEED_CONFIG_FILE = "ds_config.json"
 
 
-def script_command(cell: Cell, problem: ProblemSpec, *, out: Path, port: int) -> list[str]:
-    """What runs the cell: the user's launcher on ``-m gaeq.script.attach SCRIPT ARGS``."""
+def script_command(cell: Cell, problem: ProblemSpec, *, out: Path) -> list[str]:
+    """What every rank of the cell runs: ``python -m gaeq.script.attach SCRIPT ARGS`` (the script as
+    ``python SCRIPT ARGS`` would run it, the probe loaded first), its arguments filled for the split."""
     script = problem.script
     values = {
         "micro_batch_size": cell.micro_batch_size,
@@ -42,13 +43,35 @@ def script_command(cell: Cell, problem: ProblemSpec, *, out: Path, port: int) ->
         "cell_dir": out,
     }
     args = [fill(a, values) for a in (*script.args, *cell.script_args)]
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node"]
-    launcher += [str(cell.world_size), "--master_addr", "127.0.0.1", "--master_port", str(port), "-m"]
-    return [*launcher, "gaeq.script.attach", script.path, *args]
+    return [sys.executable, "-m", "gaeq.script.attach", script.path, *args]
+
+
+def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """What torchrun sets for each worker it starts on one node: a script may read any of it, and
+    ``init_process_group`` meets at MASTER_ADDR:MASTER_PORT, where rank 0 serves the store (gaeq
+    starts the ranks itself, without torchrun's agent, which would import torch once more per cell)."""
+    return {
+        **dict.fromkeys(("RANK", "LOCAL_RANK", "ROLE_RANK"), str(rank)),
+        **dict.fromkeys(("WORLD_SIZE", "LOCAL_WORLD_SIZE", "ROLE_WORLD_SIZE"), str(world_size)),
+        "GROUP_WORLD_SIZE": "1",
+        "GROUP_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "ROLE_NAME": "default",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_RUN_ID": "gaeq",
+        "OMP_NUM_THREADS": "1",  # as torchrun sets it for more than one worker (and one rank per core here)
+    }
+
+
+def rank_log(out: Path, rank: int) -> Path:
+    return out / (LOG_FILE if rank == 0 else f"script-rank{rank}.log")
 
 
 def run_script_cell(cell: Cell, problem: ProblemSpec, opts: RunOptions) -> CellOutcome:
-    """Launch the cell, wait for it (at most the matrix's timeout_s), and say how it ended."""
+    """Start the cell's ranks, wait for them (at most the matrix's timeout_s; a rank that fails stops
+    the others), and say how the cell ended."""
     out = cell_dir(opts.run_dir, cell.id)
     out.mkdir(parents=True, exist_ok=True)
     if problem.script.deepspeed_config is not None:
@@ -56,29 +79,36 @@ def run_script_cell(cell: Cell, problem: ProblemSpec, opts: RunOptions) -> CellO
 
         config, _ = split_config(problem.script.deepspeed_config, cell)
         atomic_write(out / DEEPSPEED_CONFIG_FILE, json.dumps(config, indent=1))
-    cmd = script_command(cell, problem, out=out, port=free_port())
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **problem.script.env}
-    env[ENV] = json.dumps({"out": str(out), "steps": problem.steps})
+    cmd, port = script_command(cell, problem, out=out), free_port()
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        **problem.script.env,
+        ENV: json.dumps({"out": str(out), "steps": problem.steps}),
+    }
     opts.on_event(Event(kind=EventKind.START, world_size=cell.world_size, cell_id=cell.id))
     started = time.perf_counter()
-    with (out / LOG_FILE).open("wb") as log:
-        # Its own session: a stalled or interrupted launch is killed with every rank it started.
-        proc = subprocess.Popen(
-            cmd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            cwd=problem.script.cwd,
-            env=env,
-            start_new_session=True,
-            preexec_fn=lifeline.die_with_parent(),
-        )
+    procs = []
     try:
-        code = proc.wait(timeout=opts.timeout_s)
-    except subprocess.TimeoutExpired:
-        code = None
+        for rank in range(cell.world_size):
+            with rank_log(out, rank).open("wb") as log:
+                # Its own session: whatever the script starts dies with it when it is stopped.
+                procs.append(
+                    subprocess.Popen(
+                        cmd,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        cwd=problem.script.cwd,
+                        env=env | rank_env(rank, cell.world_size, port),
+                        start_new_session=True,
+                        preexec_fn=lifeline.die_with_parent(),
+                    )
+                )
+        code = _wait(procs, timeout_s=opts.timeout_s)
     finally:
-        _stop(proc)
+        for proc in procs:
+            _stop(proc)
     seconds = time.perf_counter() - started
     why = _why_not_done(cell, problem, out=out, code=code, timeout_s=opts.timeout_s)
     if why is not None:
@@ -86,7 +116,7 @@ def run_script_cell(cell: Cell, problem: ProblemSpec, opts: RunOptions) -> CellO
             cell.id,
             why,
             run_dir=opts.run_dir,
-            logs=[out / LOG_FILE],
+            logs=[rank_log(out, r) for r in range(cell.world_size)],
             seconds=seconds,
             world_size=cell.world_size,
             on_event=opts.on_event,
@@ -100,6 +130,21 @@ def run_script_cell(cell: Cell, problem: ProblemSpec, opts: RunOptions) -> CellO
     write_outcome(out, outcome)
     opts.on_event(Event(kind=EventKind.END, world_size=cell.world_size, cell_id=cell.id, outcome=outcome))
     return outcome
+
+
+def _wait(procs: list[subprocess.Popen], *, timeout_s: float) -> int | None:
+    """The ranks' exit code (the first non-zero one, else 0), or None when they ran past `timeout_s`.
+    A rank that fails leaves its peers blocked in a collective: they get a moment, then are stopped."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            return next((c for c in codes if c), 0)
+        if failed := next((c for c in codes if c), None):
+            time.sleep(2.0)  # its peers' own errors reach their logs
+            return failed
+        time.sleep(0.1)
+    return None
 
 
 def _why_not_done(cell: Cell, problem: ProblemSpec, *, out: Path, code: int | None, timeout_s: float) -> str | None:

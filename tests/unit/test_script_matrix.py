@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from gaeq.matrix import MatrixError, load_matrix
-from gaeq.script.launch import ran_another_split, script_command
+from gaeq.script.launch import ran_another_split, rank_env, script_command
 from gaeq.script.verdict import script_checks
 from tests.conftest import REPO
 
@@ -38,9 +38,11 @@ def test_a_script_matrix_runs_the_script_in_every_cell_with_the_split_filled_in(
     ]
     assert m.problem.script.path == str(SCRIPT) and m.problem.script.cwd == str(SCRIPT.parent)
     control = next(c for c in m.cells if c.script_args)
-    cmd = script_command(control, m.problem, out=tmp_path / "c", port=29500)
-    assert cmd[-6:] == [str(SCRIPT), "--batch_size=2", "--accum", "4", "--bug", "x"]
-    assert cmd[cmd.index("--nproc_per_node") + 1] == "2" and "gaeq.script.attach" in cmd
+    cmd = script_command(control, m.problem, out=tmp_path / "c")
+    assert cmd[1:] == ["-m", "gaeq.script.attach", str(SCRIPT), "--batch_size=2", "--accum", "4", "--bug", "x"]
+    # each rank's environment is what torchrun gives its workers
+    env = rank_env(1, 2, 29500)
+    assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["MASTER_PORT"]) == ("1", "1", "2", "29500")
     # the run directory's copy of the matrix runs from anywhere: absolute paths, explicit trainers
     assert m.source["problem"]["script"]["path"] == str(SCRIPT) and m.source["baseline"]["trainer"] == "script"
 
@@ -102,3 +104,29 @@ def test_a_script_that_ignores_the_split_is_told_so(tmp_path):
     )
     assert "ignored {grad_accum_steps}: 1 backward call(s)" in ran_another_split(cell, first | {"backward": [1, 1]})
     assert ran_another_split(cell, first | {"world_size": 1}) == "your script ran 1 ranks, the cell 2"
+
+
+def test_a_script_that_stops_short_is_an_error_that_says_where(tmp_path):
+    """What the launch concludes from what the probe left (gaeq.script.launch._why_not_done)."""
+    import json
+
+    from gaeq.script.launch import _why_not_done
+
+    m = script_matrix(tmp_path)
+    cell, out = m.cells[0], tmp_path / "cell"
+    out.mkdir()
+    assert _why_not_done(cell, m.problem, out=out, code=None, timeout_s=60) == (
+        "timed out: the script ran for 60 s without finishing its 3 steps"
+    )
+    assert "before gaeq's probe started" in _why_not_done(cell, m.problem, out=out, code=1, timeout_s=60)
+    (out / "probe.json").write_text(json.dumps({"steps": [], "initial": None}))
+    assert _why_not_done(cell, m.problem, out=out, code=0, timeout_s=60).startswith(
+        "no optimizer step seen (the script exited with code 0): is its training loop behind an argument"
+    )
+    first = {"step": 0, "world_size": 1, "rows": [[16]], "backward": [1]}
+    (out / "probe.json").write_text(json.dumps({"steps": [first], "initial": "aa"}))
+    assert _why_not_done(cell, m.problem, out=out, code=0, timeout_s=60) == (
+        "the script stopped after 1 of 3 optimizer steps (exit code 0)"
+    )
+    (out / "trace.jsonl").write_text("")
+    assert _why_not_done(cell, m.problem, out=out, code=0, timeout_s=60) is None  # the split it ran is the cell's
