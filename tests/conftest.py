@@ -57,6 +57,29 @@ def default_run(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def your_script_run(tmp_path_factory):
+    """experiments/your_script.yaml's corners, once per session: its script at world 2 against the
+    baseline, and one mistake per level (data, events, numbers) — tests/integration/test_your_script.py
+    checks it, notebook 05 re-judges it (GAEQ_YOUR_SCRIPT_RUN) instead of launching it again."""
+    import yaml
+
+    from tests.helpers import gaeq_run_here
+
+    spec = yaml.safe_load((REPO / "experiments" / "your_script.yaml").read_text())
+    spec["script"]["path"] = str(REPO / "experiments" / "scripts" / "ddp_manual.py")
+    spec |= {"steps": 3, "train_batch_size": 16, "noise_floor": False}
+    spec["axes"] = {"world_size": [2], "micro_batch_size": [4]}
+    spec["cells"] = [
+        {"world_size": 2, "micro_batch_size": 4, "args": ["--bug", bug], "expect": "diverge"}
+        for bug in ("sampler_seeded_by_rank", "clip_every_micro_step", "token_count_averaged_twice")
+    ]
+    folder = tmp_path_factory.mktemp("your_script")
+    (folder / "your_script.yaml").write_text(yaml.safe_dump(spec))
+    proc, report, tag = gaeq_run_here(folder / "your_script.yaml", folder / "run")
+    return proc, report, tag, folder / "run"
+
+
+@pytest.fixture(scope="session")
 def universal_run(tmp_path_factory):
     """`gaeq run experiments/universal.yaml`, once per session: tests/integration/test_universal.py
     checks it, notebook 3 (whose resize experiment is a part of it) re-judges it (GAEQ_UNIVERSAL_RUN)."""

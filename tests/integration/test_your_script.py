@@ -6,26 +6,16 @@ file, 10 cells, runs in docs/your-setup.md's "Check your own script".)"""
 from __future__ import annotations
 
 import pytest
-import yaml
 
-from tests.conftest import REPO
-from tests.helpers import cells_by_id, gaeq_run_here
+from tests.helpers import cells_by_id
 
 pytestmark = pytest.mark.integration
 
 
-def test_a_users_script_matches_across_world_sizes_and_its_mistakes_are_caught_where_they_are_made(tmp_path):
-    spec = yaml.safe_load((REPO / "experiments" / "your_script.yaml").read_text())
-    spec["script"]["path"] = str(REPO / "experiments" / "scripts" / "ddp_manual.py")
-    spec |= {"steps": 3, "train_batch_size": 16, "noise_floor": False}
-    spec["axes"] = {"world_size": [2], "micro_batch_size": [4]}
-    spec["cells"] = [
-        {"world_size": 2, "micro_batch_size": 4, "args": ["--bug", bug], "expect": "diverge"}
-        for bug in ("sampler_seeded_by_rank", "clip_every_micro_step", "token_count_averaged_twice")
-    ]
-    matrix, out = tmp_path / "mine.yaml", tmp_path / "run"
-    matrix.write_text(yaml.safe_dump(spec))
-    proc, report, _ = gaeq_run_here(matrix, out)
+def test_a_users_script_matches_across_world_sizes_and_its_mistakes_are_caught_where_they_are_made(
+    your_script_run,
+):
+    proc, report, _, _ = your_script_run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     cells = cells_by_id(report)
     clean = cells["script-w2-mb4-ga2"]

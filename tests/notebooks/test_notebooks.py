@@ -13,9 +13,9 @@ from tests.conftest import REPO
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 
 
-def test_there_are_four_notebooks_linked_from_the_readme():
+def test_there_are_five_notebooks_linked_from_the_readme():
     readme = (REPO / "README.md").read_text()
-    assert len(NOTEBOOKS) == 4
+    assert len(NOTEBOOKS) == 5
     for nb in NOTEBOOKS:
         assert f"notebooks/{nb.name}" in readme, f"README does not link {nb.name}"
 
@@ -28,9 +28,13 @@ def test_outputs_are_stripped_in_git(path):
             assert cell["outputs"] == [] and cell["execution_count"] is None, f"{path.name}: strip the outputs"
 
 
-SHARED = {"03_changing_world_size": ("universal_run", "GAEQ_UNIVERSAL_RUN"), "04_pitfalls": ("pitfalls_run", "GAEQ_PITFALLS_RUN")}
-"""Notebooks 3 and 4 re-judge the suite's own runs of experiments/universal.yaml and pitfalls.yaml
-(they say so) instead of training them again."""
+SHARED = {
+    "03_changing_world_size": ("universal_run", "GAEQ_UNIVERSAL_RUN"),
+    "04_pitfalls": ("pitfalls_run", "GAEQ_PITFALLS_RUN"),
+    "05_your_own_script": ("your_script_run", "GAEQ_YOUR_SCRIPT_RUN"),
+}
+"""Notebooks 3, 4 and 5 re-judge the suite's own runs of experiments/universal.yaml, pitfalls.yaml and
+your_script.yaml's corners (they say so) instead of training them again."""
 
 
 def execute(path):
@@ -47,7 +51,7 @@ def execute(path):
 
 @pytest.fixture(scope="session")
 def executed(request, tmp_path_factory):
-    """Every notebook executed once for the session, all four side by side, each in a kernel of its
+    """Every notebook executed once for the session, all side by side, each in a kernel of its
     own: notebook 2's world-2 DeepSpeed group overlaps the others' imports and judging, which was
     measured faster than running it after them (docs/tests.md)."""
     from concurrent.futures import ThreadPoolExecutor
