@@ -226,16 +226,21 @@ def _judge_cell(
         return Verdict.ERROR, f"unreadable or incomplete results: {exc}", None
     reason = "baseline" if cell.id == base_id else comparison.reason
     if comparison.verdict == Verdict.DIVERGE:
-        reason += _dropout_note((outcome.ran or {}).get("dropout"))
+        reason += _dropout_note((outcome.ran or {}).get("dropout"), script=TRAINERS[cell.trainer].script)
     return comparison.verdict, reason, comparison
 
 
-def _dropout_note(dropout: Mapping[str, float] | None) -> str:
-    """Why a transformers model with dropout diverges: its config's masks come from torch's global
-    RNG, which the split changes (gaeq keeps a config's dropouts as given)."""
+def _dropout_note(dropout: Mapping[str, float] | None, *, script: bool = False) -> str:
+    """Why a model with dropout diverges: its masks come from torch's global RNG, which the split
+    changes (gaeq keeps a transformers config's dropouts as given; a script's are its own)."""
     if not dropout:
         return ""
     knobs = ", ".join(f"{key}={p:g}" for key, p in dropout.items())
+    if script:
+        return (
+            f" — your model has active dropout ({knobs}): torch's global RNG draws its masks, so they depend on "
+            "the split; set p to 0 for the check to compare accumulation"
+        )
     return (
         f" — the model's config has dropout ({knobs}): torch's global RNG draws its masks, so they depend on "
         "the split; set them to 0 in model.config to compare accumulation"

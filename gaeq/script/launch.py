@@ -124,6 +124,8 @@ def run_script_cell(cell: Cell, problem: ProblemSpec, opts: RunOptions) -> CellO
     facts = json.loads((out / PROBE_FILE).read_text())
     ran = {"world_size": cell.world_size, "command": " ".join(cmd[cmd.index("gaeq.script.attach") + 1 :])}
     ran |= {"versions": facts.get("versions", {})}
+    if facts.get("dropout"):  # the verdict names it when the cell diverges (report._dropout_note)
+        ran["dropout"] = facts["dropout"]
     if code != 0:
         ran["exit"] = f"exited with code {code} after its last recorded step (a crash at exit: noted, not an error)"
     outcome = CellOutcome(status="done", seconds=seconds, ran=ran)

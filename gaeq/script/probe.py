@@ -46,6 +46,8 @@ class Probe:
         self.model: torch.nn.Module | None = None
         """The outermost module of the first training forward (DDP's wrapper, if there is one)."""
         self.initial: str | None = None
+        self.dropout: dict[str, float] = {}
+        """The model's dropout modules active in its first training forward: name → p."""
         self.record: list[dict[str, Any]] = []
         self._depth = 0
         self._outer: torch.nn.Module | None = None
@@ -121,7 +123,9 @@ class Probe:
         self._depth -= 1
         if self._depth or module is not self._outer or not torch.is_grad_enabled():
             return  # an inner module, or an evaluation forward
-        self.model = self.model or module
+        if self.model is None:
+            self.model = module
+            self.dropout = active_dropout(module)
         tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.ndim > 0]
         if not tensors:
             return
@@ -213,7 +217,8 @@ class Probe:
         from gaeq.results.trace import StepRecord, TraceWriter
 
         self.out.mkdir(parents=True, exist_ok=True)
-        facts = {"steps": self.record, "initial": self.initial, "complete": complete, "versions": _versions()}
+        facts = {"steps": self.record, "initial": self.initial, "dropout": self.dropout, "complete": complete}
+        facts["versions"] = _versions()
         atomic_write(self.out / PROBE_FILE, json.dumps(facts))
         if not complete:
             return
@@ -232,6 +237,16 @@ class Probe:
                 )
             )
         writer.close()
+
+
+def active_dropout(model: torch.nn.Module) -> dict[str, float]:
+    """Dropout modules in training mode with p > 0: their masks come from torch's global RNG, which
+    draws them for other rows in every split — a split-dependent update, named in the verdict."""
+    return {
+        name or type(m).__name__: float(m.p)
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.training and m.p > 0
+    }
 
 
 def _norm(grads: list[torch.Tensor]) -> float:
