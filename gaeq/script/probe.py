@@ -7,7 +7,8 @@ writes, per optimizer step, what was really optimised and on which data.
   the step's micro-steps and averaged over ranks as DDP averages gradients — a missing ÷ GA shows
   as × GA even when the logged loss looks right;
 - **the grad norm before clipping**, in float64, from the outermost module's gradients at the first
-  ``clip_grad_norm_`` of the step (or at the optimizer step when nothing clips);
+  ``clip_grad_norm_`` of the step (or at the optimizer step when nothing clips) — a DeepSpeed engine's
+  own (``get_global_grad_norm``: it clips inside its step, and ZeRO ≥ 1 keeps no ``.grad``);
 - **events**: backward, clip, zero_grad, scheduler and optimizer-step calls per optimizer step;
 - **the data**: a fingerprint of every row the outermost module's training forward receives (its
   tensor arguments' rows hashed together), gathered over ranks — each step's multiset of samples;
@@ -148,6 +149,11 @@ class Probe:
 
     def _after_step(self, optimizer, args, kwargs) -> None:
         self.events["optimizer_step"] += 1
+        # A DeepSpeed engine (the outermost module) clips inside its step and, at ZeRO ≥ 1, keeps no
+        # gradient in .grad: the norm it computed before clipping is the one to compare.
+        engine_norm = getattr(self.model, "get_global_grad_norm", None)
+        if callable(engine_norm) and (norm := engine_norm()) is not None:
+            self.grad_norm = float(norm)
         mine = {
             "losses": self.losses,
             "rows": self.rows,

@@ -1,0 +1,98 @@
+"""A user's script checked across splits: gaeq against the launches a user would make by hand.
+
+    python benchmarks/script_speed.py [--steps 6]
+
+Eight splits of experiments/scripts/ddp_manual.py at a global batch of 32 (world 1: micro 4, 8, 16,
+32; world 2: micro 2, 4, 8, 16): once through `gaeq run` (the script unchanged, every rank probed,
+compared with the baseline), once as eight plain `torchrun` launches of the script. Prints both wall
+times and the issue's target: eight splits through gaeq in less wall time than three plain launches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "experiments" / "scripts" / "ddp_manual.py"
+SPLITS = [(1, 4), (1, 8), (1, 16), (1, 32), (2, 2), (2, 4), (2, 8), (2, 16)]
+BATCH = 32
+
+
+def through_gaeq(steps: int, out: Path) -> float:
+    spec = {
+        "name": "script_speed",
+        "script": {
+            "path": str(SCRIPT),
+            "args": [
+                "--batch_size",
+                "{micro_batch_size}",
+                "--grad_accum",
+                "{grad_accum_steps}",
+                "--max_steps",
+                "{steps}",
+            ],
+        },
+        "steps": steps,
+        "train_batch_size": BATCH,
+        "noise_floor": False,  # the eight splits only (the baseline is one of them)
+        "cells": [{"world_size": w, "micro_batch_size": m} for w, m in SPLITS],
+    }
+    matrix = out / "speed.yaml"
+    matrix.write_text(yaml.safe_dump(spec))
+    started = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "gaeq", "run", "--matrix", str(matrix), "--out", str(out / "run")],
+        capture_output=True,
+        text=True,
+    )
+    seconds = time.perf_counter() - started
+    if proc.returncode != 0:
+        sys.exit(f"gaeq run failed ({proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    return seconds
+
+
+def plain_launches(steps: int) -> list[float]:
+    times = []
+    for world, micro in SPLITS:
+        ga = BATCH // (world * micro)
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(world),
+            str(SCRIPT),
+        ]
+        cmd += ["--batch_size", str(micro), "--grad_accum", str(ga), "--max_steps", str(steps)]
+        started = time.perf_counter()
+        subprocess.run(cmd, check=True, capture_output=True, cwd=SCRIPT.parent)
+        times.append(time.perf_counter() - started)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=6)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="gaeq-script-speed-") as folder:
+        gaeq = through_gaeq(args.steps, Path(folder))
+    plain = plain_launches(args.steps)
+    per_launch = sum(plain) / len(plain)
+    print(f"8 splits through gaeq run: {gaeq:.1f} s ({gaeq / len(SPLITS):.2f} s a split, probed and judged)")
+    print(f"8 plain torchrun launches: {sum(plain):.1f} s ({per_launch:.2f} s a launch, nothing compared)")
+    print(
+        f"gaeq's 8 splits = {gaeq / per_launch:.1f} plain launches (target: fewer than 3 — "
+        f"{'met' if gaeq < 3 * per_launch else 'missed'})"
+    )
+
+
+if __name__ == "__main__":
+    main()
