@@ -154,4 +154,5 @@ for step in range(args.max_steps):
         print(f"step {step} loss {loss_accum.item():.6f}", flush=True)
 
 if dist.is_initialized():
+    dist.barrier()  # let every rank finish before tearing gloo down (else rare 'terminate called' aborts)
     dist.destroy_process_group()

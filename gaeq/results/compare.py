@@ -32,9 +32,10 @@ class Verdict(Name):
     """It cannot run here (its reason says why)."""
 
 
-METRICS = ("data", "init", "events", "grads", "params", "skipped", "loss", "grad_norm", "lr")
+METRICS = ("split", "data", "init", "events", "grads", "params", "skipped", "loss", "grad_norm", "lr")
 """What can be compared at every step, in the order a tie is reported: what a script's probe saw
-first (other samples, other initial weights, other calls explain every number after them); then
+first (another split than the cell's, other samples, other initial weights, other calls explain
+every number after them); then
 tensors, because they localise a divergence to one parameter; then an fp16 update skipped on one
 side only, because it explains the rest."""
 

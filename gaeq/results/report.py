@@ -211,7 +211,7 @@ def _judge_cell(
         checks = None
         if TRAINERS[cell.trainer].script:  # what the probe saw in the user's script, before the numbers
             base_probe, probe = (read_probe(cell_dir(traces.run_dir, i)) for i in (base_id, cell.id))
-            checks = script_checks(base_probe, probe) if base_probe and probe else None
+            checks = script_checks(base_probe, probe, split=cell) if base_probe and probe else None
         comparison = compare_traces(
             traces.get(base_id),
             traces.get(cell.id),

@@ -151,9 +151,8 @@ class Probe:
         self.events["optimizer_step"] += 1
         # A DeepSpeed engine (the outermost module) clips inside its step and, at ZeRO ≥ 1, keeps no
         # gradient in .grad: the norm it computed before clipping is the one to compare.
-        engine_norm = getattr(self.model, "get_global_grad_norm", None)
-        if callable(engine_norm) and (norm := engine_norm()) is not None:
-            self.grad_norm = float(norm)
+        if (norm := _engine_norm(self.model)) is not None:
+            self.grad_norm = norm
         mine = {
             "losses": self.losses,
             "rows": self.rows,
@@ -253,6 +252,17 @@ def active_dropout(model: torch.nn.Module) -> dict[str, float]:
         for name, m in model.named_modules()
         if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.training and m.p > 0
     }
+
+
+def _engine_norm(model: torch.nn.Module | None) -> float | None:
+    """A DeepSpeed engine's global grad norm of this step, before clipping: its ZeRO optimizer's
+    (computed before it steps the optimizer whose hook asks), else the engine's own (ZeRO-0)."""
+    zero = getattr(getattr(model, "optimizer", None), "_global_grad_norm", None)
+    if zero is not None:
+        return float(zero)
+    engine = getattr(model, "get_global_grad_norm", None)
+    norm = engine() if callable(engine) else None
+    return None if norm is None else float(norm)
 
 
 def _norm(grads: list[torch.Tensor]) -> float:

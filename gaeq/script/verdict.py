@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 from gaeq.script.contract import PROBE_FILE
 
@@ -25,9 +26,12 @@ def read_probe(cell_dir: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def script_checks(base: dict, cell: dict) -> dict[str, tuple[int, str] | None]:
-    """Each check's first divergence of `cell`'s probe from `base`'s (None: none): data, init, events."""
-    found: dict[str, tuple[int, str] | None] = dict.fromkeys(("data", "init", "events"))
+def script_checks(base: dict, cell: dict, *, split: Any = None) -> dict[str, tuple[int, str] | None]:
+    """Each check's first divergence of `cell`'s probe from `base`'s (None: none): the split it really
+    ran (against the cell `split`, when given), then data, init, events."""
+    found: dict[str, tuple[int, str] | None] = dict.fromkeys(("split", "data", "init", "events"))
+    if split is not None and cell["steps"] and (why := ran_another_split(split, cell["steps"][0])):
+        found["split"] = (0, why)
     steps = list(zip(base["steps"], cell["steps"]))
     for b, c in steps:
         if (why := _samples_differ(b["samples"], c["samples"])) is not None:
@@ -67,3 +71,22 @@ def _samples_differ(base: list[str], cell: list[str]) -> str | None:
     else:
         why += " (a sampler, shard or RNG that depends on the split?)"
     return why
+
+
+def ran_another_split(cell: Any, first: dict) -> str | None:
+    """The split the script really ran at its first optimizer step, against the cell's."""
+    if first["world_size"] != cell.world_size:
+        return f"your script ran {first['world_size']} ranks, the cell {cell.world_size}"
+    rows = {r for ranks in first["rows"] for r in ranks}
+    if rows != {cell.micro_batch_size}:
+        ran = ", ".join(map(str, sorted(rows))) or "no forward pass gaeq could see"
+        return (
+            f"your script ignored {{micro_batch_size}}: it ran micro-batches of {ran}, the cell {cell.micro_batch_size}"
+        )
+    if set(first["backward"]) != {cell.grad_accum_steps}:
+        ran = ", ".join(map(str, sorted(set(first["backward"]))))
+        return (
+            f"your script ignored {{grad_accum_steps}}: {ran} backward call(s) in its first optimizer step, the cell "
+            f"{cell.grad_accum_steps}"
+        )
+    return None

@@ -7,8 +7,8 @@ import pytest
 import yaml
 
 from gaeq.matrix import MatrixError, load_matrix
-from gaeq.script.launch import ran_another_split, rank_env, script_command
-from gaeq.script.verdict import script_checks
+from gaeq.script.launch import rank_env, script_command
+from gaeq.script.verdict import ran_another_split, script_checks
 from tests.conftest import REPO
 
 SCRIPT = REPO / "experiments" / "scripts" / "ddp_manual.py"
@@ -78,7 +78,7 @@ def probe(samples, *, initial="aa", events=None, steps=2):
 def test_the_probes_are_compared_data_then_init_then_events():
     base = probe([["a", "b", "c", "d"], ["e", "f", "g", "h"]])
     assert script_checks(base, probe([["d", "c", "b", "a"][::-1], ["e", "f", "g", "h"]])) == dict.fromkeys(
-        ("data", "init", "events")
+        ("split", "data", "init", "events")
     )  # the same multiset, whatever the order
     other = script_checks(base, probe([["a", "b", "c", "d"], ["e", "e", "g", "x"]], initial="bb"))
     assert other["data"] == (1, "the data of step 1: 2 of the baseline's 4 samples missing, 2 others in their "
@@ -142,3 +142,18 @@ def test_active_dropout_is_named_and_a_diverging_script_cell_says_so():
     assert active_dropout(model) == {"1": 0.1}  # p = 0 draws no mask
     assert active_dropout(model.eval()) == {}  # nor does a module in eval mode
     assert _dropout_note({"1": 0.1}, script=True).startswith(" — your model has active dropout (1=0.1)")
+
+
+def test_a_deepspeed_engines_norm_is_its_zero_optimizers_then_its_own():
+    """DeepSpeed clips inside its step and keeps no .grad at ZeRO ≥ 1: the probe asks the engine (the
+    outermost module) — its ZeRO optimizer's norm of this step, computed before the inner optimizer's
+    step hook fires, else the engine's own; a plain module has neither."""
+    from types import SimpleNamespace
+
+    from gaeq.script.probe import _engine_norm
+
+    assert _engine_norm(SimpleNamespace(optimizer=SimpleNamespace(_global_grad_norm=0.5))) == 0.5
+    engine = SimpleNamespace(optimizer=SimpleNamespace(), get_global_grad_norm=lambda: 0.25)
+    assert _engine_norm(engine) == 0.25
+    assert _engine_norm(SimpleNamespace(get_global_grad_norm=lambda: None)) is None
+    assert _engine_norm(None) is None
