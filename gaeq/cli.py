@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import sys
 from pathlib import Path
 from typing import Annotated, NoReturn
 
 import typer
+import yaml
 from rich.console import Console
 from rich.markup import escape
 
@@ -193,6 +195,43 @@ def run(
         soft_wrap=True,
     )
     raise typer.Exit(code)
+
+
+SPLIT = re.compile(r"^w(\d+):mb(\d+)$")
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def check(
+    ctx: typer.Context,
+    script: Annotated[Path, typer.Argument(help="Your training script.")],
+    split: Annotated[
+        list[str], typer.Option("--split", help="A split to check, e.g. w2:mb4 (world 2, micro batch 4); repeatable.")
+    ],
+    batch: Annotated[int, typer.Option("--batch", min=1, help="The global batch (train_batch_size).")],
+    steps: Annotated[int, typer.Option("--steps", min=1, help="Optimizer steps compared.")] = 5,
+    out: Annotated[Path | None, typer.Option("--out", help="Run directory. Default: runs/check-<time>.")] = None,
+) -> None:
+    """Your training script, unchanged, under each split: `gaeq check train.py --batch 32 --split w1:mb4
+    --split w2:mb4 -- --batch_size {micro_batch_size} --grad_accum {grad_accum_steps}`. The arguments
+    after `--` are the script's ({name} filled per split); a script matrix is written for you into the
+    run directory and run as `gaeq run` runs one (baseline: world 1, the whole batch at once)."""
+    cells = []
+    for given in split:
+        if not (found := SPLIT.match(given)):
+            _bad_input(f"--split {given}: write it as w<world size>:mb<micro batch>, e.g. w2:mb4")
+        cells.append({"world_size": int(found[1]), "micro_batch_size": int(found[2])})
+    spec = {
+        "name": "check",
+        "script": {"path": str(script.resolve()), "args": list(ctx.args)},
+        "steps": steps,
+        "train_batch_size": batch,
+        "cells": cells,
+    }
+    out = out or api.new_run_dir("check")
+    out.mkdir(parents=True, exist_ok=True)
+    matrix = out / "check.yaml"
+    atomic_write(matrix, yaml.safe_dump(spec, sort_keys=False))
+    run(matrix=matrix, out=out)
 
 
 def _print_overrides(m: Matrix) -> None:

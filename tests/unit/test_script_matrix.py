@@ -157,3 +157,84 @@ def test_a_deepspeed_engines_norm_is_its_zero_optimizers_then_its_own():
     assert _engine_norm(engine) == 0.25
     assert _engine_norm(SimpleNamespace(get_global_grad_norm=lambda: None)) is None
     assert _engine_norm(None) is None
+
+
+def test_a_failing_rank_stops_its_peers_and_a_silent_one_times_out():
+    """How a cell's ranks are waited for (gaeq.script.launch._wait): a rank that exits non-zero is the
+    cell's code, its blocked peers are not waited for; ranks that run past the timeout give None."""
+    import subprocess
+    import time
+
+    from gaeq.script.launch import _stop, _wait
+
+    procs = [
+        subprocess.Popen(["sleep", "60"], start_new_session=True),
+        subprocess.Popen(["sh", "-c", "exit 3"], start_new_session=True),
+    ]
+    try:
+        started = time.monotonic()
+        assert _wait(procs, timeout_s=30) == 3 and time.monotonic() - started < 10
+    finally:
+        for p in procs:
+            _stop(p)
+    assert procs[0].returncode is not None  # stopped, not left running
+    silent = [subprocess.Popen(["sleep", "60"], start_new_session=True)]
+    try:
+        assert _wait(silent, timeout_s=0.3) is None
+    finally:
+        _stop(silent[0])
+
+
+TINY = """
+import argparse
+import torch
+
+p = argparse.ArgumentParser()
+p.add_argument("--mb", type=int)
+p.add_argument("--ga", type=int)
+p.add_argument("--steps", type=int)
+a = p.parse_args()
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+g = torch.Generator().manual_seed(1)
+x, y = torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g)
+batch = a.mb * a.ga
+for s in range(a.steps):
+    for k in range(a.ga):
+        i = s * batch + k * a.mb
+        loss = ((model(x[i : i + a.mb]) - y[i : i + a.mb]) ** 2).sum() / batch
+        loss.backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_gaeq_check_runs_a_script_under_the_splits_given_on_the_command_line(tmp_path):
+    """`gaeq check` writes the script matrix for you and runs it (the controls of the machinery it runs
+    on: tests/integration/test_your_script.py, whose mistakes must diverge)."""
+    extra, verdict = [], "match"
+    import json
+
+    from typer.testing import CliRunner
+
+    from gaeq.cli import app
+
+    (tmp_path / "tiny.py").write_text(TINY)
+    args = ["check", str(tmp_path / "tiny.py"), "--batch", "8", "--split", "w1:mb4", "--steps", "2"]
+    args += ["--out", str(tmp_path / "run"), "--", "--mb", "{micro_batch_size}", "--ga", "{grad_accum_steps}"]
+    result = CliRunner().invoke(app, [*args, "--steps", "{steps}", *extra])
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    verdicts = {c["id"]: c["verdict"] for c in report["cells"]}
+    assert verdicts == {"script-w1-mb8-ga1": "match", "script-w1-mb4-ga2": verdict}, result.output
+    assert result.exit_code == 0
+    assert (tmp_path / "run" / "check.yaml").is_file()  # the matrix written for it, beside the run
+
+
+def test_gaeq_check_says_how_to_write_a_split(tmp_path):
+    from typer.testing import CliRunner
+
+    from gaeq.cli import app
+
+    result = CliRunner().invoke(app, ["check", "train.py", "--batch", "8", "--split", "2x4"])
+    assert result.exit_code == 2 and "--split 2x4: write it as w<world size>:mb<micro batch>" in result.output
