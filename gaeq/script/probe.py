@@ -21,6 +21,7 @@ and ``probe.json``; after the asked number of steps every rank leaves (the scrip
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -74,6 +75,7 @@ class Probe:
     def install(self) -> None:
         backward = torch.autograd.backward
 
+        @functools.wraps(backward)
         def probed_backward(tensors, *args, **kwargs):
             if isinstance(tensors, torch.Tensor) and tensors.numel() == 1:
                 self.losses.append(float(tensors.detach().double()))
@@ -84,6 +86,7 @@ class Probe:
 
         clip = torch.nn.utils.clip_grad_norm_
 
+        @functools.wraps(clip)
         def probed_clip(parameters, *args, **kwargs):
             parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
             self.events["clip"] += 1
@@ -96,6 +99,7 @@ class Probe:
 
         zero_grad = torch.optim.Optimizer.zero_grad
 
+        @functools.wraps(zero_grad)  # its signature too: libraries inspect it (accelerate's zero_grad)
         def probed_zero_grad(optimizer, *args, **kwargs):
             self.events["zero_grad"] += 1
             return zero_grad(optimizer, *args, **kwargs)
@@ -104,6 +108,7 @@ class Probe:
 
         scheduler_step = torch.optim.lr_scheduler.LRScheduler.step
 
+        @functools.wraps(scheduler_step)
         def probed_scheduler_step(scheduler, *args, **kwargs):
             self.events["scheduler"] += 1
             return scheduler_step(scheduler, *args, **kwargs)

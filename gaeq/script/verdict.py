@@ -50,7 +50,8 @@ def script_checks(base: dict, cell: dict, *, split: Any = None) -> dict[str, tup
                 found["events"] = (
                     c["step"],
                     f"{call} called {ours}× in optimizer step {c['step']}, the baseline {theirs}× "
-                    f"({'once per micro-step' if ours > theirs else 'not'} where the baseline calls it once per step?)",
+                    f"({'per micro-step or per process' if ours > theirs else 'not'} where the baseline calls it once "
+                    "per step?)",
                 )
                 break
         if found["events"] is not None:
