@@ -32,7 +32,7 @@ class Verdict(Name):
     """It cannot run here (its reason says why)."""
 
 
-METRICS = ("split", "data", "init", "events", "grads", "params", "skipped", "loss", "grad_norm", "lr")
+METRICS = ("split", "data", "init", "events", "grads", "params", "skipped", "loss", "grad_norm", "lr", "update")
 """What can be compared at every step, in the order a tie is reported: what a script's probe saw
 first (another split than the cell's, other samples, other initial weights, other calls explain
 every number after them); then

@@ -103,6 +103,7 @@ def judge(
             tolerance=tolerances[cell.dtype],
             tracked=tuple(matrix.spec.track),
             floor=floors.get(cell.group),
+            twin=matrix.floors.get(cell.group),
         )
         cells.append(
             CellReport(
@@ -187,6 +188,7 @@ def _judge_cell(
     tolerance: Tolerance,
     tracked: tuple[str, ...],
     floor: NoiseFloor | None,
+    twin: str | None = None,
 ):
     if cell.skip_reason:
         return Verdict.SKIPPED, cell.skip_reason, None
@@ -211,7 +213,9 @@ def _judge_cell(
         checks = None
         if TRAINERS[cell.trainer].script:  # what the probe saw in the user's script, before the numbers
             base_probe, probe = (read_probe(cell_dir(traces.run_dir, i)) for i in (base_id, cell.id))
-            checks = script_checks(base_probe, probe, split=cell) if base_probe and probe else None
+            twin_probe = read_probe(cell_dir(traces.run_dir, twin)) if twin and twin != cell.id else None
+            if base_probe and probe:
+                checks = script_checks(base_probe, probe, split=cell, twin=twin_probe, rtol=tolerance.tensor_rtol)
         comparison = compare_traces(
             traces.get(base_id),
             traces.get(cell.id),

@@ -180,7 +180,7 @@ class Probe:
 
     # --- what is written ------------------------------------------------------------------------
 
-    def _write(self, ranks: list[dict[str, Any]], *, sketch: float) -> None:
+    def _write(self, ranks: list[dict[str, Any]], *, sketch: tuple[float, float]) -> None:
         world = len(ranks)
         objective = sum(sum(r["losses"]) for r in ranks) / world  # DDP averages the ranks' gradients
         samples = sorted(s for r in ranks for s in r["samples"])
@@ -190,7 +190,8 @@ class Probe:
                 "objective": objective,
                 "grad_norm": self.grad_norm,
                 "lr": self.lr,
-                "sketch": sketch,
+                "sketch": sketch[0],
+                "sketch_scale": sketch[1],
                 "world_size": world,
                 "rows": [r["rows"] for r in ranks],
                 "backward": [r["events"].get("backward", 0) for r in ranks],
@@ -200,16 +201,18 @@ class Probe:
             }
         )
 
-    def _project(self, params: list[torch.Tensor]) -> float:
-        """A fixed random projection of the parameters: the same positions and weights in every run
-        of the same model, so two runs' sketches differ only where their updates do."""
+    def _project(self, params: list[torch.Tensor]) -> tuple[float, float]:
+        """A fixed random projection of the parameters, and its scale (the sum of the terms' sizes, what
+        a difference is relative to): the same positions and weights in every run of the same model, so
+        two runs' sketches differ only where their updates do."""
         if self._sketch is None:
             self._sketch = []
             for i, p in enumerate(params):
                 g = torch.Generator().manual_seed(1_000_003 * (i + 1) + p.numel())
                 where = torch.randint(0, p.numel(), (min(SKETCH_ENTRIES, p.numel()),), generator=g)
                 self._sketch.append((where, torch.randn(len(where), generator=g, dtype=torch.float64)))
-        return float(sum((p.detach().reshape(-1)[w].double() * v).sum() for p, (w, v) in zip(params, self._sketch)))
+        terms = [p.detach().reshape(-1)[w].double() * v for p, (w, v) in zip(params, self._sketch)]
+        return float(sum(t.sum() for t in terms)), float(sum(t.abs().sum() for t in terms))
 
     def finish(self) -> None:
         """The asked steps are recorded: rank 0 publishes the trace, every rank leaves together."""

@@ -26,10 +26,13 @@ def read_probe(cell_dir: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def script_checks(base: dict, cell: dict, *, split: Any = None) -> dict[str, tuple[int, str] | None]:
+def script_checks(
+    base: dict, cell: dict, *, split: Any = None, twin: dict | None = None, rtol: float = 1e-5
+) -> dict[str, tuple[int, str] | None]:
     """Each check's first divergence of `cell`'s probe from `base`'s (None: none): the split it really
-    ran (against the cell `split`, when given), then data, init, events."""
-    found: dict[str, tuple[int, str] | None] = dict.fromkeys(("split", "data", "init", "events"))
+    ran (against the cell `split`, when given), then data, init, events, and the update sketch —
+    within `rtol`, or 10 × what the run's noise-floor `twin` drifted, if more (at most 1000 × `rtol`)."""
+    found: dict[str, tuple[int, str] | None] = dict.fromkeys(("split", "data", "init", "events", "update"))
     if split is not None and cell["steps"] and (why := ran_another_split(split, cell["steps"][0])):
         found["split"] = (0, why)
     steps = list(zip(base["steps"], cell["steps"]))
@@ -56,7 +59,28 @@ def script_checks(base: dict, cell: dict, *, split: Any = None) -> dict[str, tup
                 break
         if found["events"] is not None:
             break
+    found["update"] = _update_differs(base["steps"], cell["steps"], twin=twin, rtol=rtol)
     return found
+
+
+def _sketch_drift(base: list[dict], cell: list[dict]) -> list[float]:
+    """Per step: |Δ sketch| relative to the baseline's scale (probes without one: its size)."""
+    return [
+        abs(c["sketch"] - b["sketch"]) / max(b.get("sketch_scale") or abs(b["sketch"]), 1e-300)
+        for b, c in zip(base, cell)
+        if b.get("sketch") is not None and c.get("sketch") is not None
+    ]
+
+
+def _update_differs(base: list[dict], cell: list[dict], *, twin: dict | None, rtol: float) -> tuple[int, str] | None:
+    """The first step whose parameters, projected, left the baseline's by more than the tolerance: a
+    difference in lr, clipping or the optimizer when the objective still agrees."""
+    floor = max(_sketch_drift(base, twin["steps"]), default=0.0) if twin else 0.0
+    tol = min(max(rtol, 10 * floor), 1000 * rtol)
+    for step, drift in enumerate(_sketch_drift(base, cell)):
+        if not drift <= tol:
+            return step, f"the parameters after step {step} differ: update sketch rel {drift:.2e} > tol {tol:.1e}"
+    return None
 
 
 def _samples_differ(base: list[str], cell: list[str]) -> str | None:

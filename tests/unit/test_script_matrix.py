@@ -78,7 +78,7 @@ def probe(samples, *, initial="aa", events=None, steps=2):
 def test_the_probes_are_compared_data_then_init_then_events():
     base = probe([["a", "b", "c", "d"], ["e", "f", "g", "h"]])
     assert script_checks(base, probe([["d", "c", "b", "a"][::-1], ["e", "f", "g", "h"]])) == dict.fromkeys(
-        ("split", "data", "init", "events")
+        ("split", "data", "init", "events", "update")
     )  # the same multiset, whatever the order
     other = script_checks(base, probe([["a", "b", "c", "d"], ["e", "e", "g", "x"]], initial="bb"))
     assert other["data"] == (1, "the data of step 1: 2 of the baseline's 4 samples missing, 2 others in their "
@@ -238,3 +238,21 @@ def test_gaeq_check_says_how_to_write_a_split(tmp_path):
 
     result = CliRunner().invoke(app, ["check", "train.py", "--batch", "8", "--split", "2x4"])
     assert result.exit_code == 2 and "--split 2x4: write it as w<world size>:mb<micro batch>" in result.output
+
+
+def test_the_update_sketch_is_judged_against_the_runs_own_noise_floor():
+    """The parameters after each step, projected: within the constant, or 10 × the twin's drift if more
+    (never beyond 1000 × the constant) — a difference in the updates when the objective still agrees."""
+    from gaeq.script.verdict import _update_differs
+
+    def steps(*sketches):
+        return [{"sketch": s, "sketch_scale": 100.0} for s in sketches]
+
+    base = steps(10.0, 11.0, 12.0)
+    assert _update_differs(base, steps(10.0, 11.0, 12.0000001), twin=None, rtol=1e-5) is None  # 1e-9
+    off = _update_differs(base, steps(10.0, 11.0, 12.01), twin=None, rtol=1e-5)  # 1e-4 of the scale
+    assert off == (2, "the parameters after step 2 differ: update sketch rel 1.00e-04 > tol 1.0e-05")
+    twin = {"steps": steps(10.0, 11.0, 12.002)}  # a run whose rounding drifts 2e-5: tolerance 2e-4
+    assert _update_differs(base, steps(10.0, 11.0, 12.01), twin=twin, rtol=1e-5) is None
+    wild = {"steps": steps(10.0, 11.0, 20.0)}  # a twin that is not rounding cannot widen it past 1000 ×
+    assert _update_differs(base, steps(10.0, 11.0, 13.5), twin=wild, rtol=1e-5)[0] == 2
