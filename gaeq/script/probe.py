@@ -37,6 +37,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from gaeq.script.contract import ENV, PROBE_FILE
 
+ACTIVE: Probe | None = None
+"""The probe of this process, once installed (what ``gaeq.probe(model=…)`` tells)."""
 SKETCH_ENTRIES = 256
 """Entries of each parameter the update sketch projects (fixed positions and weights per parameter)."""
 
@@ -52,6 +54,7 @@ class Probe:
         """The model's dropout modules active in its first training forward: name → p."""
         self.record: list[dict[str, Any]] = []
         self._depth = 0
+        self._seen = False
         self._outer: torch.nn.Module | None = None
         self._sketch: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._new_step()
@@ -73,6 +76,8 @@ class Probe:
     # --- the hooks ------------------------------------------------------------------------------
 
     def install(self) -> None:
+        global ACTIVE
+        ACTIVE = self
         backward = torch.autograd.backward
 
         @functools.wraps(backward)
@@ -131,7 +136,9 @@ class Probe:
             return  # an inner module, or an evaluation forward
         if self.model is None:
             self.model = module
-            self.dropout = active_dropout(module)
+        if not self._seen:  # the first training forward: the model's dropout, as it trains
+            self._seen = True
+            self.dropout = active_dropout(self.model)
         tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.ndim > 0]
         if not tensors:
             return

@@ -256,3 +256,20 @@ def test_the_update_sketch_is_judged_against_the_runs_own_noise_floor():
     assert _update_differs(base, steps(10.0, 11.0, 12.01), twin=twin, rtol=1e-5) is None
     wild = {"steps": steps(10.0, 11.0, 20.0)}  # a twin that is not rounding cannot widen it past 1000 ×
     assert _update_differs(base, steps(10.0, 11.0, 13.5), twin=wild, rtol=1e-5)[0] == 2
+
+
+def test_gaeq_probe_tells_the_probe_which_module_trains_and_is_a_no_op_outside_gaeq(monkeypatch):
+    import torch
+
+    import gaeq
+    from gaeq.script import probe as probing
+
+    student, teacher = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    monkeypatch.setattr(probing, "ACTIVE", None)
+    assert gaeq.probe(model=student) is None  # outside gaeq: nothing happens
+    listening = probing.Probe(out=None, steps=1)
+    monkeypatch.setattr(probing, "ACTIVE", listening)
+    gaeq.probe(model=student)
+    listening._before_forward(teacher, ())  # the first training forward is the teacher's...
+    listening._after_forward(teacher, (torch.ones(1, 2),), {}, None)
+    assert listening.model is student  # ...but the model told is the one probed
