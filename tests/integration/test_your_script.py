@@ -21,7 +21,7 @@ def test_a_users_script_matches_across_world_sizes_and_its_mistakes_are_caught_w
     clean = cells["script-w2-mb4-ga2"]
     assert clean["verdict"] == "match" and 0 < clean["max_abs_loss_diff"] < 1e-5
     assert clean["divergence_steps"] == dict.fromkeys(
-        ("split", "data", "init", "events", "skipped", "loss", "grad_norm", "lr")
+        ("split", "data", "init", "events", "skipped", "loss", "grad_norm", "lr", "update")
     )
     caught = {c["id"].rsplit("args_bug_", 1)[1]: (c["caught_by"], c["first_divergent_step"]) for c in cells.values()
               if "args_bug_" in c["id"]}  # fmt: skip
