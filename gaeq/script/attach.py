@@ -14,9 +14,13 @@ import sys
 def main() -> None:
     if len(sys.argv) < 2:
         sys.exit("usage: python -m gaeq.script.attach SCRIPT [ARGS...]")
+    run(sys.argv[1], sys.argv[2:])
+
+
+def run(script: str, args: list[str]) -> None:
+    """The script under the probe, in this process (its environment already the rank's)."""
     from gaeq.script.probe import Probe, _rank
 
-    script, args = sys.argv[1], sys.argv[2:]
     probe = Probe.from_env()
     probe.install()
     sys.argv = [script, *args]
@@ -27,6 +31,37 @@ def main() -> None:
         # The script ended (or raised) before the asked steps: what was seen is saved, no trace.
         if probe.step < probe.steps and _rank() == 0:
             probe.save(complete=False)
+
+
+def forked_rank(script: str, args: list[str], env: dict[str, str], cwd: str, log: str) -> None:
+    """A rank forked from gaeq's fork server, which has imported torch already: it becomes what a
+    fresh ``python -m gaeq.script.attach SCRIPT ARGS`` would be — its own session, the rank's
+    environment (nothing of the server's), the script's folder, its output in `log` — and runs it."""
+    import traceback
+
+    from gaeq.runtime import lifeline
+
+    os.setsid()
+    lifeline.arm_death_signal()
+    os.environ.clear()
+    os.environ.update(env)
+    lifeline.bind_to_parent()  # dies with gaeq, whatever kills it (GAEQ_PARENT_PID is in env)
+    os.chdir(cwd)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    code = 0
+    try:
+        run(script, args)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # noqa: BLE001 - the script's own failure, in its log
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

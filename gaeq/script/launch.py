@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -17,10 +16,11 @@ from gaeq.matrix import Cell
 from gaeq.problem.spec import ProblemSpec
 from gaeq.results.outcome import CellOutcome, write_outcome
 from gaeq.results.trace import TRACE_FILE, cell_dir
-from gaeq.runtime import lifeline
 from gaeq.runtime.cells import RunOptions, fail_cell
 from gaeq.runtime.dist import free_port
 from gaeq.runtime.events import Event, EventKind
+from gaeq.runtime.server import PRELOAD, rank_context
+from gaeq.script.attach import forked_rank
 from gaeq.script.contract import ENV, PROBE_FILE
 from gaeq.script.placeholders import fill
 
@@ -90,23 +90,28 @@ def run_script_cell(cell: Cell, problem: ProblemSpec, opts: RunOptions) -> CellO
     }
     opts.on_event(Event(kind=EventKind.START, world_size=cell.world_size, cell_id=cell.id))
     started = time.perf_counter()
-    procs = []
+    # Each rank forks from gaeq's fork server, which has imported torch once (a fresh interpreter per
+    # rank would import it again, the most of a short cell's time), and becomes a fresh
+    # `python -m gaeq.script.attach SCRIPT ARGS` in the rank's environment (attach.forked_rank).
+    ctx = rank_context(isolate=opts.isolate, preload=[PRELOAD])
+    args = cmd[cmd.index("gaeq.script.attach") + 2 :]
+    procs = [
+        ctx.Process(
+            target=forked_rank,
+            args=(
+                problem.script.path,
+                args,
+                env | rank_env(r, cell.world_size, port),
+                problem.script.cwd,
+                str(rank_log(out, r)),
+            ),  # fmt: skip
+            name=f"gaeq-script-{cell.id}-r{r}",
+        )
+        for r in range(cell.world_size)
+    ]
     try:
-        for rank in range(cell.world_size):
-            with rank_log(out, rank).open("wb") as log:
-                # Its own session: whatever the script starts dies with it when it is stopped.
-                procs.append(
-                    subprocess.Popen(
-                        cmd,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        stdin=subprocess.DEVNULL,
-                        cwd=problem.script.cwd,
-                        env=env | rank_env(rank, cell.world_size, port),
-                        start_new_session=True,
-                        preexec_fn=lifeline.die_with_parent(),
-                    )
-                )
+        for proc in procs:
+            proc.start()
         code = _wait(procs, timeout_s=opts.timeout_s)
     finally:
         for proc in procs:
@@ -136,12 +141,12 @@ def run_script_cell(cell: Cell, problem: ProblemSpec, opts: RunOptions) -> CellO
     return outcome
 
 
-def _wait(procs: list[subprocess.Popen], *, timeout_s: float) -> int | None:
+def _wait(procs: list, *, timeout_s: float) -> int | None:
     """The ranks' exit code (the first non-zero one, else 0), or None when they ran past `timeout_s`.
     A rank that fails leaves its peers blocked in a collective: they get a moment, then are stopped."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        codes = [p.poll() for p in procs]
+        codes = [p.poll() if hasattr(p, "poll") else p.exitcode for p in procs]
         if all(c is not None for c in codes):
             return next((c for c in codes if c), 0)
         if failed := next((c for c in codes if c), None):
@@ -171,10 +176,13 @@ def _why_not_done(cell: Cell, problem: ProblemSpec, *, out: Path, code: int | No
     return None
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """Whatever is left of the launch — the launcher and every rank it started — is killed."""
+def _stop(proc) -> None:
+    """Whatever is left of a rank — it and everything it started (its own session) — is killed."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
+    except (ProcessLookupError, PermissionError, TypeError):
         pass
-    proc.wait(timeout=30)
+    if hasattr(proc, "poll"):
+        proc.wait(timeout=30)
+    else:
+        proc.join(timeout=30)
