@@ -57,12 +57,12 @@ def validate(matrix: Annotated[Path, typer.Argument(help="Matrix YAML file.")]) 
     console.print(cells_table(m))
     console.print(problem_line(m), highlight=False)
     if m.problem.script is not None:  # what each cell runs (gaeq's probe loaded first: -m gaeq.script.attach)
-        from gaeq.script.launch import script_command
+        from gaeq.script.launch import script_args
 
         for cell in m.runnable():
-            command = script_command(cell, m.problem, out=Path("RUN_DIR", "cells", cell.id))
-            script = " ".join(command[command.index("gaeq.script.attach") + 1 :])
-            console.print(f"  {cell.id}: torchrun --nproc_per_node {cell.world_size} {script}", soft_wrap=True)
+            args = script_args(cell, m.problem, out=Path("RUN_DIR", "cells", cell.id))
+            command = " ".join(["torchrun", "--nproc_per_node", str(cell.world_size), m.problem.script.path, *args])
+            console.print(f"  {cell.id}: {command}", soft_wrap=True)
     from gaeq.audit import audit as audit_config
     from gaeq.audit import overrides_of
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -28,9 +27,10 @@ LOG_FILE = "script.log"
 DEEPSPEED_CONFIG_FILE = "ds_config.json"
 
 
-def script_command(cell: Cell, problem: ProblemSpec, *, out: Path) -> list[str]:
-    """What every rank of the cell runs: ``python -m gaeq.script.attach SCRIPT ARGS`` (the script as
-    ``python SCRIPT ARGS`` would run it, the probe loaded first), its arguments filled for the split."""
+def script_args(cell: Cell, problem: ProblemSpec, *, out: Path) -> list[str]:
+    """The script's arguments for the cell, filled for its split: every rank is what ``python -m
+    gaeq.script.attach SCRIPT ARGS`` would be (the script as ``python SCRIPT ARGS`` runs it, the probe
+    loaded first)."""
     script = problem.script
     values = {
         "micro_batch_size": cell.micro_batch_size,
@@ -42,8 +42,7 @@ def script_command(cell: Cell, problem: ProblemSpec, *, out: Path) -> list[str]:
         "deepspeed_config": out / DEEPSPEED_CONFIG_FILE,
         "cell_dir": out,
     }
-    args = [fill(a, values) for a in (*script.args, *cell.script_args)]
-    return [sys.executable, "-m", "gaeq.script.attach", script.path, *args]
+    return [fill(a, values) for a in (*script.args, *cell.script_args)]
 
 
 def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
@@ -81,7 +80,7 @@ def run_script_cell(cell: Cell, problem: ProblemSpec, opts: RunOptions) -> CellO
             "gradient_accumulation_steps": cell.grad_accum_steps,
         }
         atomic_write(out / DEEPSPEED_CONFIG_FILE, json.dumps(config, indent=1))
-    cmd, port = script_command(cell, problem, out=out), free_port()
+    args, port = script_args(cell, problem, out=out), free_port()
     env = {
         **os.environ,
         "PYTHONUNBUFFERED": "1",
@@ -94,7 +93,6 @@ def run_script_cell(cell: Cell, problem: ProblemSpec, opts: RunOptions) -> CellO
     # rank would import it again, the most of a short cell's time), and becomes a fresh
     # `python -m gaeq.script.attach SCRIPT ARGS` in the rank's environment (attach.forked_rank).
     ctx = rank_context(isolate=opts.isolate, preload=[PRELOAD])
-    args = cmd[cmd.index("gaeq.script.attach") + 2 :]
     procs = [
         ctx.Process(
             target=forked_rank,
@@ -104,7 +102,7 @@ def run_script_cell(cell: Cell, problem: ProblemSpec, opts: RunOptions) -> CellO
                 env | rank_env(r, cell.world_size, port),
                 problem.script.cwd,
                 str(rank_log(out, r)),
-            ),  # fmt: skip
+            ),
             name=f"gaeq-script-{cell.id}-r{r}",
         )
         for r in range(cell.world_size)
@@ -129,7 +127,7 @@ def run_script_cell(cell: Cell, problem: ProblemSpec, opts: RunOptions) -> CellO
             on_event=opts.on_event,
         )
     facts = json.loads((out / PROBE_FILE).read_text())
-    ran = {"world_size": cell.world_size, "command": " ".join(cmd[cmd.index("gaeq.script.attach") + 1 :])}
+    ran = {"world_size": cell.world_size, "command": " ".join([problem.script.path, *args])}
     ran |= {"versions": facts.get("versions", {})}
     if facts.get("dropout"):  # the verdict names it when the cell diverges (report._dropout_note)
         ran["dropout"] = facts["dropout"]

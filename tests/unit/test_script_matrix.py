@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from gaeq.matrix import MatrixError, load_matrix
-from gaeq.script.launch import rank_env, script_command
+from gaeq.script.launch import rank_env, script_args
 from gaeq.script.verdict import ran_another_split, script_checks
 from tests.conftest import REPO
 
@@ -38,8 +38,7 @@ def test_a_script_matrix_runs_the_script_in_every_cell_with_the_split_filled_in(
     ]
     assert m.problem.script.path == str(SCRIPT) and m.problem.script.cwd == str(SCRIPT.parent)
     control = next(c for c in m.cells if c.script_args)
-    cmd = script_command(control, m.problem, out=tmp_path / "c")
-    assert cmd[1:] == ["-m", "gaeq.script.attach", str(SCRIPT), "--batch_size=2", "--accum", "4", "--bug", "x"]
+    assert script_args(control, m.problem, out=tmp_path / "c") == ["--batch_size=2", "--accum", "4", "--bug", "x"]
     # each rank's environment is what torchrun gives its workers
     env = rank_env(1, 2, 29500)
     assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["MASTER_PORT"]) == ("1", "1", "2", "29500")
