@@ -144,7 +144,7 @@ def _wait(procs: list, *, timeout_s: float) -> int | None:
     A rank that fails leaves its peers blocked in a collective: they get a moment, then are stopped."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        codes = [p.poll() if hasattr(p, "poll") else p.exitcode for p in procs]
+        codes = [p.exitcode for p in procs]
         if all(c is not None for c in codes):
             return next((c for c in codes if c), 0)
         if failed := next((c for c in codes if c), None):
@@ -176,11 +176,9 @@ def _why_not_done(cell: Cell, problem: ProblemSpec, *, out: Path, code: int | No
 
 def _stop(proc) -> None:
     """Whatever is left of a rank — it and everything it started (its own session) — is killed."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError, TypeError):
-        pass
-    if hasattr(proc, "poll"):
-        proc.wait(timeout=30)
-    else:
-        proc.join(timeout=30)
+    if proc.pid is not None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            proc.kill()  # not (yet) the leader of its own session
+    proc.join(timeout=30)

@@ -158,30 +158,41 @@ def test_a_deepspeed_engines_norm_is_its_zero_optimizers_then_its_own():
     assert _engine_norm(None) is None
 
 
+def _rank_exiting(code: int, after: float) -> None:
+    import os
+    import time
+
+    os.setsid()  # as a script's rank does (attach.forked_rank)
+    time.sleep(after)
+    os._exit(code)
+
+
 def test_a_failing_rank_stops_its_peers_and_a_silent_one_times_out():
     """How a cell's ranks are waited for (gaeq.script.launch._wait): a rank that exits non-zero is the
     cell's code, its blocked peers are not waited for; ranks that run past the timeout give None."""
-    import subprocess
+    import multiprocessing
     import time
 
     from gaeq.script.launch import _stop, _wait
 
-    procs = [
-        subprocess.Popen(["sleep", "60"], start_new_session=True),
-        subprocess.Popen(["sh", "-c", "exit 3"], start_new_session=True),
-    ]
+    fork = multiprocessing.get_context("fork")
+    procs = [fork.Process(target=_rank_exiting, args=(0, 60)), fork.Process(target=_rank_exiting, args=(3, 0))]
     try:
+        for p in procs:
+            p.start()
         started = time.monotonic()
         assert _wait(procs, timeout_s=30) == 3 and time.monotonic() - started < 10
     finally:
         for p in procs:
             _stop(p)
-    assert procs[0].returncode is not None  # stopped, not left running
-    silent = [subprocess.Popen(["sleep", "60"], start_new_session=True)]
+    assert procs[0].exitcode is not None  # stopped, not left running
+    silent = fork.Process(target=_rank_exiting, args=(0, 60))
     try:
-        assert _wait(silent, timeout_s=0.3) is None
+        silent.start()
+        assert _wait([silent], timeout_s=0.3) is None
     finally:
-        _stop(silent[0])
+        _stop(silent)
+    assert silent.exitcode is not None
 
 
 TINY = """
