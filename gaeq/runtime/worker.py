@@ -81,7 +81,7 @@ def worker_main(rank: int, job: GroupJob, events: Any, commands: Any) -> None:
     _detach_from_terminal()
     log = group_log(job.run_dir, job.world_size, rank, lane=job.lane)
     log.parent.mkdir(parents=True, exist_ok=True)
-    _redirect_fds(log)
+    redirect_fds(log)
 
     from gaeq.runtime import dist
 
@@ -222,7 +222,8 @@ def _detach_from_terminal() -> None:
     lifeline.bind_to_parent()
 
 
-def _redirect_fds(path: Path) -> None:
+def redirect_fds(path: Path) -> None:
+    """Send fds 1 and 2 of this process (Python, C++ and library output alike) to `path`, appended."""
     sys.stdout.flush()
     sys.stderr.flush()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -235,7 +236,7 @@ def _redirect_fds(path: Path) -> None:
 def redirected_output(path: Path) -> Iterator[None]:
     """Send fds 1 and 2 (Python, C++ and DeepSpeed output alike) to `path` for the duration."""
     saved = os.dup(1), os.dup(2)
-    _redirect_fds(path)
+    redirect_fds(path)
     try:
         yield
     finally:

@@ -40,6 +40,7 @@ def forked_rank(script: str, args: list[str], env: dict[str, str], cwd: str, log
     import traceback
 
     from gaeq.runtime import lifeline
+    from gaeq.runtime.worker import redirect_fds
 
     os.setsid()
     lifeline.arm_death_signal()
@@ -47,10 +48,7 @@ def forked_rank(script: str, args: list[str], env: dict[str, str], cwd: str, log
     os.environ.update(env)
     lifeline.bind_to_parent()  # dies with gaeq, whatever kills it (GAEQ_PARENT_PID is in env)
     os.chdir(cwd)
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+    redirect_fds(log)
     code = 0
     try:
         run(script, args)
