@@ -127,7 +127,13 @@ def run_script_cell(cell: Cell, problem: ProblemSpec, opts: RunOptions) -> CellO
             on_event=opts.on_event,
         )
     facts = json.loads((out / PROBE_FILE).read_text())
-    ran = {"world_size": cell.world_size, "command": " ".join([problem.script.path, *args])}
+    first = facts["steps"][0]  # what the probe saw in the first optimizer step, never the cell's label
+    ran = {
+        "world_size": first["world_size"],
+        "micro_batch_rows": sorted({rows for rank in first["rows"] for rows in rank}),
+        "micro_steps": sorted(set(first["backward"])),
+        "command": " ".join([problem.script.path, *args]),
+    }
     ran |= {"versions": facts.get("versions", {})}
     if facts.get("dropout"):  # the verdict names it when the cell diverges (report._dropout_note)
         ran["dropout"] = facts["dropout"]

@@ -20,6 +20,12 @@ def test_a_users_script_matches_across_world_sizes_and_its_mistakes_are_caught_w
     cells = cells_by_id(report)
     clean = cells["script-w2-mb4-ga2"]
     assert clean["verdict"] == "match" and 0 < clean["max_abs_loss_diff"] < 1e-5
+    # what ran, as the probe saw it in the first optimizer step (never copied from the label)
+    assert {k: clean["ran"][k] for k in ("world_size", "micro_batch_rows", "micro_steps")} == {
+        "world_size": 2,
+        "micro_batch_rows": [4],
+        "micro_steps": [2],
+    }
     assert clean["divergence_steps"] == dict.fromkeys(
         ("split", "data", "init", "events", "skipped", "loss", "grad_norm", "lr", "update")
     )
