@@ -26,6 +26,7 @@ from gaeq.results.compare import Verdict
 from gaeq.results.render import cells_table, cost_table, floor_lines, problem_line, verdict_table, versions_line
 from gaeq.results.report import EXIT_BAD_INPUT
 from gaeq.results.tensorboard import TB_ANSWER_URL, TB_DIR
+from gaeq.script.launchers import Launcher
 
 app = typer.Typer(
     name="gaeq",
@@ -57,12 +58,12 @@ def validate(matrix: Annotated[Path, typer.Argument(help="Matrix YAML file.")]) 
     console.print(cells_table(m))
     console.print(problem_line(m), highlight=False)
     if m.problem.script is not None:  # what each cell runs (gaeq's probe loaded first: -m gaeq.script.attach)
-        from gaeq.script.launch import script_args
+        from gaeq.script.launch import command_line
 
         for cell in m.runnable():
-            args = script_args(cell, m.problem, out=Path("RUN_DIR", "cells", cell.id))
-            command = " ".join(["torchrun", "--nproc_per_node", str(cell.world_size), m.problem.script.path, *args])
-            console.print(f"  {cell.id}: {command}", soft_wrap=True)
+            console.print(
+                f"  {cell.id}: {command_line(cell, m.problem, out=Path('RUN_DIR', 'cells', cell.id))}", soft_wrap=True
+            )
     from gaeq.audit import audit as audit_config
     from gaeq.audit import overrides_of
 
@@ -210,6 +211,13 @@ def check(
     batch: Annotated[int, typer.Option("--batch", min=1, help="The global batch (train_batch_size).")],
     steps: Annotated[int, typer.Option("--steps", min=1, help="Optimizer steps compared.")] = 5,
     out: Annotated[Path | None, typer.Option("--out", help="Run directory. Default: runs/check-<time>.")] = None,
+    launcher: Annotated[Launcher, typer.Option("--launcher", help="How you start the script today.")] = (
+        Launcher.TORCHRUN
+    ),
+    deepspeed_config: Annotated[
+        Path | None,
+        typer.Option("--deepspeed-config", help="Your DeepSpeed config: each split gets a copy with its batch triple."),
+    ] = None,
 ) -> None:
     """Your training script, unchanged, under each split: `gaeq check train.py --batch 32 --split w1:mb4
     --split w2:mb4 -- --batch_size {micro_batch_size} --grad_accum {grad_accum_steps}`. The arguments
@@ -222,7 +230,8 @@ def check(
         cells.append({"world_size": int(found[1]), "micro_batch_size": int(found[2])})
     spec = {
         "name": "check",
-        "script": {"path": str(script.resolve()), "args": list(ctx.args)},
+        "script": {"path": str(script.resolve()), "launcher": launcher.value, "args": list(ctx.args)}
+        | ({"deepspeed_config": str(deepspeed_config.resolve())} if deepspeed_config else {}),
         "steps": steps,
         "train_batch_size": batch,
         "cells": cells,

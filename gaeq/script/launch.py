@@ -21,6 +21,7 @@ from gaeq.runtime.events import Event, EventKind
 from gaeq.runtime.server import PRELOAD, rank_context
 from gaeq.script.attach import forked_rank
 from gaeq.script.contract import ENV, PROBE_FILE
+from gaeq.script.launchers import command, worker_args, worker_env
 from gaeq.script.placeholders import fill
 
 LOG_FILE = "script.log"
@@ -45,23 +46,12 @@ def script_args(cell: Cell, problem: ProblemSpec, *, out: Path) -> list[str]:
     return [fill(a, values) for a in (*script.args, *cell.script_args)]
 
 
-def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
-    """What torchrun sets for each worker it starts on one node: a script may read any of it, and
-    ``init_process_group`` meets at MASTER_ADDR:MASTER_PORT, where rank 0 serves the store (gaeq
-    starts the ranks itself, without torchrun's agent, which would import torch once more per cell)."""
-    return {
-        **dict.fromkeys(("RANK", "LOCAL_RANK", "ROLE_RANK"), str(rank)),
-        **dict.fromkeys(("WORLD_SIZE", "LOCAL_WORLD_SIZE", "ROLE_WORLD_SIZE"), str(world_size)),
-        "GROUP_WORLD_SIZE": "1",
-        "GROUP_RANK": "0",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "ROLE_NAME": "default",
-        "TORCHELASTIC_RESTART_COUNT": "0",
-        "TORCHELASTIC_MAX_RESTARTS": "0",
-        "TORCHELASTIC_RUN_ID": "gaeq",
-        "OMP_NUM_THREADS": "1",  # as torchrun sets it for more than one worker (and one rank per core here)
-    }
+def command_line(cell: Cell, problem: ProblemSpec, *, out: Path) -> str:
+    """The cell's command as the user would type it under their launcher."""
+    script = problem.script
+    return command(
+        script.launcher, world_size=cell.world_size, script=script.path, args=script_args(cell, problem, out=out)
+    )
 
 
 def rank_log(out: Path, rank: int) -> Path:
@@ -80,7 +70,7 @@ def run_script_cell(cell: Cell, problem: ProblemSpec, opts: RunOptions) -> CellO
             "gradient_accumulation_steps": cell.grad_accum_steps,
         }
         atomic_write(out / DEEPSPEED_CONFIG_FILE, json.dumps(config, indent=1))
-    args, port = script_args(cell, problem, out=out), free_port()
+    args, port, launcher = script_args(cell, problem, out=out), free_port(), problem.script.launcher
     env = {
         **os.environ,
         "PYTHONUNBUFFERED": "1",
@@ -98,8 +88,8 @@ def run_script_cell(cell: Cell, problem: ProblemSpec, opts: RunOptions) -> CellO
             target=forked_rank,
             args=(
                 problem.script.path,
-                args,
-                env | rank_env(r, cell.world_size, port),
+                worker_args(launcher, rank=r) + args,
+                env | worker_env(launcher, rank=r, world_size=cell.world_size, port=port),
                 problem.script.cwd,
                 str(rank_log(out, r)),
             ),
@@ -132,7 +122,7 @@ def run_script_cell(cell: Cell, problem: ProblemSpec, opts: RunOptions) -> CellO
         "world_size": first["world_size"],
         "micro_batch_rows": sorted({rows for rank in first["rows"] for rows in rank}),
         "micro_steps": sorted(set(first["backward"])),
-        "command": " ".join([problem.script.path, *args]),
+        "command": command_line(cell, problem, out=out),
     }
     ran |= {"versions": facts.get("versions", {})}
     if facts.get("dropout"):  # the verdict names it when the cell diverges (report._dropout_note)

@@ -3,10 +3,11 @@ torch here: the matrix's schema reads it)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from gaeq.script.launchers import Launcher
 from gaeq.script.placeholders import NAMES, PlaceholderError, check
 
 
@@ -14,8 +15,10 @@ class ScriptSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     path: str = Field(description="The script, relative to the matrix file; run as `python PATH ARGS` would run it.")
-    launcher: Literal["torchrun"] = Field(
-        "torchrun", description="How the script's ranks start (torchrun --standalone --nproc_per_node WORLD)."
+    launcher: Launcher = Field(
+        Launcher.TORCHRUN,
+        description="How the user starts it today (torchrun, deepspeed or accelerate): every rank gets the "
+        "environment and arguments that launcher gives its workers (gaeq.script.launchers).",
     )
     args: list[str] = Field(
         [],

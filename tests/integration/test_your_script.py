@@ -5,6 +5,8 @@ file, 10 cells, runs in docs/your-setup.md's "Check your own script".)"""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.helpers import cells_by_id
@@ -62,3 +64,44 @@ def test_a_users_accelerate_script_matches_and_its_scheduler_stepped_per_process
     control = cells["script-w2-mb4-ga2-args_bug_scheduler_per_process"]
     assert (control["caught_by"], control["first_divergent_step"]) == ("events", 1), control["reason"]
     assert "scheduler.step() called 2× in optimizer step 1, the baseline 1×" in control["reason"]
+
+
+DUMP = """import json, os, sys
+json.dump({"argv": sys.argv[1:], "env": dict(os.environ)}, open(f"{os.environ['RANK']}.json", "w"))
+"""
+
+
+@pytest.mark.parametrize(
+    ("launcher", "command"),
+    [
+        ("torchrun", ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]),
+        ("deepspeed", ["-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", "0"]),
+    ],
+)
+def test_a_rank_gets_what_the_real_launcher_gives_its_worker(tmp_path, launcher, command):
+    """The real launcher starts a script that writes down its environment and arguments: gaeq's rank of
+    the same world has the same variables (values apart from where they meet) and the same arguments —
+    the script cannot tell gaeq's start from the launcher's. (accelerate launch on a CPU-only machine
+    starts one process: its multi-process start is torchrun's, in the unit test.)"""
+    import json
+    import sys
+
+    from gaeq.script.launchers import Launcher, worker_args, worker_env
+    from tests.processes import new_tag, owned, spawn
+
+    (tmp_path / "dump.py").write_text(DUMP)
+    with owned(new_tag()) as tag:
+        proc = spawn([sys.executable, *command, "dump.py", "--mine"], tag=tag, cwd=tmp_path)
+        out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out[-2000:] + err[-2000:]
+    seen = json.loads((tmp_path / "1.json").read_text())
+    ours = worker_env(Launcher(launcher), rank=1, world_size=2, port=0)
+    added = {k: v for k, v in seen["env"].items() if os.environ.get(k) != v and k not in ("GAEQ_TEST_TAG", "PWD")}
+    agent_only = {"TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE"}  # torchrun's agent, which gaeq is not
+    one_thread = {"OMP_NUM_THREADS"} - set(added)  # gaeq's one thread per rank, where the launcher sets none
+    assert set(added) - agent_only == set(ours) - one_thread
+    where = {"MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"}
+    assert {k: added[k] for k in set(added) - agent_only - where} == {
+        k: ours[k] for k in set(added) - agent_only - where
+    }
+    assert seen["argv"] == [*worker_args(Launcher(launcher), rank=1), "--mine"]

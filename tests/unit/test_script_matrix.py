@@ -7,7 +7,8 @@ import pytest
 import yaml
 
 from gaeq.matrix import MatrixError, load_matrix
-from gaeq.script.launch import rank_env, script_args
+from gaeq.script.launch import command_line, script_args
+from gaeq.script.launchers import Launcher, worker_args, worker_env
 from gaeq.script.verdict import ran_another_split, script_checks
 from tests.conftest import REPO
 
@@ -39,11 +40,30 @@ def test_a_script_matrix_runs_the_script_in_every_cell_with_the_split_filled_in(
     assert m.problem.script.path == str(SCRIPT) and m.problem.script.cwd == str(SCRIPT.parent)
     control = next(c for c in m.cells if c.script_args)
     assert script_args(control, m.problem, out=tmp_path / "c") == ["--batch_size=2", "--accum", "4", "--bug", "x"]
-    # each rank's environment is what torchrun gives its workers
-    env = rank_env(1, 2, 29500)
-    assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["MASTER_PORT"]) == ("1", "1", "2", "29500")
+    assert command_line(control, m.problem, out=tmp_path / "c") == (
+        f"torchrun --standalone --nproc_per_node 2 {SCRIPT} --batch_size=2 --accum 4 --bug x"
+    )
     # the run directory's copy of the matrix runs from anywhere: absolute paths, explicit trainers
     assert m.source["problem"]["script"]["path"] == str(SCRIPT) and m.source["baseline"]["trainer"] == "script"
+
+
+@pytest.mark.parametrize(
+    ("launcher", "adds", "says"),
+    [
+        (Launcher.TORCHRUN, {"TORCHELASTIC_RUN_ID": "gaeq", "LOCAL_WORLD_SIZE": "2"}, "torchrun --standalone"),
+        (Launcher.DEEPSPEED, {"CROSS_RANK": "0", "LOCAL_SIZE": "2"}, "deepspeed --num_gpus 2"),
+        (Launcher.ACCELERATE, {"ACCELERATE_MIXED_PRECISION": "no", "TORCHELASTIC_RUN_ID": "gaeq"}, "accelerate launch"),
+    ],
+)
+def test_each_rank_gets_what_the_users_launcher_gives_its_workers(tmp_path, launcher, adds, says):
+    m = script_matrix(tmp_path, script={"path": str(SCRIPT), "launcher": launcher.value, "args": ["--x"]})
+    env = worker_env(m.problem.script.launcher, rank=1, world_size=2, port=29500)
+    assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["MASTER_PORT"]) == ("1", "1", "2", "29500")
+    assert env.items() >= adds.items()
+    assert not {"CROSS_RANK", "ACCELERATE_MIXED_PRECISION", "TORCHELASTIC_RUN_ID"} - set(adds) & set(env)
+    # only DeepSpeed's launcher adds an argument: --local_rank, before the script's own
+    assert worker_args(launcher, rank=1) == (["--local_rank=1"] if launcher is Launcher.DEEPSPEED else [])
+    assert command_line(m.cells[-1], m.problem, out=tmp_path).startswith(says)
 
 
 @pytest.mark.parametrize(
@@ -52,6 +72,7 @@ def test_a_script_matrix_runs_the_script_in_every_cell_with_the_split_filled_in(
         ({"script": {"path": "no_such.py"}}, "script.path: no_such.py: no such file"),
         ({"problem": {"train_batch_size": 16}}, "a script matrix has no problem"),
         ({"script": {"path": str(SCRIPT), "args": ["{batch}"]}}, "unknown name 'batch'"),
+        ({"script": {"path": str(SCRIPT), "launcher": "mpirun"}}, "'torchrun', 'deepspeed' or 'accelerate'"),
         ({"cells": [{"trainer": "torch", "micro_batch_size": 4}]}, "runs its script in every cell"),
         ({"cells": [{"micro_batch_size": 4, "args": ["{nope}"]}]}, "args: {nope}: unknown name"),
     ],
@@ -203,6 +224,7 @@ p = argparse.ArgumentParser()
 p.add_argument("--mb", type=int)
 p.add_argument("--ga", type=int)
 p.add_argument("--steps", type=int)
+p.add_argument("--local_rank", type=int, required=True)  # DeepSpeed's launcher passes it
 a = p.parse_args()
 torch.manual_seed(0)
 model = torch.nn.Linear(4, 1)
@@ -221,9 +243,9 @@ for s in range(a.steps):
 
 
 def test_gaeq_check_runs_a_script_under_the_splits_given_on_the_command_line(tmp_path):
-    """`gaeq check` writes the script matrix for you and runs it (the controls of the machinery it runs
-    on: tests/integration/test_your_script.py, whose mistakes must diverge)."""
-    extra, verdict = [], "match"
+    """`gaeq check` writes the script matrix for you and runs it, here under DeepSpeed's launcher, whose
+    --local_rank the script requires (the controls of the machinery it runs on:
+    tests/integration/test_your_script.py, whose mistakes must diverge)."""
     import json
 
     from typer.testing import CliRunner
@@ -232,13 +254,15 @@ def test_gaeq_check_runs_a_script_under_the_splits_given_on_the_command_line(tmp
 
     (tmp_path / "tiny.py").write_text(TINY)
     args = ["check", str(tmp_path / "tiny.py"), "--batch", "8", "--split", "w1:mb4", "--steps", "2"]
-    args += ["--out", str(tmp_path / "run"), "--", "--mb", "{micro_batch_size}", "--ga", "{grad_accum_steps}"]
-    result = CliRunner().invoke(app, [*args, "--steps", "{steps}", *extra])
+    args += ["--launcher", "deepspeed", "--out", str(tmp_path / "run")]
+    args += ["--", "--mb", "{micro_batch_size}", "--ga", "{grad_accum_steps}", "--steps", "{steps}"]
+    result = CliRunner().invoke(app, args)
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     verdicts = {c["id"]: c["verdict"] for c in report["cells"]}
-    assert verdicts == {"script-w1-mb8-ga1": "match", "script-w1-mb4-ga2": verdict}, result.output
+    assert verdicts == {"script-w1-mb8-ga1": "match", "script-w1-mb4-ga2": "match"}, result.output
     assert result.exit_code == 0
-    assert (tmp_path / "run" / "check.yaml").is_file()  # the matrix written for it, beside the run
+    # the matrix written for it, beside the run
+    assert yaml.safe_load((tmp_path / "run" / "check.yaml").read_text())["script"]["launcher"] == "deepspeed"
 
 
 def test_gaeq_check_says_how_to_write_a_split(tmp_path):

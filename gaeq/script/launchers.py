@@ -1,0 +1,92 @@
+"""What each launcher a user starts a script with hands every worker on one node: its environment and
+the arguments it adds. gaeq starts the ranks itself (forked from its fork server, without the
+launcher's agent, which would import torch once more per cell) and gives each exactly this, so the
+script cannot tell the difference (read from the launchers' sources: torch.distributed.run,
+deepspeed.launcher.launch, accelerate.utils.launch.prepare_multi_gpu_env). No torch here: the
+matrix's schema reads the names.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class Launcher(str, Enum):
+    TORCHRUN = "torchrun"
+    """``torchrun --standalone --nproc_per_node W train.py ARGS``."""
+    DEEPSPEED = "deepspeed"
+    """``deepspeed --num_gpus W train.py ARGS``: adds ``--local_rank=N`` before the script's arguments
+    (a script for it parses that flag, as DeepSpeed's tutorials do)."""
+    ACCELERATE = "accelerate"
+    """``accelerate launch --multi_gpu --num_processes W train.py ARGS`` with no config file: torchrun's
+    workers plus accelerate's defaults in ``ACCELERATE_*`` (no mixed precision, no dynamo). On a CPU-only
+    machine ``accelerate launch`` itself starts one process (it needs mpirun for several)."""
+
+
+def worker_env(launcher: Launcher, *, rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The variables `launcher` sets for worker `rank` of `world_size` on one node; `init_process_group`
+    meets at MASTER_ADDR:MASTER_PORT, where rank 0 serves the store. OMP_NUM_THREADS is 1 for every
+    launcher: torchrun sets it for more than one worker and one rank per core is what this lab runs
+    (DeepSpeed's launcher leaves it to the environment, where two ranks of two threads each on two cores
+    run several times slower)."""
+    common = {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "OMP_NUM_THREADS": "1",
+    }
+    torchrun = {
+        "ROLE_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "ROLE_WORLD_SIZE": str(world_size),
+        "GROUP_WORLD_SIZE": "1",
+        "GROUP_RANK": "0",
+        "ROLE_NAME": "default",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_RUN_ID": "gaeq",
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        # not TORCHELASTIC_USE_AGENT_STORE (no agent serves the store: rank 0 does) nor the agent's
+        # TORCHELASTIC_ERROR_FILE
+    }
+    if launcher is Launcher.DEEPSPEED:
+        return common | {
+            "CROSS_RANK": "0",
+            "CROSS_SIZE": "1",
+            "LOCAL_SIZE": str(world_size),
+            "CUDA_VISIBLE_DEVICES": ",".join(map(str, range(world_size))),  # as it sets them on any machine
+            "PYTORCH_NVML_BASED_CUDA_CHECK": "1",
+        }
+    if launcher is Launcher.ACCELERATE:
+        return (
+            common
+            | torchrun
+            | {
+                "ACCELERATE_MIXED_PRECISION": "no",
+                "ACCELERATE_DYNAMO_BACKEND": "NO",
+                "ACCELERATE_DYNAMO_MODE": "default",
+                "ACCELERATE_DYNAMO_USE_FULLGRAPH": "False",
+                "ACCELERATE_DYNAMO_USE_DYNAMIC": "False",
+                "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION": "False",
+            }
+        )
+    return common | torchrun
+
+
+def worker_args(launcher: Launcher, *, rank: int) -> list[str]:
+    """What `launcher` puts before the script's own arguments (its only rank-dependent argument)."""
+    return [f"--local_rank={rank}"] if launcher is Launcher.DEEPSPEED else []
+
+
+def command(launcher: Launcher, *, world_size: int, script: str, args: list[str]) -> str:
+    """The command line the user would type to start this split with `launcher` (what gaeq validate
+    prints and a cell's `ran` records)."""
+    start = {
+        Launcher.TORCHRUN: ["torchrun", "--standalone", "--nproc_per_node", str(world_size)],
+        Launcher.DEEPSPEED: ["deepspeed", "--num_gpus", str(world_size)],
+        Launcher.ACCELERATE: ["accelerate", "launch", "--multi_gpu", "--num_processes", str(world_size)],
+    }[launcher]
+    return " ".join([*start, script, *args])
