@@ -19,6 +19,12 @@ PRELOAD = "gaeq.runtime.preload"
 """What every fork server imports: torch and the manual trainer."""
 PRELOAD_HF = "gaeq.runtime.preload_hf"
 """transformers, for a cell whose model is a transformers class (whatever its trainer)."""
+SCRIPT_PRELOADS = {
+    "deepspeed": ("gaeq.runtime.preload_deepspeed",),
+    "accelerate": ("gaeq.runtime.preload_accelerate",),
+    "transformers": ("gaeq.runtime.preload_accelerate", PRELOAD_HF),  # the Trainer imports accelerate
+}
+"""What the fork server imports for a user's script that imports a library (ScriptSpec.libraries)."""
 PRELOAD_ORDER = tuple(dict.fromkeys([PRELOAD, *(m for spec in TRAINERS.values() for m in spec.preload), PRELOAD_HF]))
 """Every module a fork server may import, in the order it imports them."""
 
@@ -40,12 +46,15 @@ def start(preload: Sequence[str]) -> None:
 
 def preload_modules(cells: Sequence[Cell], problems: Mapping[str, ProblemSpec]) -> list[str]:
     """What the fork server imports before it forks a rank: torch and the manual trainer always;
-    what each cell's trainer needs (gaeq/registry.py: DeepSpeed, accelerate, transformers) and
-    transformers for a transformers model, only when a cell needs them (the server's imports are on
-    the critical path of every run: the first group cannot start before they are done)."""
+    what each cell's trainer needs (gaeq/registry.py: DeepSpeed, accelerate, transformers),
+    transformers for a transformers model and what a user's script imports, only when a cell needs
+    them (the server's imports are on the critical path of every run: the first group cannot start
+    before they are done)."""
     wanted = {PRELOAD, *(module for c in cells for module in TRAINERS[c.trainer].preload)}
     if any(isinstance(problems[c.variant].model, HFModelSpec) for c in cells):
         wanted.add(PRELOAD_HF)
+    scripts = [problems[c.variant].script for c in cells if problems[c.variant].script is not None]
+    wanted.update(module for script in scripts for library in script.libraries() for module in SCRIPT_PRELOADS[library])
     return [module for module in PRELOAD_ORDER if module in wanted]
 
 

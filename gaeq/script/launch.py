@@ -15,10 +15,11 @@ from gaeq.matrix import Cell
 from gaeq.problem.spec import ProblemSpec
 from gaeq.results.outcome import CellOutcome, write_outcome
 from gaeq.results.trace import TRACE_FILE, cell_dir
+from gaeq.runtime import shm
 from gaeq.runtime.cells import RunOptions, fail_cell
 from gaeq.runtime.dist import free_port
 from gaeq.runtime.events import Event, EventKind
-from gaeq.runtime.server import PRELOAD, rank_context
+from gaeq.runtime.server import preload_modules, rank_context
 from gaeq.script.attach import forked_rank
 from gaeq.script.contract import ENV, PROBE_FILE
 from gaeq.script.launchers import command, worker_args, worker_env
@@ -82,7 +83,7 @@ def run_script_cell(cell: Cell, problem: ProblemSpec, opts: RunOptions) -> CellO
     # Each rank forks from gaeq's fork server, which has imported torch once (a fresh interpreter per
     # rank would import it again, the most of a short cell's time), and becomes a fresh
     # `python -m gaeq.script.attach SCRIPT ARGS` in the rank's environment (attach.forked_rank).
-    ctx = rank_context(isolate=opts.isolate, preload=[PRELOAD])
+    ctx = rank_context(isolate=opts.isolate, preload=preload_modules([cell], {cell.variant: problem}))
     procs = [
         ctx.Process(
             target=forked_rank,
@@ -97,13 +98,16 @@ def run_script_cell(cell: Cell, problem: ProblemSpec, opts: RunOptions) -> CellO
         )
         for r in range(cell.world_size)
     ]
-    try:
-        for proc in procs:
-            proc.start()
-        code = _wait(procs, timeout_s=opts.timeout_s)
-    finally:
-        for proc in procs:
-            _stop(proc)
+    # A DeepSpeed script's comm op leaves a 66 MB segment per rank in /dev/shm, as gaeq's own cells do:
+    # freed once the ranks are gone (and by the next run if gaeq is killed).
+    with shm.group_on(port):
+        try:
+            for proc in procs:
+                proc.start()
+            code = _wait(procs, timeout_s=opts.timeout_s)
+        finally:
+            for proc in procs:
+                _stop(proc)
     seconds = time.perf_counter() - started
     why = _why_not_done(cell, problem, out=out, code=code, timeout_s=opts.timeout_s)
     if why is not None:

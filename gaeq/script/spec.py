@@ -3,7 +3,7 @@ torch here: the matrix's schema reads it)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -32,6 +32,22 @@ class ScriptSpec(BaseModel):
     )
     cwd: str | None = Field(None, description="The folder it runs in (default: the script's own folder).")
     env: dict[str, str] = Field({}, description="Extra environment for every rank.")
+    imports: list[Literal["deepspeed", "accelerate", "transformers"]] | None = Field(
+        None,
+        description="Libraries the script imports that gaeq's fork server imports once, before it forks the "
+        "ranks (a rank then starts without paying for them). Default: deepspeed with the deepspeed launcher or a "
+        "deepspeed_config, accelerate with the accelerate launcher.",
+    )
+
+    def libraries(self) -> tuple[str, ...]:
+        """What the fork server imports for this script (`imports`, or what its launcher and config say)."""
+        if self.imports is not None:
+            return tuple(self.imports)
+        said = {
+            "deepspeed": self.launcher is Launcher.DEEPSPEED or self.deepspeed_config is not None,
+            "accelerate": self.launcher is Launcher.ACCELERATE,
+        }
+        return tuple(name for name, wanted in said.items() if wanted)
 
     @field_validator("args")
     @classmethod

@@ -5,7 +5,10 @@ file, 10 cells, runs in docs/your-setup.md's "Check your own script".)"""
 
 from __future__ import annotations
 
+import base64
+import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -41,31 +44,54 @@ def test_a_users_script_matches_across_world_sizes_and_its_mistakes_are_caught_w
     assert "samples missing" in cells["script-w2-mb4-ga2-args_bug_sampler_seeded_by_rank"]["reason"]
 
 
-def test_a_users_accelerate_script_matches_and_its_scheduler_stepped_per_process_is_an_event(tmp_path):
-    """experiments/your_accelerate_script.yaml's corner: accelerate's own loop and sharding at world 2
-    against the baseline, and a prepared scheduler left to accelerate's default (stepped once per
-    process per optimizer step) caught by the calls it makes."""
+def corner(tmp_path, experiment: str, bug: str) -> dict:
+    """An example experiment's corner: its script at world 2, micro-batch 4 against the baseline, and
+    that split with one of its mistakes — 3 steps at B = 16, its launcher and config as they are."""
     import yaml
 
     from tests.conftest import REPO
     from tests.helpers import gaeq_run_here
 
-    spec = yaml.safe_load((REPO / "experiments" / "your_accelerate_script.yaml").read_text())
-    spec["script"]["path"] = str(REPO / "experiments" / "scripts" / "accelerate_loop.py")
+    spec = yaml.safe_load((REPO / "experiments" / experiment).read_text())
+    for key in ("path", "deepspeed_config"):
+        if key in spec["script"]:
+            spec["script"][key] = str(REPO / "experiments" / spec["script"][key])
     spec |= {"steps": 3, "train_batch_size": 16, "noise_floor": False}
     spec["axes"] = {"world_size": [2], "micro_batch_size": [4]}
-    spec["cells"] = [{"world_size": 2, "micro_batch_size": 4, "args": ["--bug", "scheduler_per_process"]}]
-    spec["cells"][0]["expect"] = "diverge"
+    spec["cells"] = [{"world_size": 2, "micro_batch_size": 4, "args": ["--bug", bug], "expect": "diverge"}]
     (tmp_path / "mine.yaml").write_text(yaml.safe_dump(spec))
     proc, report, _ = gaeq_run_here(tmp_path / "mine.yaml", tmp_path / "run")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    cells = cells_by_id(report)
+    return cells_by_id(report)
+
+
+def test_a_users_accelerate_script_matches_and_its_scheduler_stepped_per_process_is_an_event(tmp_path):
+    """experiments/your_accelerate_script.yaml's corner: accelerate's own loop and sharding at world 2
+    against the baseline, and a prepared scheduler left to accelerate's default (stepped once per
+    process per optimizer step) caught by the calls it makes."""
+    cells = corner(tmp_path, "your_accelerate_script.yaml", "scheduler_per_process")
     assert cells["script-w2-mb4-ga2"]["verdict"] == "match"
+    assert cells["script-w2-mb4-ga2"]["ran"]["command"].startswith("accelerate launch --multi_gpu --num_processes 2")
     control = cells["script-w2-mb4-ga2-args_bug_scheduler_per_process"]
     assert (control["caught_by"], control["first_divergent_step"]) == ("events", 1), control["reason"]
     assert "scheduler.step() called 2× in optimizer step 1, the baseline 1×" in control["reason"]
 
 
+def test_a_users_deepspeed_script_matches_and_manual_accumulation_against_ga_1_is_another_split(tmp_path):
+    """experiments/your_deepspeed_script.yaml's corner, under DeepSpeed's launcher (its --local_rank):
+    the engine's own accumulation at world 2 against the baseline, and the script accumulating by hand
+    against a config that says GA 1 (open-instruct#1498) — every engine.backward a boundary, caught as
+    the split it really ran before any number is compared."""
+    cells = corner(tmp_path, "your_deepspeed_script.yaml", "ga_one_in_config")
+    clean = cells["script-w2-mb4-ga2"]
+    assert clean["verdict"] == "match" and clean["ran"]["command"].startswith("deepspeed --num_gpus 2")
+    assert (clean["ran"]["world_size"], clean["ran"]["micro_steps"]) == (2, [2])
+    control = cells["script-w2-mb4-ga2-args_bug_ga_one_in_config"]
+    assert (control["caught_by"], control["first_divergent_step"]) == ("split", 0), control["reason"]
+    assert "your script ignored {grad_accum_steps}: 1 backward call(s) in its first optimizer step" in control["reason"]
+
+
+ONE_NODE_TWO_RANKS = base64.urlsafe_b64encode(json.dumps({"localhost": [0, 1]}).encode()).decode()
 DUMP = """import json, os, sys
 json.dump({"argv": sys.argv[1:], "env": dict(os.environ)}, open(f"{os.environ['RANK']}.json", "w"))
 """
@@ -75,7 +101,8 @@ json.dump({"argv": sys.argv[1:], "env": dict(os.environ)}, open(f"{os.environ['R
     ("launcher", "command"),
     [
         ("torchrun", ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]),
-        ("deepspeed", ["-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", "0"]),
+        # what `deepspeed --num_gpus 2` runs on one node, with the environment it was given: its node launcher
+        ("deepspeed", ["-m", "deepspeed.launcher.launch", f"--world_info={ONE_NODE_TWO_RANKS}", "--master_port=0"]),
     ],
 )
 def test_a_rank_gets_what_the_real_launcher_gives_its_worker(tmp_path, launcher, command):
@@ -83,20 +110,21 @@ def test_a_rank_gets_what_the_real_launcher_gives_its_worker(tmp_path, launcher,
     the same world has the same variables (values apart from where they meet) and the same arguments —
     the script cannot tell gaeq's start from the launcher's. (accelerate launch on a CPU-only machine
     starts one process: its multi-process start is torchrun's, in the unit test.)"""
-    import json
     import sys
 
     from gaeq.script.launchers import Launcher, worker_args, worker_env
     from tests.processes import new_tag, owned, spawn
 
     (tmp_path / "dump.py").write_text(DUMP)
+    ours = worker_env(Launcher(launcher), rank=1, world_size=2, port=0)
+    unset = [arg for key in ours if key in os.environ for arg in ("-u", key)]  # so that the launcher's own show
     with owned(new_tag()) as tag:
-        proc = spawn([sys.executable, *command, "dump.py", "--mine"], tag=tag, cwd=tmp_path)
+        proc = spawn(["env", *unset, sys.executable, *command, "dump.py", "--mine"], tag=tag, cwd=tmp_path)
         out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, out[-2000:] + err[-2000:]
     seen = json.loads((tmp_path / "1.json").read_text())
-    ours = worker_env(Launcher(launcher), rank=1, world_size=2, port=0)
-    added = {k: v for k, v in seen["env"].items() if os.environ.get(k) != v and k not in ("GAEQ_TEST_TAG", "PWD")}
+    before = {k: v for k, v in os.environ.items() if k not in ours}
+    added = {k: v for k, v in seen["env"].items() if before.get(k) != v and k not in ("GAEQ_TEST_TAG", "PWD")}
     agent_only = {"TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE"}  # torchrun's agent, which gaeq is not
     one_thread = {"OMP_NUM_THREADS"} - set(added)  # gaeq's one thread per rank, where the launcher sets none
     assert set(added) - agent_only == set(ours) - one_thread
@@ -105,3 +133,47 @@ def test_a_rank_gets_what_the_real_launcher_gives_its_worker(tmp_path, launcher,
         k: ours[k] for k in set(added) - agent_only - where
     }
     assert seen["argv"] == [*worker_args(Launcher(launcher), rank=1), "--mine"]
+
+
+HANGS = """import os, subprocess, sys, time
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # a helper process of the script's own
+open(f"started-{os.environ['RANK']}", "w").close()
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "kill -9"])
+def test_stopping_gaeq_takes_every_rank_of_the_script_and_what_they_started_with_it(tmp_path, how):
+    """A world-2 script that starts a helper process of its own and hangs: Ctrl-C (gaeq stops the cell)
+    or kill -9 of gaeq (nothing of gaeq's cleans up: each rank watches gaeq and takes its own session
+    with it) leaves nothing running."""
+    import signal
+    import subprocess
+    import time
+
+    import yaml
+
+    from tests.processes import gaeq_command, leftovers, running
+
+    (tmp_path / "hangs.py").write_text(HANGS)
+    split = {"world_size": 2, "micro_batch_size": 2}
+    spec = {"name": "hangs", "script": {"path": "hangs.py"}, "steps": 2, "train_batch_size": 4, "noise_floor": False}
+    (tmp_path / "hangs.yaml").write_text(
+        yaml.safe_dump(spec | {"axes": {k: [v] for k, v in split.items()}, "baseline": split})
+    )
+    cmd = gaeq_command("run", "--matrix", str(tmp_path / "hangs.yaml"), "--out", str(tmp_path / "run"))
+    with running(cmd, stderr=subprocess.STDOUT) as proc:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"started-{r}").exists() for r in (0, 1)):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+            time.sleep(0.1)
+        helpers = [p for p in leftovers(proc.tag, grace=0) if b"sleep(600)" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert len(helpers) == 2  # the script's own processes are there to be stopped
+        if how == "ctrl-c":
+            proc.send_signal(signal.SIGINT)
+            output, _ = proc.communicate(timeout=60)
+            assert proc.returncode == 130, output
+        else:
+            proc.kill()
+            proc.wait(timeout=10)
+        assert leftovers(proc.tag, grace=10) == []
