@@ -33,6 +33,8 @@ class Bug(Name):
     HF_DEEPSPEED_LOSS_DIVIDED_TWICE = "hf_deepspeed_loss_divided_twice"
     ONE_GRAD_SCALED = "one_grad_scaled"
     TP_GRAD_NORM_PER_SHARD = "tp_grad_norm_per_shard"
+    PIPE_LOSS_SUMMED_OVER_GA = "pipe_loss_summed_over_ga"
+    PIPE_RESCALED_EVERY_STAGE = "pipe_rescaled_every_stage"
     LR_ZERO = "lr_zero"
 
 
@@ -52,6 +54,9 @@ class PlantedBug:
     """The bug exists only from this many ranks on (a per-process mistake needs several processes)."""
     min_tensor_parallel: int = 1
     """The bug exists only where layers are split over this many ranks or more."""
+    pipeline: bool = False
+    """The bug lives in a trainer's pipeline module (its schedule): it exists only in cells with
+    pipeline stages — and no other bug does (a pipeline cell does not run the accumulation loop)."""
     reported: str = ""
     """Where the mistake was seen in the wild (an issue of the library's tracker), if anywhere."""
 
@@ -184,6 +189,26 @@ BUGS: dict[str, PlantedBug] = {
                 "with tensor parallelism each rank measures the grad norm of the slices it holds, not of the "
                 "whole gradient: every rank a different, smaller norm, each clipping by its own"
             ),
+        ),
+        PlantedBug(
+            name=Bug.PIPE_LOSS_SUMMED_OVER_GA,
+            trainers=("deepspeed",),
+            pipeline=True,
+            description=(
+                "DeepSpeed's pipeline engine backpropagates the last stage's loss without ÷ GA: gradients summed over "
+                "the micro-batches, GA× too large, while the loss train_batch returns is still their average"
+            ),
+            reported="DeepSpeed#7773 (0.16.0 until 0.18.3)",
+        ),
+        PlantedBug(
+            name=Bug.PIPE_RESCALED_EVERY_STAGE,
+            trainers=("deepspeed",),
+            pipeline=True,
+            description=(
+                "every stage's output hook divides the gradient it receives by GA again: stage k of P gets "
+                "1/GA^(P-k) — earlier stages learn too slowly"
+            ),
+            reported="DeepSpeed#8152 (the #7773 fix, until 0.19.3)",
         ),
         PlantedBug(
             name=Bug.LR_ZERO,

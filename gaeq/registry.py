@@ -29,6 +29,9 @@ class TrainerSpec:
     their group through DeepSpeed, and the fork server preloads it."""
     tensor_parallel: bool = False
     """Runs cells whose layers are split over ranks (`tensor_parallel` > 1)."""
+    pipeline: str | None = None
+    """The module whose ``train`` runs its cells with `pipeline_parallel` > 1 (its library's pipeline
+    schedule: the loop is not the accumulation loop of `module`); None: it does not pipeline."""
     checkpoints: bool = False
     """Writes and resumes checkpoints: a resume experiment's source (and a plain resume's target)."""
     dtypes: tuple[str, ...] = ALL_DTYPES
@@ -70,6 +73,7 @@ TRAINERS: dict[str, TrainerSpec] = {
             description="DeepSpeed's own micro-step accumulation (engine.backward / engine.step), ZeRO 0-3",
             deepspeed=True,
             tensor_parallel=True,
+            pipeline="gaeq.trainers.deepspeed_pipeline",
             checkpoints=True,
             preload=("gaeq.runtime.preload_deepspeed",),
         ),
@@ -124,4 +128,5 @@ TRAINERS: dict[str, TrainerSpec] = {
 TRAINER_NAMES = tuple(TRAINERS)
 DEEPSPEED_TRAINERS = frozenset(name for name, spec in TRAINERS.items() if spec.deepspeed)
 TENSOR_PARALLEL_TRAINERS = frozenset(name for name, spec in TRAINERS.items() if spec.tensor_parallel)
+PIPELINE_TRAINERS = frozenset(name for name, spec in TRAINERS.items() if spec.pipeline)
 CHECKPOINT_TRAINERS = tuple(name for name, spec in TRAINERS.items() if spec.checkpoints)

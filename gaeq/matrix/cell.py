@@ -3,7 +3,7 @@
 Frozen dataclasses that cross process boundaries (ranks receive their cells pickled). Gradient
 accumulation is never chosen, always derived::
 
-    data_parallel    = world_size // tensor_parallel     (ranks that see different samples)
+    data_parallel    = world_size // (tensor_parallel * pipeline_parallel)   (ranks that see different samples)
     grad_accum_steps = train_batch_size // (micro_batch_size * data_parallel)
 """
 
@@ -56,6 +56,7 @@ SPLIT_AXES = (
     "trainer",
     "world_size",
     "tensor_parallel",
+    "pipeline_parallel",
     "micro_batch_size",
     "zero_stage",
     "offload",
@@ -71,6 +72,15 @@ DEEPSPEED_ONLY = {"zero_stage": None, "offload": "none"}
 """Trainers whose ranks run a DeepSpeed engine (a ZeRO stage, DeepSpeed's process group)."""
 
 
+@dataclass(frozen=True)
+class Place:
+    """A rank's place in its cell: its pipeline stage, data-parallel rank and tensor-parallel rank."""
+
+    stage: int
+    data: int
+    tensor: int
+
+
 @dataclass(frozen=True, kw_only=True)
 class Split:
     """How a cell splits the global batch (and in which dtype, for which problem variant): one
@@ -78,9 +88,12 @@ class Split:
 
     trainer: Trainer
     world_size: int
-    """Ranks in all: data-parallel × tensor-parallel."""
+    """Ranks in all: pipeline stages × data-parallel × tensor-parallel."""
     tensor_parallel: int = 1
     """Ranks each layer is split over; the ranks of one tensor-parallel group share micro-batches."""
+    pipeline_parallel: int = 1
+    """Pipeline stages the model's layers are split into, one per rank of a pipeline; a pipeline runs
+    its GA micro-batches per optimizer step through the stages (accumulation is its schedule)."""
     micro_batch_size: int
     zero_stage: int | None = None
     """ZeRO stage for DeepSpeed cells; None for the torch trainer."""
@@ -113,13 +126,29 @@ class Cell(Split):
     """Not part of what the cell is: the baseline's split listed among the axes is the same cell."""
 
     @property
+    def model_parallel(self) -> int:
+        """Ranks one model is spread over: tensor-parallel × pipeline stages."""
+        return self.tensor_parallel * self.pipeline_parallel
+
+    @property
     def data_parallel(self) -> int:
-        """Ranks that see different samples (world_size ÷ tensor_parallel)."""
-        if self.world_size % self.tensor_parallel:
-            raise MatrixError(
-                f"world_size {self.world_size} is not divisible by tensor_parallel {self.tensor_parallel}"
-            )
-        return self.world_size // self.tensor_parallel
+        """Ranks that see different samples (world_size ÷ (tensor_parallel × pipeline_parallel))."""
+        if self.world_size % self.model_parallel:
+            raise MatrixError(f"world_size {self.world_size} is not divisible by {self._model_parallel_said()}")
+        return self.world_size // self.model_parallel
+
+    def place(self, rank: int) -> Place:
+        """Where `rank` sits: ranks are laid out pipeline stage outermost, tensor-parallel innermost
+        (rank = (stage × data_parallel + data rank) × tensor_parallel + tp rank), as DeepSpeed's
+        pipe/data topology and init_device_mesh((pp, dp, tp)) lay them out — the ranks of one
+        tensor-parallel group share micro-batches, the stages of one pipeline pass them on."""
+        tp, dp = self.tensor_parallel, self.data_parallel
+        return Place(stage=rank // (dp * tp), data=(rank // tp) % dp, tensor=rank % tp)
+
+    def _model_parallel_said(self) -> str:
+        said = [f"tensor_parallel {self.tensor_parallel}"] if self.tensor_parallel > 1 else []
+        said += [f"pipeline_parallel {self.pipeline_parallel}"] if self.pipeline_parallel > 1 else []
+        return " × ".join(said) or "1"
 
     @property
     def divisible(self) -> bool:
@@ -142,6 +171,8 @@ class Cell(Split):
         parts.append(f"w{self.world_size}")
         if self.tensor_parallel > 1:
             parts.append(f"tp{self.tensor_parallel}")
+        if self.pipeline_parallel > 1:
+            parts.append(f"pp{self.pipeline_parallel}")
         parts += [f"mb{self.micro_batch_size}", f"ga{ga}"]
         if self.dtype != "fp32":
             parts.append(self.dtype)
@@ -169,7 +200,7 @@ class Cell(Split):
         return self.resume.step if self.resume else 0
 
     def _indivisible(self) -> str:
-        if self.tensor_parallel == 1:
+        if self.model_parallel == 1:
             return indivisible_message(
                 train_batch_size=self.train_batch_size,
                 micro_batch_size=self.micro_batch_size,
@@ -177,8 +208,7 @@ class Cell(Split):
             )
         return (
             f"train_batch_size {self.train_batch_size} is not divisible by micro_batch_size {self.micro_batch_size} × "
-            f"data-parallel ranks {self.data_parallel} (world_size {self.world_size} ÷ tensor_parallel "
-            f"{self.tensor_parallel})"
+            f"data-parallel ranks {self.data_parallel} (world_size {self.world_size} ÷ {self._model_parallel_said()})"
         )
 
 

@@ -16,7 +16,7 @@ from gaeq.matrix.resume import at_step_inside, plain_source, source_rules, targe
 from gaeq.matrix.rules import bug_rules, fault_rules, script_rules, skip_reason, split_rules
 from gaeq.matrix.schema import BASE, TENSOR_METRICS, FaultSpec, MatrixError, MatrixSpec, ResumeSpec, describe
 from gaeq.problem.spec import ProblemSpec
-from gaeq.registry import DEEPSPEED_TRAINERS, TENSOR_PARALLEL_TRAINERS
+from gaeq.registry import DEEPSPEED_TRAINERS, PIPELINE_TRAINERS, TENSOR_PARALLEL_TRAINERS
 
 
 class Expander:
@@ -71,8 +71,10 @@ class Expander:
                         split |= DEEPSPEED_ONLY
                     if split["trainer"] not in TENSOR_PARALLEL_TRAINERS:
                         split["tensor_parallel"] = 1
-                    if split["world_size"] % split["tensor_parallel"]:
-                        continue  # no such split: tensor-parallel groups of that size do not fit the world
+                    if split["trainer"] not in PIPELINE_TRAINERS:
+                        split["pipeline_parallel"] = 1
+                    if split["world_size"] % (split["tensor_parallel"] * split["pipeline_parallel"]):
+                        continue  # no such split: model-parallel groups of that size do not fit the world
                     splits.setdefault(tuple(split.items()), split)  # torch: one cell, not one per ZeRO stage
                 for split in splits.values():
                     self.add(Split(**split))

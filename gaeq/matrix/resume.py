@@ -27,6 +27,11 @@ def source_rules(source: Cell, r: ResumeSpec) -> None:
             f"checkpoints are written and resumed by the {' and '.join(CHECKPOINT_TRAINERS)} trainers; "
             f"source {source.id} is {source.trainer}"
         )
+    if source.pipeline_parallel > 1:
+        raise MatrixError(
+            f"checkpoints are written without pipeline stages; source {source.id} has pipeline_parallel "
+            f"{source.pipeline_parallel}"
+        )
     if source.tensor_parallel > 1:
         raise MatrixError(
             f"checkpoints are written without tensor parallelism; source {source.id} has tensor_parallel "

@@ -10,7 +10,14 @@ from gaeq.bugs import BUGS
 from gaeq.matrix.cell import Split
 from gaeq.matrix.schema import FaultSpec, MatrixError, MatrixSpec
 from gaeq.problem.spec import ProblemSpec
-from gaeq.registry import DEEPSPEED_TRAINERS, INSTALL_HF, TENSOR_PARALLEL_TRAINERS, TRAINERS, dtypes_said
+from gaeq.registry import (
+    DEEPSPEED_TRAINERS,
+    INSTALL_HF,
+    PIPELINE_TRAINERS,
+    TENSOR_PARALLEL_TRAINERS,
+    TRAINERS,
+    dtypes_said,
+)
 from gaeq.script.placeholders import PlaceholderError, check
 
 
@@ -19,6 +26,8 @@ def split_rules(split: Split, problem: ProblemSpec, spec: MatrixSpec) -> Split:
     split = deepspeed_axes(split)
     if split.tensor_parallel > 1:
         check_tensor_parallel(split, problem)
+    if split.pipeline_parallel > 1:
+        check_pipeline_parallel(split, problem)
     ds_bf16_needs_zero(split)
     library_installed(split)
     nvme_runs_own_config(split, problem)
@@ -126,6 +135,16 @@ def bug_rules(bug: str, split: Split, problem: ProblemSpec) -> None:
         raise MatrixError(
             f"bug {bug!r} needs tensor_parallel ≥ {planted.min_tensor_parallel}, the cell has {split.tensor_parallel}"
         )
+    if planted.pipeline != (split.pipeline_parallel > 1):
+        raise MatrixError(
+            f"bug {bug!r} "
+            + (
+                "lives in a pipeline's schedule: it needs pipeline_parallel ≥ 2"
+                if planted.pipeline
+                else "is not planted in a pipeline's loop: it needs pipeline_parallel 1"
+            )
+            + f", the cell has {split.pipeline_parallel}"
+        )
     if planted.loss is not None and problem.loss != planted.loss:
         raise MatrixError(f"bug {bug!r} exists only with loss {planted.loss}, not {problem.loss!r}")
     if planted.dtypes and split.dtype not in planted.dtypes:
@@ -175,9 +194,11 @@ def check_tensor_parallel(split: Split, problem: ProblemSpec) -> None:
             f"tensor_parallel runs in the {', '.join(sorted(TENSOR_PARALLEL_TRAINERS))} trainers, not "
             f"{split.trainer} ({where})"
         )
-    if split.world_size % split.tensor_parallel:
+    if split.world_size % (split.tensor_parallel * split.pipeline_parallel):
         raise MatrixError(
-            f"world_size {split.world_size} is not divisible by tensor_parallel {split.tensor_parallel} ({where})"
+            f"world_size {split.world_size} is not divisible by tensor_parallel {split.tensor_parallel}"
+            + (f" × pipeline_parallel {split.pipeline_parallel}" if split.pipeline_parallel > 1 else "")
+            + f" ({where})"
         )
     if split.dtype not in ("fp32", "bf16"):
         raise MatrixError(
@@ -187,6 +208,38 @@ def check_tensor_parallel(split: Split, problem: ProblemSpec) -> None:
         raise MatrixError(f"DeepSpeed AutoTP cells run gaeq's own DeepSpeed config, without offload ({where})")
     if why := plan_problem(problem, split.tensor_parallel):
         raise MatrixError(f"tensor_parallel {split.tensor_parallel}: {why}")
+
+
+def check_pipeline_parallel(split: Split, problem: ProblemSpec) -> None:
+    """A pipeline split that can run exactly as labelled — else bad input, naming the numbers."""
+    from gaeq.problem.stages import stages_problem
+
+    where = f"the {split.trainer} cell w{split.world_size} pp{split.pipeline_parallel} mb{split.micro_batch_size}"
+    if split.trainer not in PIPELINE_TRAINERS:
+        raise MatrixError(
+            f"pipeline_parallel runs in the {', '.join(sorted(PIPELINE_TRAINERS))} trainers, not {split.trainer} "
+            f"({where})"
+        )
+    model_parallel = split.tensor_parallel * split.pipeline_parallel
+    if split.world_size % model_parallel:
+        raise MatrixError(
+            f"world_size {split.world_size} is not divisible by pipeline_parallel {split.pipeline_parallel}"
+            + (f" × tensor_parallel {split.tensor_parallel}" if split.tensor_parallel > 1 else "")
+            + f" ({where})"
+        )
+    if split.dtype != "fp32":
+        raise MatrixError(f"pipeline cells run fp32, not {split.dtype} ({where})")
+    if split.tensor_parallel > 1:
+        raise MatrixError(f"pipeline_parallel with tensor_parallel: not offered yet ({where})")
+    if split.trainer == "deepspeed":
+        if split.zero_stage > 1:
+            raise MatrixError(
+                f"DeepSpeed's pipeline engine runs ZeRO 0 and 1 (it refuses stage {split.zero_stage}) ({where})"
+            )
+        if problem.deepspeed_config is not None or split.offload != "none":
+            raise MatrixError(f"DeepSpeed pipeline cells run gaeq's own DeepSpeed config, without offload ({where})")
+    if why := stages_problem(problem, split.pipeline_parallel):
+        raise MatrixError(f"pipeline_parallel {split.pipeline_parallel}: {why}")
 
 
 def check_hf_trainer(problem: ProblemSpec, spec: MatrixSpec) -> None:

@@ -16,6 +16,7 @@ from gaeq.registry import TRAINER_NAMES
 
 WorldSize = Annotated[int, Field(gt=0, le=4096)]
 TensorParallel = Annotated[int, Field(gt=0, le=4096)]
+PipelineParallel = Annotated[int, Field(gt=0, le=64)]
 
 Trainer = Literal[TRAINER_NAMES]  # gaeq/registry.py: one entry per trainer
 Expect = Literal["match", "diverge"]
@@ -39,12 +40,18 @@ class MatrixError(ValueError):
 class AxesSpec(_Spec):
     trainer: list[Trainer] = Field(["torch", "deepspeed"], min_length=1)
     world_size: list[WorldSize] = Field(
-        [1], min_length=1, description="Ranks in all (data-parallel × tensor-parallel)."
+        [1], min_length=1, description="Ranks in all (pipeline stages × data-parallel × tensor-parallel)."
     )
     tensor_parallel: list[TensorParallel] = Field(
         [1],
         min_length=1,
         description="Ranks each layer is split over (torch, fsdp, deepspeed); data-parallel ranks = world_size ÷ this.",
+    )
+    pipeline_parallel: list[PipelineParallel] = Field(
+        [1],
+        min_length=1,
+        description="Pipeline stages the model is split into (torch: torch.distributed.pipelining; deepspeed: "
+        "PipelineModule); data-parallel ranks = world_size ÷ (tensor_parallel × this).",
     )
     micro_batch_size: list[Samples] = Field(min_length=1)
     zero_stage: list[ZeroStage] = Field([0], min_length=1, description="DeepSpeed cells only.")
@@ -72,6 +79,7 @@ class CellSpec(_Spec):
     trainer: Trainer
     world_size: WorldSize = 1
     tensor_parallel: TensorParallel = 1
+    pipeline_parallel: PipelineParallel = 1
     micro_batch_size: Samples
     zero_stage: ZeroStage | None = None
     offload: Offload = "none"

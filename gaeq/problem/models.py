@@ -145,3 +145,42 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
+
+
+class Embeddings(nn.Module):
+    """A GPT's token and position embeddings as a layer of their own: a pipeline's first layer."""
+
+    def __init__(self, gpt: GPT) -> None:
+        super().__init__()
+        self.wte, self.wpe, self.drop = gpt.wte, gpt.wpe, gpt.drop
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        return self.drop(self.wte(idx) + self.wpe(positions))
+
+
+class Head(nn.Module):
+    """A GPT's final norm and head as a layer of their own: a pipeline's last layer."""
+
+    def __init__(self, gpt: GPT) -> None:
+        super().__init__()
+        self.ln_f, self.head = gpt.ln_f, gpt.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln_f(x))
+
+
+def gpt_layers(gpt: GPT) -> list[nn.Module]:
+    """The GPT as the layer list a pipeline cuts (the very modules of `gpt`: the same weights)."""
+    return [Embeddings(gpt), *gpt.blocks, Head(gpt)]
+
+
+def gpt_stage(gpt: GPT, *, index: int, count: int) -> nn.Sequential:
+    """Stage `index` of `count` (gaeq/problem/stages.py): the embeddings with the first, its blocks,
+    the head with the last."""
+    from gaeq.problem.stages import blocks_of
+
+    layers, blocks = gpt_layers(gpt), blocks_of(len(gpt.blocks), count)[index]
+    start = 0 if index == 0 else 1 + blocks.start
+    stop = len(layers) if index == count - 1 else 1 + blocks.stop
+    return nn.Sequential(*layers[start:stop])

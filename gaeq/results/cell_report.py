@@ -83,6 +83,7 @@ class CellReport:
     trainer = Part[str]("cell")
     world_size = Part[int]("cell")
     tensor_parallel = Part[int]("cell")
+    pipeline_parallel = Part[int]("cell")
     micro_batch_size = Part[int]("cell")
     zero_stage = Part[int]("cell")
     offload = Part[str]("cell")
@@ -142,7 +143,8 @@ class CellReport:
 
 
 JSON_FIELDS = (
-    *("id", "trainer", "world_size", "tensor_parallel", "micro_batch_size", "grad_accum_steps", "zero_stage"),
+    *("id", "trainer", "world_size", "tensor_parallel", "pipeline_parallel", "micro_batch_size", "grad_accum_steps"),
+    "zero_stage",
     *("offload", "dtype", "variant", "bug", "expect", "role", "verdict"),
     *("max_abs_loss_diff", "max_rel_grad_norm_diff", "max_abs_grad_diff", "max_abs_param_diff"),
     *("first_divergent_step", "caught_by", "divergence_steps", "margin", "reason", "seconds"),

@@ -70,6 +70,7 @@ COLUMNS = (
     Column("cell", lambda c: c.id, "both"),
     Column("W", lambda c: str(c.world_size), "both", right=True),
     Column("TP", lambda c: str(c.tensor_parallel), "tp", right=True),
+    Column("PP", lambda c: str(c.pipeline_parallel), "pp", right=True),
     Column("MB", lambda c: str(c.micro_batch_size), "both", right=True),
     Column("GA", lambda c: "-" if c.grad_accum_steps is None else str(c.grad_accum_steps), "both", right=True),
     Column("ZeRO", _zero, "both", right=True),
@@ -110,11 +111,12 @@ def columns(report: Report, *, tables: tuple[str, ...] = ("both", "verdict", "te
     shown = {
         "tensors": any(c.max_abs_grad_diff is not None or c.max_abs_param_diff is not None for c in report.cells),
         "tp": any(c.tensor_parallel > 1 for c in report.cells),
+        "pp": any(c.pipeline_parallel > 1 for c in report.cells),
     }
     return [
         col
         for col in COLUMNS
-        if (col.table in tables or col.table == "tp" and "both" in tables) and shown.get(col.table, True)
+        if (col.table in tables or col.table in ("tp", "pp") and "both" in tables) and shown.get(col.table, True)
     ]
 
 
@@ -213,11 +215,13 @@ def cells_table(m: Matrix) -> Table:
     """`gaeq validate`: the expanded cells, without training — each with its GA and what it is for."""
     table = Table(title=f"{m.spec.name}: {len(m.cells)} cells", title_justify="left")
     tp = any(c.tensor_parallel > 1 for c in m.cells)
+    pp = any(c.pipeline_parallel > 1 for c in m.cells)
     for name in (
         "cell",
         "trainer",
         "world",
         *(("TP",) if tp else ()),
+        *(("PP",) if pp else ()),
         "micro",
         "GA",
         "ZeRO",
@@ -226,7 +230,9 @@ def cells_table(m: Matrix) -> Table:
         "note",
     ):
         table.add_column(
-            name, justify="right" if name in {"world", "TP", "micro", "GA", "ZeRO"} else "left", no_wrap=name == "cell"
+            name,
+            justify="right" if name in {"world", "TP", "PP", "micro", "GA", "ZeRO"} else "left",
+            no_wrap=name == "cell",
         )
     baselines, floors = set(m.baselines.values()), set(m.floors.values())
     for c in m.cells:
@@ -241,6 +247,7 @@ def cells_table(m: Matrix) -> Table:
             c.trainer,
             str(c.world_size),
             *((str(c.tensor_parallel),) if tp else ()),
+            *((str(c.pipeline_parallel),) if pp else ()),
             str(c.micro_batch_size),
             str(c.grad_accum_steps) if c.divisible else "-",
             "-" if c.zero_stage is None else str(c.zero_stage),

@@ -188,7 +188,9 @@ def run_cell(
             run_dir=run_dir,
         )
         try:
-            ran = trainer_for(cell.trainer)(cell=cell, problem=problem, ctx=ctx)
+            ran = trainer_for(cell.trainer, pipeline_parallel=cell.pipeline_parallel)(
+                cell=cell, problem=problem, ctx=ctx
+            )
         except BaseException:
             traceback.print_exc()
             raise

@@ -20,11 +20,16 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(name)
 
 
-def trainer_for(name: str) -> Callable[..., dict]:
-    """The train function of a trainer name (gaeq/registry.py; imports its libraries only when asked for)."""
+def trainer_for(name: str, *, pipeline_parallel: int = 1) -> Callable[..., dict]:
+    """The train function of a trainer name — of its pipeline module for a cell with pipeline stages
+    (gaeq/registry.py; imports its libraries only when asked for)."""
     if name not in TRAINERS:
         raise ValueError(f"unknown trainer {name!r}")
-    return importlib.import_module(TRAINERS[name].module).train
+    spec = TRAINERS[name]
+    module = spec.pipeline if pipeline_parallel > 1 else spec.module
+    if module is None:
+        raise ValueError(f"trainer {name!r} does not pipeline")
+    return importlib.import_module(module).train
 
 
 __all__ = ["RunContext", "trainer_for"]

@@ -63,9 +63,8 @@ class CellProblem:
     dtype: str
     device: torch.device
     data_rank: int
-    """This rank's place in the plan: its data-parallel rank. Ranks are laid out tensor-parallel
-    innermost (rank = data_rank × tensor_parallel + tp rank, as init_device_mesh((dp, tp)) and
-    DeepSpeed lay them out), so the ranks of one tensor-parallel group share micro-batches."""
+    """This rank's place in the plan: its data-parallel rank (Cell.place: the ranks of one
+    tensor-parallel group share micro-batches, the stages of one pipeline pass them on)."""
 
     @property
     def model(self) -> torch.nn.Module:
@@ -146,7 +145,7 @@ def build_cell_problem(cell: Cell, problem: ProblemSpec, ctx: RunContext) -> Cel
         built=build_problem(problem),
         dtype=cell.dtype,
         device=ctx.device,
-        data_rank=ctx.rank // cell.tensor_parallel,
+        data_rank=cell.place(ctx.rank).data,
     )
 
 
@@ -214,8 +213,11 @@ class StepRecorder:
     ) -> None:
         # float64 end to end: the comparison must not be limited by the logging precision.
         comm_bytes = self.comm.take()
-        if self.ctx.rank % self.cell.tensor_parallel:
-            local_loss_sum = 0.0  # a tensor-parallel group saw one micro-batch: its first rank counts it
+        place = self.cell.place(self.ctx.rank)
+        if place.tensor or place.stage != self.cell.pipeline_parallel - 1:
+            # a tensor-parallel group saw one micro-batch: its first rank counts it; a pipeline's loss
+            # exists on its last stage only
+            local_loss_sum = 0.0
         total = torch.tensor([local_loss_sum], dtype=torch.float64, device=self.ctx.device)
         if self.ctx.world_size > 1:
             with self.comm.paused():  # the lab's own collective, not training traffic

@@ -59,6 +59,8 @@ def deepspeed_config(
         "wall_clock_breakdown": False,
         "checkpoint": {"load_universal": bool(cell.resume and cell.resume.universal)},
     }
+    if cell.pipeline_parallel > 1:  # the stages pass whole activations, none recomputed
+        config["pipeline"] = {"activation_checkpoint_interval": 0, "pipe_partitioned": False, "grad_partitioned": False}
     if cell.offload == "nvme":
         config["aio"] = AIO
     if cell.tensor_parallel > 1:

@@ -74,6 +74,21 @@ class Provenance:
             yield
         self.facts["compute_dtype"] = lowest_precision(seen)
 
+    def watch_forwards(self, module: torch.nn.Module) -> None:
+        """For a loop the trainer does not write (a pipeline's schedule): every forward of `module`
+        is measured as :meth:`forward` measures one."""
+        entered: list = []
+
+        def before(_module, args) -> None:
+            entered.append(self.forward(args[0]))
+            entered[-1].__enter__()
+
+        def after(_module, _args, _output) -> None:
+            entered.pop().__exit__(None, None, None)
+
+        module.register_forward_pre_hook(before)
+        module.register_forward_hook(after)
+
     def grad_norm(self, norm: torch.Tensor) -> float:
         """The norm a trainer's clipping returned, as a number; the first records the precision its
         squares were summed in (float32 and float64 sums of a million squares differ by ~1e-5)."""

@@ -25,7 +25,29 @@ CELLS = [
     {"trainer": "fsdp", "world_size": 4, "tensor_parallel": 2, "micro_batch_size": 2},
     {"trainer": "deepspeed", "world_size": 2, "tensor_parallel": 2, "micro_batch_size": 2, "zero_stage": 0},
     {"trainer": "deepspeed", "world_size": 2, "tensor_parallel": 2, "micro_batch_size": 2, "zero_stage": 2},
-    # after AutoTP cells in the same process group: plain data parallelism over both ranks again
+    # DeepSpeed's pipeline engine (two stages, GA = 8 micro-batches through them), its two controls,
+    # and at ZeRO-0 its clipping by the first stage's norm (expected to diverge: DeepSpeed's own defect)
+    {"trainer": "deepspeed", "world_size": 2, "pipeline_parallel": 2, "micro_batch_size": 2, "zero_stage": 1},
+    *(
+        {
+            "trainer": "deepspeed",
+            "world_size": 2,
+            "pipeline_parallel": 2,
+            "micro_batch_size": 2,
+            "zero_stage": 1,
+            "bug": b,
+        }
+        for b in ("pipe_loss_summed_over_ga", "pipe_rescaled_every_stage")
+    ),
+    {
+        "trainer": "deepspeed",
+        "world_size": 2,
+        "pipeline_parallel": 2,
+        "micro_batch_size": 2,
+        "zero_stage": 0,
+        "expect": "diverge",
+    },  # fmt: skip
+    # after AutoTP and pipeline cells in the same process group: plain data parallelism over both ranks again
     {"trainer": "deepspeed", "world_size": 2, "micro_batch_size": 2, "zero_stage": 1},
 ]
 
@@ -41,8 +63,8 @@ def test_tensor_parallel_strategies(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     cells = cells_by_id(report)
 
-    twins = [c for c in cells.values() if c["bug"] is None and c["id"] != report["baseline"]]
-    assert len(twins) == sum(c.bug is None for c in matrix_from_dict(spec).cells) - 1  # but the baseline
+    twins = [c for c in cells.values() if c["expect"] == "match" and c["id"] != report["baseline"]]
+    assert len(twins) == sum(c.expect == "match" for c in matrix_from_dict(spec).cells) - 1  # but the baseline
     assert all(c["verdict"] == "match" for c in twins)
     assert max(c["max_abs_loss_diff"] for c in twins) < 1e-5  # measured ≤ 6.9e-7 over 20 steps
     for c in twins:  # the label is what ran: layers really split over tensor_parallel ranks
@@ -65,6 +87,18 @@ def test_tensor_parallel_strategies(tmp_path):
         for line in (out / "cells" / "deepspeed-z0-w2-tp2-mb2-ga8" / "trace.jsonl").read_text().splitlines()
     ]
     assert {s["comm_bytes"] for s in autotp[1:]} == {8 * 8 * activation + 4}  # DeepSpeed: one norm all-reduce
+
+    # The pipeline: two stages cut by layer (embeddings and block 0 | block 1 and the head), GA micro-batches
+    pipe = cells["deepspeed-z1-w2-pp2-mb2-ga8"]["ran"]
+    assert (pipe["pipeline_parallel"], pipe["stage_layers"], pipe["pipeline_micro_batches"]) == (2, [0, 2, 4], 8)
+    summed = cells["deepspeed-z1-w2-pp2-mb2-ga8-bug_pipe_loss_summed_over_ga"]
+    assert (summed["caught_by"], summed["first_divergent_step"]) == ("grad_norm", 0)
+    assert summed["max_abs_loss_diff"] < 1e-5  # the loss does not show it: only the grad norm (GA× too large)
+    assert abs(summed["max_rel_grad_norm_diff"] - 7.0) < 1e-3
+    rescaled = cells["deepspeed-z1-w2-pp2-mb2-ga8-bug_pipe_rescaled_every_stage"]
+    assert (rescaled["caught_by"], rescaled["first_divergent_step"]) == ("grad_norm", 0)
+    zero0 = cells["deepspeed-z0-w2-pp2-mb2-ga8"]  # its own norm (gaeq's) matches until clipping acts on it
+    assert (zero0["verdict"], zero0["caught_by"]) == ("diverge", "loss"), zero0["reason"]
 
     shard = cells["torch-w2-tp2-mb2-ga8-bug_tp_grad_norm_per_shard"]
     assert (shard["verdict"], shard["caught_by"], shard["first_divergent_step"]) == ("diverge", "grad_norm", 0)

@@ -267,10 +267,11 @@ def test_every_registered_trainer_module_trains_and_says_what_it_promises():
     from gaeq.registry import TRAINERS
 
     for spec in TRAINERS.values():
-        path = REPO / (spec.module.replace(".", "/") + ".py")
-        wanted = SCRIPT_FUNCTIONS if spec.script else TRAINER_FUNCTIONS
-        missing = wanted - trainer_functions(ast.parse(path.read_text()))
-        assert not missing, f"{spec.module} (trainer {spec.name}) does not define {sorted(missing)}"
+        for module in (spec.module, spec.pipeline) if spec.pipeline else (spec.module,):
+            path = REPO / (module.replace(".", "/") + ".py")
+            wanted = SCRIPT_FUNCTIONS if spec.script else TRAINER_FUNCTIONS
+            missing = wanted - trainer_functions(ast.parse(path.read_text()))
+            assert not missing, f"{module} (trainer {spec.name}) does not define {sorted(missing)}"
 
 
 def test_the_control_a_trainer_module_without_promises_is_found():

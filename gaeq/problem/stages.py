@@ -1,0 +1,42 @@
+"""Pipeline stages cut from a model by layer: the token and position embeddings with the first
+stage, the blocks divided as evenly as they go (earlier stages take the extra one), the final norm
+and the head with the last — the loss is computed where the logits are.
+
+The whole model is built first (from the problem's seed) and then cut: every stage holds the very
+modules of the unsplit model, so a pipeline cell starts from the baseline's weights.
+
+Today the cut is defined for gaeq's GPT; a model whose layer list gaeq cannot find is bad input
+(:func:`stages_problem` says why) rather than a guess.
+"""
+
+from __future__ import annotations
+
+from gaeq.problem.spec import GPTSpec, ProblemSpec
+
+
+def stages_problem(problem: ProblemSpec, pipeline_parallel: int) -> str | None:
+    """Why the problem's model cannot be cut into `pipeline_parallel` stages, or None (no torch:
+    the matrix asks)."""
+    model = problem.model
+    if not isinstance(model, GPTSpec):
+        kind = getattr(model, "kind", None) or getattr(model, "hf", None) or "plugin"
+        return (
+            f"pipeline stages are cut from gaeq's GPT (embeddings, blocks, head); model {kind} has no layer "
+            "list gaeq cuts yet"
+        )
+    if problem.loss != "cross_entropy":
+        return f"a pipeline's last stage computes the loss: cross_entropy, not {problem.loss}"
+    if model.dropout > 0:
+        return "pipeline stages run without dropout (its masks would depend on the stage's forward order)"
+    if model.n_layer < pipeline_parallel:
+        return f"n_layer {model.n_layer} < pipeline_parallel {pipeline_parallel}: every stage holds a block at least"
+    return None
+
+
+def blocks_of(n_layer: int, pipeline_parallel: int) -> list[range]:
+    """The blocks each stage holds: as even as they go, earlier stages taking the extra one."""
+    base, extra = divmod(n_layer, pipeline_parallel)
+    bounds = [0]
+    for stage in range(pipeline_parallel):
+        bounds.append(bounds[-1] + base + (stage < extra))
+    return [range(a, b) for a, b in zip(bounds[:-1], bounds[1:])]

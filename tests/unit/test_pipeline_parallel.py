@@ -1,0 +1,86 @@
+"""Pipeline parallelism without process groups: the axis and its arithmetic, where each rank sits,
+what is bad input, and the stages cut from the GPT (the unsplit model's own modules).
+
+Training pipeline cells (DeepSpeed's PipelineModule and its controls) is in
+tests/integration/test_strategies.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gaeq.matrix import MatrixError, load_matrix
+from gaeq.problem.models import GPT, gpt_stage
+from gaeq.problem.spec import GPTSpec
+from gaeq.problem.stages import blocks_of
+from tests.unit.test_tensor_parallel import gpt_spec
+
+
+def test_world_counts_every_stage_and_ga_counts_data_parallel_ranks(write_matrix):
+    axes = {
+        "trainer": ["deepspeed", "fsdp"],
+        "world_size": [2, 4],
+        "pipeline_parallel": [1, 2],
+        "micro_batch_size": [2],
+    }
+    axes["zero_stage"] = [1]
+    m = load_matrix(write_matrix(gpt_spec(axes=axes)))
+    by_id = {c.id: c for c in m.cells}
+    # fsdp does not pipeline: its cells stay pp 1, once each
+    assert [i for i in by_id if "pp" in i] == ["deepspeed-z1-w2-pp2-mb2-ga8", "deepspeed-z1-w4-pp2-mb2-ga4"]
+    assert {"fsdp-w2-mb2-ga4", "fsdp-w4-mb2-ga2"} <= set(by_id)
+    cell = by_id["deepspeed-z1-w4-pp2-mb2-ga4"]
+    assert (cell.pipeline_parallel, cell.data_parallel, cell.grad_accum_steps) == (2, 2, 4)  # 16 / (2 × 2)
+    # stage outermost, as DeepSpeed's pipe/data topology: ranks 0, 1 are stage 0 of replicas 0, 1
+    assert [(p.stage, p.data, p.tensor) for p in map(cell.place, range(4))] == [
+        (0, 0, 0),
+        (0, 1, 0),
+        (1, 0, 0),
+        (1, 1, 0),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("cell", "problem", "message"),
+    [
+        ({"world_size": 3}, {}, r"world_size 3 is not divisible by pipeline_parallel 2"),
+        ({"world_size": 4, "micro_batch_size": 3}, {},
+         r"micro_batch_size 3 × data-parallel ranks 2 \(world_size 4 ÷ pipeline_parallel 2\)"),
+        ({"trainer": "fsdp", "zero_stage": None}, {},
+         r"pipeline_parallel runs in the deepspeed trainers, not fsdp"),
+        ({"zero_stage": 2}, {}, r"DeepSpeed's pipeline engine runs ZeRO 0 and 1 \(it refuses stage 2\)"),
+        ({"dtype": "bf16"}, {}, r"pipeline cells run fp32, not bf16"),
+        ({"world_size": 4, "tensor_parallel": 2}, {}, r"pipeline_parallel with tensor_parallel: not offered yet"),
+        ({}, {"model": {"kind": "mlp"}, "data": {"kind": "regression"}, "loss": "mse"},
+         r"pipeline stages are cut from gaeq's GPT .*; model mlp has no layer list gaeq cuts yet"),
+        ({"pipeline_parallel": 4, "world_size": 4}, {}, r"n_layer 2 < pipeline_parallel 4"),
+        ({"bug": "pipe_loss_summed_over_ga", "pipeline_parallel": 1}, {}, r"lives in a pipeline's schedule"),
+        ({"bug": "mean_of_means"}, {}, r"is not planted in a pipeline's loop: it needs pipeline_parallel 1"),
+    ],
+)  # fmt: skip
+def test_bad_pipeline_splits_are_bad_input_naming_the_numbers(write_matrix, cell, problem, message):
+    base = {"trainer": "deepspeed", "world_size": 2, "pipeline_parallel": 2, "micro_batch_size": 4, "zero_stage": 1}
+    spec = gpt_spec(axes=None, cells=[base | cell])
+    spec["problem"].update(problem)
+    with pytest.raises(MatrixError, match=message):
+        load_matrix(write_matrix(spec))
+
+
+def test_resume_refuses_a_pipeline_source(write_matrix):
+    source = {"trainer": "deepspeed", "world_size": 2, "pipeline_parallel": 2, "micro_batch_size": 4, "zero_stage": 1}
+    spec = gpt_spec(resume=[{"from": source, "at_step": 1, "to": [{"world_size": 1, "micro_batch_size": 4}]}])
+    with pytest.raises(MatrixError, match="checkpoints are written without pipeline stages"):
+        load_matrix(write_matrix(spec))
+
+
+def test_stages_are_the_unsplit_models_own_layers_embeddings_first_head_last():
+    assert blocks_of(5, 2) == [range(0, 3), range(3, 5)] and blocks_of(4, 4) == [range(i, i + 1) for i in range(4)]
+    gpt = GPT(GPTSpec(n_layer=3, n_head=2, n_embd=16), vocab_size=32, block_size=8, seed=0)
+    stages = [gpt_stage(gpt, index=i, count=2) for i in range(2)]
+    # every parameter of the model is in exactly one stage, the very tensor (the baseline's weights)
+    held = [id(p) for stage in stages for p in stage.parameters()]
+    assert sorted(held) == sorted(id(p) for p in gpt.parameters())
+    assert [type(layer).__name__ for layer in stages[0]] == ["Embeddings", "Block", "Block"]
+    assert [type(layer).__name__ for layer in stages[1]] == ["Block", "Head"]
+    tokens = torch.randint(0, 32, (3, 8))
+    assert torch.equal(stages[1](stages[0](tokens)), gpt(tokens))  # the same computation, bitwise
