@@ -184,22 +184,23 @@ def check_precision(precision: str, dtype: str) -> None:
         )
 
 
+def model_parallel_fits(split: Split, axis: str, trainers: frozenset[str], where: str) -> None:
+    """A model-parallel `axis` (tensor_parallel, pipeline_parallel) in a trainer that has it, its groups
+    (with the other axis's) fitting the world."""
+    if split.trainer not in trainers:
+        raise MatrixError(f"{axis} runs in the {', '.join(sorted(trainers))} trainers, not {split.trainer} ({where})")
+    if split.world_size % (split.tensor_parallel * split.pipeline_parallel):
+        other = "pipeline_parallel" if axis == "tensor_parallel" else "tensor_parallel"
+        said = f"{axis} {getattr(split, axis)}" + (f" × {other} {n}" if (n := getattr(split, other)) > 1 else "")
+        raise MatrixError(f"world_size {split.world_size} is not divisible by {said} ({where})")
+
+
 def check_tensor_parallel(split: Split, problem: ProblemSpec) -> None:
     """A tensor-parallel split that can run exactly as labelled — else bad input, naming the numbers."""
     from gaeq.problem.tp import plan_problem
 
     where = f"the {split.trainer} cell w{split.world_size} tp{split.tensor_parallel} mb{split.micro_batch_size}"
-    if split.trainer not in TENSOR_PARALLEL_TRAINERS:
-        raise MatrixError(
-            f"tensor_parallel runs in the {', '.join(sorted(TENSOR_PARALLEL_TRAINERS))} trainers, not "
-            f"{split.trainer} ({where})"
-        )
-    if split.world_size % (split.tensor_parallel * split.pipeline_parallel):
-        raise MatrixError(
-            f"world_size {split.world_size} is not divisible by tensor_parallel {split.tensor_parallel}"
-            + (f" × pipeline_parallel {split.pipeline_parallel}" if split.pipeline_parallel > 1 else "")
-            + f" ({where})"
-        )
+    model_parallel_fits(split, "tensor_parallel", TENSOR_PARALLEL_TRAINERS, where)
     if split.dtype not in ("fp32", "bf16"):
         raise MatrixError(
             f"tensor-parallel cells run fp32 and bf16 (autocast over fp32 weights), not {split.dtype} ({where})"
@@ -215,18 +216,7 @@ def check_pipeline_parallel(split: Split, problem: ProblemSpec) -> None:
     from gaeq.problem.stages import stages_problem
 
     where = f"the {split.trainer} cell w{split.world_size} pp{split.pipeline_parallel} mb{split.micro_batch_size}"
-    if split.trainer not in PIPELINE_TRAINERS:
-        raise MatrixError(
-            f"pipeline_parallel runs in the {', '.join(sorted(PIPELINE_TRAINERS))} trainers, not {split.trainer} "
-            f"({where})"
-        )
-    model_parallel = split.tensor_parallel * split.pipeline_parallel
-    if split.world_size % model_parallel:
-        raise MatrixError(
-            f"world_size {split.world_size} is not divisible by pipeline_parallel {split.pipeline_parallel}"
-            + (f" × tensor_parallel {split.tensor_parallel}" if split.tensor_parallel > 1 else "")
-            + f" ({where})"
-        )
+    model_parallel_fits(split, "pipeline_parallel", PIPELINE_TRAINERS, where)
     if split.dtype != "fp32":
         raise MatrixError(f"pipeline cells run fp32, not {split.dtype} ({where})")
     if split.tensor_parallel > 1:
