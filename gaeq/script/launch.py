@@ -109,7 +109,9 @@ def run_script_cell(cell: Cell, problem: ProblemSpec, opts: RunOptions) -> CellO
             for proc in procs:
                 _stop(proc)
     seconds = time.perf_counter() - started
-    why = _why_not_done(cell, problem, out=out, code=code, timeout_s=opts.timeout_s)
+    probe = out / PROBE_FILE
+    facts = json.loads(probe.read_text()) if probe.is_file() else None  # what the probe saw, if it started
+    why = _why_not_done(problem, out=out, facts=facts, code=code, timeout_s=opts.timeout_s)
     if why is not None:
         return fail_cell(
             cell.id,
@@ -120,13 +122,12 @@ def run_script_cell(cell: Cell, problem: ProblemSpec, opts: RunOptions) -> CellO
             world_size=cell.world_size,
             on_event=opts.on_event,
         )
-    facts = json.loads((out / PROBE_FILE).read_text())
     first = facts["steps"][0]  # what the probe saw in the first optimizer step, never the cell's label
     ran = {
         "world_size": first["world_size"],
         "micro_batch_rows": sorted({rows for rank in first["rows"] for rows in rank}),
         "micro_steps": sorted(set(first["backward"])),
-        "command": command_line(cell, problem, out=out),
+        "command": command(launcher, world_size=cell.world_size, script=problem.script.path, args=args),
     }
     ran |= {"versions": facts.get("versions", {})}
     if facts.get("dropout"):  # the verdict names it when the cell diverges (report._dropout_note)
@@ -154,15 +155,15 @@ def _wait(procs: list, *, timeout_s: float) -> int | None:
     return None
 
 
-def _why_not_done(cell: Cell, problem: ProblemSpec, *, out: Path, code: int | None, timeout_s: float) -> str | None:
-    """Why the cell has no comparable result (None: it has one): it hung, stopped before its steps, or
-    ran another split than its label's."""
+def _why_not_done(
+    problem: ProblemSpec, *, out: Path, facts: dict | None, code: int | None, timeout_s: float
+) -> str | None:
+    """Why the cell has no comparable result (None: it has one): it hung, or stopped before its steps
+    (the split it ran is judged with the numbers, gaeq.script.verdict)."""
     if code is None:
         return f"timed out: the script ran for {timeout_s:.0f} s without finishing its {problem.steps} steps"
-    probe = out / PROBE_FILE
-    if not probe.is_file():
+    if facts is None:
         return f"the script exited with code {code} before gaeq's probe started"
-    facts = json.loads(probe.read_text())
     steps = facts["steps"]
     if not steps:
         return (

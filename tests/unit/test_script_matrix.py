@@ -128,28 +128,26 @@ def test_a_script_that_ignores_the_split_is_told_so(tmp_path):
 
 def test_a_script_that_stops_short_is_an_error_that_says_where(tmp_path):
     """What the launch concludes from what the probe left (gaeq.script.launch._why_not_done)."""
-    import json
-
     from gaeq.script.launch import _why_not_done
 
     m = script_matrix(tmp_path)
-    cell, out = m.cells[0], tmp_path / "cell"
+    out = tmp_path / "cell"
     out.mkdir()
-    assert _why_not_done(cell, m.problem, out=out, code=None, timeout_s=60) == (
-        "timed out: the script ran for 60 s without finishing its 3 steps"
-    )
-    assert "before gaeq's probe started" in _why_not_done(cell, m.problem, out=out, code=1, timeout_s=60)
-    (out / "probe.json").write_text(json.dumps({"steps": [], "initial": None}))
-    assert _why_not_done(cell, m.problem, out=out, code=0, timeout_s=60).startswith(
+
+    def why(facts, code):
+        return _why_not_done(m.problem, out=out, facts=facts, code=code, timeout_s=60)
+
+    assert why(None, None) == "timed out: the script ran for 60 s without finishing its 3 steps"
+    assert "before gaeq's probe started" in why(None, 1)
+    assert why({"steps": [], "initial": None}, 0).startswith(
         "no optimizer step seen (the script exited with code 0): is its training loop behind an argument"
     )
     first = {"step": 0, "world_size": 1, "rows": [[16]], "backward": [1]}
-    (out / "probe.json").write_text(json.dumps({"steps": [first], "initial": "aa"}))
-    assert _why_not_done(cell, m.problem, out=out, code=0, timeout_s=60) == (
-        "the script stopped after 1 of 3 optimizer steps (exit code 0)"
+    assert (
+        why({"steps": [first], "initial": "aa"}, 0) == "the script stopped after 1 of 3 optimizer steps (exit code 0)"
     )
     (out / "trace.jsonl").write_text("")
-    assert _why_not_done(cell, m.problem, out=out, code=0, timeout_s=60) is None  # the split it ran is the cell's
+    assert why({"steps": [first], "initial": "aa"}, 0) is None  # a result to judge (its split with the numbers)
 
 
 def test_active_dropout_is_named_and_a_diverging_script_cell_says_so():
