@@ -53,8 +53,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     task = build_cell_problem(cell, problem, ctx)
     plan = task.plan
     place = cell.place(ctx.rank)
-    last_stage = place.stage == cell.pipeline_parallel - 1
-    step_loss = {"sum": 0.0, "num_items": 1}  # the forward loss sums of this step (last stage)
+    step_loss = {"sum": 0.0, "num_items": 1}  # the forward loss sums of this step (only the last stage has any)
 
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss_sum = task.built.loss_sum(logits, targets)
@@ -122,9 +121,9 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         ran.step_done()
         recorder.record(
             step=step,
-            local_loss_sum=step_loss["sum"] if last_stage else 0.0,
+            local_loss_sum=step_loss["sum"],
             normaliser=normaliser,
-            grad_norm=norm.value,
+            grad_norm=norm["value"],
             lr=lr,
             seconds=time.perf_counter() - started,
         )
@@ -133,33 +132,25 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     return ran.facts
 
 
-class _Norm:
-    value: float = math.nan
+def _measure_norm(engine) -> dict[str, float]:
+    """The whole model's gradient norm before clipping, every step (``["value"]``): at ZeRO-1 the
+    engine's own (its optimizer sums every stage's partitions); at ZeRO-0, where the engine reports
+    none, measured in float64 from each stage's averaged gradients just before the optimizer step,
+    summed over the pipeline's stages."""
+    norm = {"value": math.nan}
+    step = engine._INSTRUCTION_MAP[schedule.OptimizerStep]
+    engine_reports = engine.zero_optimization_stage() > 0
+    group = engine.grid.get_pipe_parallel_group()
 
-
-def _measure_norm(engine) -> _Norm:
-    """The whole model's gradient norm before clipping, every step: at ZeRO-1 the engine's own
-    (its optimizer sums every stage's partitions); at ZeRO-0, where the engine reports none, measured
-    in float64 from each stage's averaged gradients just before the optimizer step, summed over the
-    pipeline's stages."""
-    norm = _Norm()
-    if engine.zero_optimization_stage() > 0:
-        step = engine._INSTRUCTION_MAP[schedule.OptimizerStep]
-
-        def optimizer_step(self, *args, **kwargs):
-            step(self, *args, **kwargs)
-            norm.value = float(self.get_global_grad_norm())
-
-    else:
-        step = engine._INSTRUCTION_MAP[schedule.OptimizerStep]
-        group = engine.grid.get_pipe_parallel_group()
-
-        def optimizer_step(self, *args, **kwargs):
+    def optimizer_step(self, *args, **kwargs):
+        if not engine_reports:
             grads = [p.grad for p in self.module.parameters() if p.grad is not None]
             squares = sum(g.double().pow(2).sum() for g in grads).reshape(1)
             deepspeed.comm.all_reduce(squares, group=group)
-            norm.value = squares.sqrt().item()
-            step(self, *args, **kwargs)
+            norm["value"] = squares.sqrt().item()
+        step(self, *args, **kwargs)
+        if engine_reports:
+            norm["value"] = float(self.get_global_grad_norm())
 
     engine._INSTRUCTION_MAP = {**engine._INSTRUCTION_MAP, schedule.OptimizerStep: optimizer_step}
     return norm
