@@ -35,6 +35,7 @@ class Bug(Name):
     TP_GRAD_NORM_PER_SHARD = "tp_grad_norm_per_shard"
     PIPE_LOSS_SUMMED_OVER_GA = "pipe_loss_summed_over_ga"
     PIPE_RESCALED_EVERY_STAGE = "pipe_rescaled_every_stage"
+    PIPELINING_STEP_PER_MICRO_BATCH = "pipelining_step_per_micro_batch"
     LR_ZERO = "lr_zero"
 
 
@@ -57,6 +58,8 @@ class PlantedBug:
     pipeline: bool = False
     """The bug lives in a trainer's pipeline module (its schedule): it exists only in cells with
     pipeline stages — and no other bug does (a pipeline cell does not run the accumulation loop)."""
+    pipeline_calls: int = 1
+    """Schedule runs (``schedule.step()``) per optimizer step the bug makes, GA ÷ this micro-batches each."""
     reported: str = ""
     """Where the mistake was seen in the wild (an issue of the library's tracker), if anywhere."""
 
@@ -209,6 +212,19 @@ BUGS: dict[str, PlantedBug] = {
                 "1/GA^(P-k) — earlier stages learn too slowly"
             ),
             reported="DeepSpeed#8152 (the #7773 fix, until 0.19.3)",
+        ),
+        PlantedBug(
+            name=Bug.PIPELINING_STEP_PER_MICRO_BATCH,
+            trainers=("torch",),
+            pipeline=True,
+            pipeline_calls=2,
+            description=(
+                "accumulation on top of torch.distributed.pipelining: schedule.step() once per accumulation "
+                "micro-batch (two per optimizer step, each split into GA/2 pipeline micro-batches) with the loss "
+                "rescaled for it, but scale_grads left on — every step() divides ALL the gradients accumulated so "
+                "far by its micro-batch count, so the first call's count GA/2 times too little"
+            ),
+            reported="torchtitan#1733 (fixed by #1732: scale_grads=False, the loss scaled instead); pytorch#196641",
         ),
         PlantedBug(
             name=Bug.LR_ZERO,

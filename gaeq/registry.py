@@ -32,6 +32,8 @@ class TrainerSpec:
     pipeline: str | None = None
     """The module whose ``train`` runs its cells with `pipeline_parallel` > 1 (its library's pipeline
     schedule: the loop is not the accumulation loop of `module`); None: it does not pipeline."""
+    pipeline_schedules: tuple[str, ...] = ()
+    """The pipeline schedules its pipeline cells may run (:data:`PIPELINE_SCHEDULES`), its default first."""
     checkpoints: bool = False
     """Writes and resumes checkpoints: a resume experiment's source (and a plain resume's target)."""
     dtypes: tuple[str, ...] = ALL_DTYPES
@@ -44,6 +46,14 @@ class TrainerSpec:
     """Runs a user's own script under its launcher (gaeq.script), not a loop gaeq wrote: its module
     launches a cell (``run_script_cell``) instead of training one on a rank."""
 
+
+PIPELINE_SCHEDULES = {
+    "1f1b": "one forward, one backward: after pp − 1 warm-up forwards, each stage alternates (GA ≥ pp)",
+    "gpipe": "every micro-batch's forward, then every backward (activations of all GA micro-batches held)",
+    "interleaved_1f1b": "1F1B over two model chunks per rank (stage s and s + pp): a smaller bubble, more p2p",
+}
+"""The `pipeline_schedule` axis: the order in which a pipeline runs its GA micro-batches' forwards and
+backwards. Every schedule computes the same gradient; the bubble (time a stage waits) differs."""
 
 INSTALL_HF = "pip install 'gaeq[hf]'"
 """The install line of every trainer's `package` (the `hf` extra pins them)."""
@@ -64,6 +74,8 @@ TRAINERS: dict[str, TrainerSpec] = {
             module="gaeq.trainers.torch_manual",
             description="manual PyTorch accumulation: loss ÷ GA, DDP no_sync until the boundary micro-step",
             tensor_parallel=True,
+            pipeline="gaeq.trainers.torch_pipeline",
+            pipeline_schedules=("1f1b", "gpipe", "interleaved_1f1b"),
             checkpoints=True,
             dtypes=("fp32", "bf16", "fp16"),
         ),
@@ -74,6 +86,7 @@ TRAINERS: dict[str, TrainerSpec] = {
             deepspeed=True,
             tensor_parallel=True,
             pipeline="gaeq.trainers.deepspeed_pipeline",
+            pipeline_schedules=("1f1b",),  # its TrainSchedule
             checkpoints=True,
             preload=("gaeq.runtime.preload_deepspeed",),
         ),

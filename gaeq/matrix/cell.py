@@ -57,6 +57,7 @@ SPLIT_AXES = (
     "world_size",
     "tensor_parallel",
     "pipeline_parallel",
+    "pipeline_schedule",
     "micro_batch_size",
     "zero_stage",
     "offload",
@@ -68,8 +69,8 @@ is a field here, in :class:`Split`, in the schema (AxesSpec, CellSpec) and in :a
 
 DEEPSPEED_ONLY = {"zero_stage": None, "offload": "none"}
 """Axes only DeepSpeed cells have, and what a torch cell has instead."""
-
-"""Trainers whose ranks run a DeepSpeed engine (a ZeRO stage, DeepSpeed's process group)."""
+DEFAULT_PIPELINE_SCHEDULE = "1f1b"
+"""A pipeline cell's schedule when none is given (every pipeline trainer runs it)."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,9 @@ class Split:
     pipeline_parallel: int = 1
     """Pipeline stages the model's layers are split into, one per rank of a pipeline; a pipeline runs
     its GA micro-batches per optimizer step through the stages (accumulation is its schedule)."""
+    pipeline_schedule: str | None = None
+    """The order a pipeline runs its micro-batches in (gaeq.registry.PIPELINE_SCHEDULES); None
+    without stages."""
     micro_batch_size: int
     zero_stage: int | None = None
     """ZeRO stage for DeepSpeed cells; None for the torch trainer."""
@@ -172,7 +176,7 @@ class Cell(Split):
         if self.tensor_parallel > 1:
             parts.append(f"tp{self.tensor_parallel}")
         if self.pipeline_parallel > 1:
-            parts.append(f"pp{self.pipeline_parallel}")
+            parts += [f"pp{self.pipeline_parallel}", str(self.pipeline_schedule)]
         parts += [f"mb{self.micro_batch_size}", f"ga{ga}"]
         if self.dtype != "fp32":
             parts.append(self.dtype)

@@ -16,7 +16,7 @@ from gaeq.matrix.resume import at_step_inside, plain_source, source_rules, targe
 from gaeq.matrix.rules import bug_rules, fault_rules, script_rules, skip_reason, split_rules
 from gaeq.matrix.schema import BASE, TENSOR_METRICS, FaultSpec, MatrixError, MatrixSpec, ResumeSpec, describe
 from gaeq.problem.spec import ProblemSpec
-from gaeq.registry import DEEPSPEED_TRAINERS, PIPELINE_TRAINERS, TENSOR_PARALLEL_TRAINERS
+from gaeq.registry import DEEPSPEED_TRAINERS, PIPELINE_TRAINERS, TENSOR_PARALLEL_TRAINERS, TRAINERS
 
 
 class Expander:
@@ -73,6 +73,10 @@ class Expander:
                         split["tensor_parallel"] = 1
                     if split["trainer"] not in PIPELINE_TRAINERS:
                         split["pipeline_parallel"] = 1
+                    if split["pipeline_parallel"] == 1:
+                        split["pipeline_schedule"] = None
+                    elif split["pipeline_schedule"] not in TRAINERS[split["trainer"]].pipeline_schedules:
+                        continue  # a schedule this trainer's pipelines do not run
                     if split["world_size"] % (split["tensor_parallel"] * split["pipeline_parallel"]):
                         continue  # no such split: model-parallel groups of that size do not fit the world
                     splits.setdefault(tuple(split.items()), split)  # torch: one cell, not one per ZeRO stage

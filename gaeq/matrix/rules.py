@@ -7,7 +7,7 @@ import dataclasses
 import importlib.util
 
 from gaeq.bugs import BUGS
-from gaeq.matrix.cell import Split
+from gaeq.matrix.cell import DEFAULT_PIPELINE_SCHEDULE, Split
 from gaeq.matrix.schema import FaultSpec, MatrixError, MatrixSpec
 from gaeq.problem.spec import ProblemSpec
 from gaeq.registry import (
@@ -24,6 +24,7 @@ from gaeq.script.placeholders import PlaceholderError, check
 def split_rules(split: Split, problem: ProblemSpec, spec: MatrixSpec) -> Split:
     """Every cross-field rule of a split; returns it with DeepSpeed's ZeRO stage filled in (0)."""
     split = deepspeed_axes(split)
+    split = pipeline_axes(split)
     if split.tensor_parallel > 1:
         check_tensor_parallel(split, problem)
     if split.pipeline_parallel > 1:
@@ -54,6 +55,15 @@ def deepspeed_axes(split: Split) -> Split:
         split = dataclasses.replace(split, zero_stage=0)
     if not deepspeed and split.offload != "none":
         raise MatrixError(f"offload is a DeepSpeed setting; {_where(split)} sets it")
+    return split
+
+
+def pipeline_axes(split: Split) -> Split:
+    """pipeline_schedule is a pipeline setting; a pipeline cell without one runs 1F1B."""
+    if split.pipeline_parallel == 1 and split.pipeline_schedule is not None:
+        raise MatrixError(f"pipeline_schedule is a pipeline setting; {_where(split)} has no pipeline_parallel")
+    if split.pipeline_parallel > 1 and split.pipeline_schedule is None:
+        split = dataclasses.replace(split, pipeline_schedule=DEFAULT_PIPELINE_SCHEDULE)
     return split
 
 
@@ -147,6 +157,19 @@ def bug_rules(bug: str, split: Split, problem: ProblemSpec) -> None:
         )
     if planted.loss is not None and problem.loss != planted.loss:
         raise MatrixError(f"bug {bug!r} exists only with loss {planted.loss}, not {problem.loss!r}")
+    if planted.pipeline_calls > 1 and (micro_batches := _micro_batches(split, problem)):
+        from gaeq.problem.stages import schedule_problem
+
+        per_call, left = divmod(micro_batches, planted.pipeline_calls)
+        pp = split.pipeline_parallel
+        why = schedule_problem(split.pipeline_schedule, pipeline_parallel=pp, micro_batches=per_call)
+        if left or per_call < 2:  # the schedule divides by 1: no mistake to see
+            why = f"each needs 2 micro-batches at least (GA a multiple of {2 * planted.pipeline_calls})"
+        if why:
+            raise MatrixError(
+                f"bug {bug!r} runs the step's GA {micro_batches} micro-batches in {planted.pipeline_calls} schedule "
+                f"runs: {why}"
+            )
     if planted.dtypes and split.dtype not in planted.dtypes:
         raise MatrixError(f"bug {bug!r} exists only in {'/'.join(planted.dtypes)} cells, not {split.dtype}")
 
@@ -213,14 +236,20 @@ def check_tensor_parallel(split: Split, problem: ProblemSpec) -> None:
 
 def check_pipeline_parallel(split: Split, problem: ProblemSpec) -> None:
     """A pipeline split that can run exactly as labelled — else bad input, naming the numbers."""
-    from gaeq.problem.stages import stages_problem
+    from gaeq.problem.stages import schedule_problem, stages_per_rank, stages_problem
 
-    where = f"the {split.trainer} cell w{split.world_size} pp{split.pipeline_parallel} mb{split.micro_batch_size}"
+    pp, schedule = split.pipeline_parallel, split.pipeline_schedule
+    where = f"the {split.trainer} cell w{split.world_size} pp{pp} {schedule} mb{split.micro_batch_size}"
     model_parallel_fits(split, "pipeline_parallel", PIPELINE_TRAINERS, where)
+    if schedule not in (offered := TRAINERS[split.trainer].pipeline_schedules):
+        raise MatrixError(f"the {split.trainer} trainer's pipelines run {', '.join(offered)}, not {schedule} ({where})")
     if split.dtype != "fp32":
         raise MatrixError(f"pipeline cells run fp32, not {split.dtype} ({where})")
-    if split.tensor_parallel > 1:
-        raise MatrixError(f"pipeline_parallel with tensor_parallel: not offered yet ({where})")
+    if split.tensor_parallel > 1 and split.trainer != "torch":
+        raise MatrixError(f"pipeline_parallel with tensor_parallel: the torch trainer only ({where})")
+    micro_batches = _micro_batches(split, problem)  # (None: an indivisible batch, said by the cell)
+    if micro_batches and (why := schedule_problem(schedule, pipeline_parallel=pp, micro_batches=micro_batches)):
+        raise MatrixError(f"{why} ({where})")
     if split.trainer == "deepspeed":
         if split.zero_stage > 1:
             raise MatrixError(
@@ -228,8 +257,15 @@ def check_pipeline_parallel(split: Split, problem: ProblemSpec) -> None:
             )
         if problem.deepspeed_config is not None or split.offload != "none":
             raise MatrixError(f"DeepSpeed pipeline cells run gaeq's own DeepSpeed config, without offload ({where})")
-    if why := stages_problem(problem, split.pipeline_parallel):
-        raise MatrixError(f"pipeline_parallel {split.pipeline_parallel}: {why}")
+    if why := stages_problem(problem, pp * stages_per_rank(schedule)):
+        raise MatrixError(f"pipeline_parallel {pp} ({schedule}): {why}")
+
+
+def _micro_batches(split: Split, problem: ProblemSpec) -> int | None:
+    """The split's GA (a pipeline's micro-batches per step), or None where the batch does not divide."""
+    data_parallel = split.world_size // (split.pipeline_parallel * split.tensor_parallel)
+    micro_batches, left = divmod(problem.train_batch_size, split.micro_batch_size * data_parallel)
+    return None if left else micro_batches
 
 
 def check_hf_trainer(problem: ProblemSpec, spec: MatrixSpec) -> None:

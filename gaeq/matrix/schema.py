@@ -12,13 +12,14 @@ from pydantic import Field, ValidationError
 from gaeq.bugs import BUGS
 from gaeq.problem.spec import Dtype, PositiveInt, ProblemSpec, Samples
 from gaeq.problem.spec import Spec as _Spec
-from gaeq.registry import TRAINER_NAMES
+from gaeq.registry import PIPELINE_SCHEDULES, TRAINER_NAMES
 
 WorldSize = Annotated[int, Field(gt=0, le=4096)]
 TensorParallel = Annotated[int, Field(gt=0, le=4096)]
 PipelineParallel = Annotated[int, Field(gt=0, le=64)]
 
 Trainer = Literal[TRAINER_NAMES]  # gaeq/registry.py: one entry per trainer
+PipelineSchedule = Literal[tuple(PIPELINE_SCHEDULES)]
 Expect = Literal["match", "diverge"]
 ZeroStage = Literal[0, 1, 2, 3]
 Offload = Literal["none", "cpu", "nvme"]
@@ -53,6 +54,12 @@ class AxesSpec(_Spec):
         description="Pipeline stages the model is split into (torch: torch.distributed.pipelining; deepspeed: "
         "PipelineModule); data-parallel ranks = world_size ÷ (tensor_parallel × this).",
     )
+    pipeline_schedule: list[PipelineSchedule] = Field(
+        ["1f1b"],
+        min_length=1,
+        description="Pipeline cells only: the order of the micro-batches' forwards and backwards (torch: "
+        f"{', '.join(PIPELINE_SCHEDULES)}; deepspeed: 1f1b). A schedule a trainer does not run is skipped for it.",
+    )
     micro_batch_size: list[Samples] = Field(min_length=1)
     zero_stage: list[ZeroStage] = Field([0], min_length=1, description="DeepSpeed cells only.")
     offload: list[Offload] = Field(
@@ -80,6 +87,7 @@ class CellSpec(_Spec):
     world_size: WorldSize = 1
     tensor_parallel: TensorParallel = 1
     pipeline_parallel: PipelineParallel = 1
+    pipeline_schedule: PipelineSchedule | None = Field(None, description="Pipeline cells only. Default: 1f1b.")
     micro_batch_size: Samples
     zero_stage: ZeroStage | None = None
     offload: Offload = "none"

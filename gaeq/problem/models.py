@@ -184,3 +184,13 @@ def gpt_stage(gpt: GPT, *, index: int, count: int) -> nn.Sequential:
     start = 0 if index == 0 else 1 + blocks.start
     stop = len(layers) if index == count - 1 else 1 + blocks.stop
     return nn.Sequential(*layers[start:stop])
+
+
+def gpt_boundaries(gpt: GPT, inputs: torch.Tensor, *, count: int) -> list[torch.Tensor]:
+    """What crosses each cut of `count` stages, as empty tensors of its shape and dtype: the token
+    ids into the first stage, the hidden states between stages (they carry a gradient back), the
+    logits out of the last — a pipeline stage told them needs no forward to infer them."""
+    rows, seq = inputs.shape
+    hidden = torch.empty(rows, seq, gpt.wte.embedding_dim, device=inputs.device, requires_grad=True)
+    logits = torch.empty(rows, seq, gpt.head.out_features, device=inputs.device, requires_grad=True)
+    return [torch.empty_like(inputs), *(hidden for _ in range(count - 1)), logits]

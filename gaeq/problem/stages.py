@@ -14,9 +14,8 @@ from __future__ import annotations
 from gaeq.problem.spec import GPTSpec, ProblemSpec
 
 
-def stages_problem(problem: ProblemSpec, pipeline_parallel: int) -> str | None:
-    """Why the problem's model cannot be cut into `pipeline_parallel` stages, or None (no torch:
-    the matrix asks)."""
+def stages_problem(problem: ProblemSpec, stages: int) -> str | None:
+    """Why the problem's model cannot be cut into `stages` stages, or None (no torch: the matrix asks)."""
     model = problem.model
     if not isinstance(model, GPTSpec):
         kind = getattr(model, "kind", None) or getattr(model, "hf", None) or "plugin"
@@ -28,9 +27,33 @@ def stages_problem(problem: ProblemSpec, pipeline_parallel: int) -> str | None:
         return f"a pipeline's last stage computes the loss: cross_entropy, not {problem.loss}"
     if model.dropout > 0:
         return "pipeline stages run without dropout (its masks would depend on the stage's forward order)"
-    if model.n_layer < pipeline_parallel:
-        return f"n_layer {model.n_layer} < pipeline_parallel {pipeline_parallel}: every stage holds a block at least"
+    if model.n_layer < stages:
+        return f"n_layer {model.n_layer} < {stages} stages: every stage holds a block at least"
     return None
+
+
+def stages_per_rank(schedule: str | None) -> int:
+    """Model chunks (stages) each pipeline rank holds: two under an interleaved schedule (stage s and
+    s + pp, torch's loop layout), else one."""
+    return 2 if schedule == "interleaved_1f1b" else 1
+
+
+def schedule_problem(schedule: str, *, pipeline_parallel: int, micro_batches: int) -> str | None:
+    """Why `schedule` cannot run `micro_batches` per step through `pipeline_parallel` ranks (torch's
+    own checks, said before a run), or None."""
+    if schedule == "1f1b" and micro_batches < pipeline_parallel:
+        return f"1F1B needs GA ≥ pipeline_parallel (its warm-up fills every stage): GA {micro_batches}"
+    rounds = max(1, micro_batches // pipeline_parallel)
+    if schedule == "interleaved_1f1b" and micro_batches % rounds:
+        return f"interleaved 1F1B runs GA in rounds of pipeline_parallel micro-batches: GA {micro_batches}"
+    return None
+
+
+def bubble_theory(schedule: str, *, pipeline_parallel: int, micro_batches: int) -> float:
+    """The fraction of a step a stage waits, in theory (every stage equally fast, communication
+    free): (pp − 1) / (v·GA + pp − 1), v the model chunks per rank (GPipe and 1F1B: v = 1)."""
+    v = stages_per_rank(schedule)
+    return (pipeline_parallel - 1) / (v * micro_batches + pipeline_parallel - 1)
 
 
 def blocks_of(n_layer: int, pipeline_parallel: int) -> list[range]:

@@ -4,10 +4,12 @@ baseline, its cost) and what report.json and the tables read from it, each by it
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, overload
 
 from gaeq.matrix import Cell, Role
+from gaeq.problem.stages import bubble_theory
 from gaeq.results.compare import Comparison, Verdict
 from gaeq.results.outcome import CellOutcome
 
@@ -28,6 +30,11 @@ class Cost:
     """Mean bytes through collectives per optimizer step (rank 0; nccl-tests sizes)."""
     model_state_bytes: int | None = None
     """Parameters + gradients + optimizer state rank 0 holds while accumulating (None: not measured)."""
+    p2p_bytes_per_step: float | None = None
+    """Pipelines: mean bytes rank 0 (the first stage) sent to and received from its neighbours per step."""
+    bubble: float | None = None
+    """Pipelines: the mean share of a step's schedule a rank spent not computing (steps after the
+    first, which also sets the schedule up)."""
 
     @classmethod
     def of(cls, trace) -> Cost:
@@ -41,6 +48,10 @@ class Cost:
             peak_mem_bytes=max(r.peak_mem_bytes for r in trace),
             comm_bytes_per_step=sum(r.comm_bytes for r in trace) / len(trace),
             model_state_bytes=max(r.model_state_bytes for r in trace) or None,
+            p2p_bytes_per_step=sum(r.p2p_bytes for r in trace) / len(trace) or None,
+            bubble=statistics.fmean(bubbles)
+            if (bubbles := [r.bubble for r in trace[1:] if r.bubble is not None])
+            else None,
         )
 
 
@@ -84,6 +95,7 @@ class CellReport:
     world_size = Part[int]("cell")
     tensor_parallel = Part[int]("cell")
     pipeline_parallel = Part[int]("cell")
+    pipeline_schedule = Part[str]("cell")
     micro_batch_size = Part[int]("cell")
     zero_stage = Part[int]("cell")
     offload = Part[str]("cell")
@@ -127,6 +139,19 @@ class CellReport:
     peak_mem_bytes = Part[int]("cost")
     comm_bytes_per_step = Part[float]("cost")
     model_state_bytes = Part[int]("cost")
+    p2p_bytes_per_step = Part[float]("cost")
+    bubble = Part[float]("cost")
+
+    @property
+    def bubble_theory(self) -> float | None:
+        """The schedule's bubble in theory (gaeq.problem.stages.bubble_theory); None without stages."""
+        if self.cell.pipeline_parallel == 1 or not self.cell.divisible:
+            return None
+        return bubble_theory(
+            self.cell.pipeline_schedule,
+            pipeline_parallel=self.cell.pipeline_parallel,
+            micro_batches=self.cell.grad_accum_steps,
+        )
 
     @property
     def as_expected(self) -> bool:
@@ -143,12 +168,14 @@ class CellReport:
 
 
 JSON_FIELDS = (
-    *("id", "trainer", "world_size", "tensor_parallel", "pipeline_parallel", "micro_batch_size", "grad_accum_steps"),
+    *("id", "trainer", "world_size", "tensor_parallel", "pipeline_parallel", "pipeline_schedule"),
+    *("micro_batch_size", "grad_accum_steps"),
     "zero_stage",
     *("offload", "dtype", "variant", "bug", "expect", "role", "verdict"),
     *("max_abs_loss_diff", "max_rel_grad_norm_diff", "max_abs_grad_diff", "max_abs_param_diff"),
     *("first_divergent_step", "caught_by", "divergence_steps", "margin", "reason", "seconds"),
-    *("samples_per_s", "step_seconds", "peak_mem_bytes", "comm_bytes_per_step", "model_state_bytes", "ran"),
+    *("samples_per_s", "step_seconds", "peak_mem_bytes", "comm_bytes_per_step", "model_state_bytes"),
+    *("p2p_bytes_per_step", "bubble", "bubble_theory", "ran"),
 )
 """A cell's entry in report.json, in this order."""
 

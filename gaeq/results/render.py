@@ -17,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from gaeq.files import atomic_write
-from gaeq.matrix import Matrix
+from gaeq.matrix import Cell, Matrix
 from gaeq.results.compare import Verdict
 from gaeq.results.report import CellReport, Report
 
@@ -62,6 +62,11 @@ def _ran(c: CellReport) -> str:
     return _SHORT.get(computed, computed) + ("*" if "fp16_kernels" in c.ran else "")
 
 
+def pipeline_said(c: Cell | CellReport) -> str:
+    """Stages and schedule: ``2 gpipe`` (``1``: no pipeline)."""
+    return f"{c.pipeline_parallel} {c.pipeline_schedule}" if c.pipeline_parallel > 1 else "1"
+
+
 def _zero(c: CellReport) -> str:
     return "-" if c.zero_stage is None else str(c.zero_stage) + (f"+{c.offload}" if c.offload != "none" else "")
 
@@ -70,7 +75,7 @@ COLUMNS = (
     Column("cell", lambda c: c.id, "both"),
     Column("W", lambda c: str(c.world_size), "both", right=True),
     Column("TP", lambda c: str(c.tensor_parallel), "tp", right=True),
-    Column("PP", lambda c: str(c.pipeline_parallel), "pp", right=True),
+    Column("PP", lambda c: pipeline_said(c), "pp", right=True),
     Column("MB", lambda c: str(c.micro_batch_size), "both", right=True),
     Column("GA", lambda c: "-" if c.grad_accum_steps is None else str(c.grad_accum_steps), "both", right=True),
     Column("ZeRO", _zero, "both", right=True),
@@ -100,6 +105,14 @@ COLUMNS = (
         "cost",
         right=True,
     ),
+    Column(
+        "p2p KB/step",
+        lambda c: _fmt(c.p2p_bytes_per_step and c.p2p_bytes_per_step / 1024, "{:.1f}", zero="0"),
+        "pp_cost",
+        right=True,
+    ),
+    Column("bubble", lambda c: _fmt(c.bubble, "{:.2f}"), "pp_cost", right=True),
+    Column("theory", lambda c: _fmt(c.bubble_theory, "{:.2f}"), "pp_cost", right=True),
     Column("s", lambda c: _fmt(c.seconds, "{:.1f}"), right=True),
 )
 _STYLE = {Verdict.MATCH: "green", Verdict.DIVERGE: "yellow", Verdict.ERROR: "bold red", Verdict.SKIPPED: "dim"}
@@ -113,10 +126,12 @@ def columns(report: Report, *, tables: tuple[str, ...] = ("both", "verdict", "te
         "tp": any(c.tensor_parallel > 1 for c in report.cells),
         "pp": any(c.pipeline_parallel > 1 for c in report.cells),
     }
+    shown["pp_cost"] = shown["pp"]
+    within = {"tp": "both", "pp": "both", "pp_cost": "cost"}  # shown with that table, when some cell has them
     return [
         col
         for col in COLUMNS
-        if (col.table in tables or col.table in ("tp", "pp") and "both" in tables) and shown.get(col.table, True)
+        if (col.table in tables or within.get(col.table) in tables) and shown.get(col.table, True)
     ]
 
 
@@ -247,7 +262,7 @@ def cells_table(m: Matrix) -> Table:
             c.trainer,
             str(c.world_size),
             *((str(c.tensor_parallel),) if tp else ()),
-            *((str(c.pipeline_parallel),) if pp else ()),
+            *((pipeline_said(c),) if pp else ()),
             str(c.micro_batch_size),
             str(c.grad_accum_steps) if c.divisible else "-",
             "-" if c.zero_stage is None else str(c.zero_stage),

@@ -44,6 +44,11 @@ class StepRecord:
     model_state_bytes: int = 0
     """Rank 0's parameters, gradients and optimizer state, in bytes, while accumulating (measured at
     one step of the cell, gaeq.trainers.base.StepRecorder.measure_model_state; 0 at the others)."""
+    p2p_bytes: int = 0
+    """Pipeline cells: bytes rank 0 (the first stage) sent to and received from its neighbouring
+    stages during this step — activations and their gradients (gaeq.trainers.cost.PipelineCost)."""
+    bubble: float | None = None
+    """Pipeline cells: the share of this step's schedule a rank spent not computing, mean over ranks."""
 
 
 class TraceWriter:

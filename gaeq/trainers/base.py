@@ -26,7 +26,7 @@ from gaeq.problem.models import sample_keys
 from gaeq.problem.spec import ProblemSpec
 from gaeq.results.snapshots import SnapshotWriter, wanted
 from gaeq.results.trace import StepRecord, TraceWriter
-from gaeq.trainers.cost import CommCounter, PeakMemory, model_state_bytes
+from gaeq.trainers.cost import CommCounter, PeakMemory, PipelineCost, model_state_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -174,6 +174,8 @@ class StepRecorder:
         self.writer = TraceWriter(ctx.cell_dir) if ctx.rank == 0 else None
         self.snapshots = SnapshotWriter(ctx.cell_dir) if ctx.rank == 0 and cell.snapshots else None
         self.comm = CommCounter()
+        self.pipeline = PipelineCost()
+        """A pipeline trainer's stages report their p2p transfers and compute time here."""
         self.memory = PeakMemory(ctx.device)
         self._model_state_bytes = 0
 
@@ -213,21 +215,25 @@ class StepRecorder:
     ) -> None:
         # float64 end to end: the comparison must not be limited by the logging precision.
         comm_bytes = self.comm.take()
+        p2p_bytes, bubble = self.pipeline.take()
         place = self.cell.place(self.ctx.rank)
         if place.tensor or place.stage != self.cell.pipeline_parallel - 1:
             # a tensor-parallel group saw one micro-batch: its first rank counts it; a pipeline's loss
             # exists on its last stage only
             local_loss_sum = 0.0
-        total = torch.tensor([local_loss_sum], dtype=torch.float64, device=self.ctx.device)
+        # the loss sum, and (pipelines) each rank's bubble and a count of them
+        sums = [local_loss_sum, bubble or 0.0, float(bubble is not None)]
+        total = torch.tensor(sums, dtype=torch.float64, device=self.ctx.device)
         if self.ctx.world_size > 1:
             with self.comm.paused():  # the lab's own collective, not training traffic
                 dist.all_reduce(total, op=dist.ReduceOp.SUM)
         if self.writer is None:
             return
+        loss_sum, bubbles, ranks = total.tolist()
         self.writer.write(
             StepRecord(
                 step=step,
-                loss=total.item() / normaliser,
+                loss=loss_sum / normaliser,
                 grad_norm=float(grad_norm),
                 lr=float(lr),
                 samples=(step + 1) * self.cell.train_batch_size,
@@ -236,6 +242,8 @@ class StepRecorder:
                 comm_bytes=comm_bytes,
                 peak_mem_bytes=self.memory.peak_bytes(),
                 model_state_bytes=self._model_state_bytes,
+                p2p_bytes=p2p_bytes,
+                bubble=bubbles / ranks if ranks else None,
             )
         )
         self._model_state_bytes = 0
@@ -243,6 +251,7 @@ class StepRecorder:
 
     def close(self) -> None:
         self.comm.detach()
+        self.pipeline.detach()
         self.memory.close()
         if self.snapshots is not None:
             self.snapshots.close()

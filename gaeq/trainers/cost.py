@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -160,6 +161,65 @@ class CommCounter:
                 setattr(owner, name, method)
 
         self._restores.append(restore)
+
+
+class PipelineCost:
+    """What a pipeline stage costs beyond collectives, per optimizer step: the bytes it sends to and
+    receives from its neighbouring stages (activations forward, their gradients back; the shapes a
+    library exchanges once, before the first transfer, are not counted), and its bubble — the share
+    of the step's schedule this rank spent not computing (1 − forward and backward time ÷ the time
+    from the schedule's start to its last backward)."""
+
+    def __init__(self) -> None:
+        self.p2p_bytes = 0
+        self._busy = 0.0
+        self._started: float | None = None
+        self._last_end = 0.0
+        self._restores: list[Callable[[], None]] = []
+
+    def start(self) -> None:
+        """The step's schedule begins (call it right before the library's step/train_batch)."""
+        self._busy, self._started = 0.0, time.perf_counter()
+
+    def computing(self, fn: Callable) -> Callable:
+        """`fn` (a stage's forward or backward of one micro-batch), timed as the stage's work."""
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._last_end = time.perf_counter()
+                self._busy += self._last_end - started
+
+        return timed
+
+    def sending(self, fn: Callable, tensors: Callable) -> Callable:
+        """`fn`, a point-to-point transfer; `tensors(args, kwargs, result)` names what it moves."""
+
+        def counted(*args, **kwargs):
+            result = fn(*args, **kwargs)
+            self.p2p_bytes += sum(_nbytes(t) for t in tensors(args, kwargs, result))
+            return result
+
+        return counted
+
+    def patch(self, owner, name: str, wrap: Callable[[Callable], Callable]) -> None:
+        """Replace `owner.name` by ``wrap(original)`` until :meth:`detach`."""
+        original = getattr(owner, name)
+        setattr(owner, name, wrap(original))
+        self._restores.append(lambda: setattr(owner, name, original))
+
+    def take(self) -> tuple[int, float | None]:
+        """(p2p bytes, bubble) since the last :meth:`start`; bubble None when nothing was computed."""
+        span = self._last_end - self._started if self._started is not None else 0.0
+        bubble = max(0.0, 1.0 - self._busy / span) if span > 0 and self._busy > 0 else None
+        nbytes, self.p2p_bytes, self._started = self.p2p_bytes, 0, None
+        return nbytes, bubble
+
+    def detach(self) -> None:
+        while self._restores:
+            self._restores.pop()()
 
 
 def model_state_bytes(model: torch.nn.Module, optimizer: object) -> int:

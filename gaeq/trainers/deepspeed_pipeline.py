@@ -18,7 +18,7 @@ from typing import Any
 import deepspeed
 import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
-from deepspeed.runtime.pipe import PipelineModule, schedule
+from deepspeed.runtime.pipe import PipelineModule, p2p, schedule
 
 from gaeq.bugs import Bug
 from gaeq.matrix import Cell
@@ -35,6 +35,10 @@ PARTITION = "type:Block"
 first and the head with the last (gaeq/problem/stages.py's cut, read back and checked)."""
 
 
+SCHEDULES = {"1f1b": "TrainSchedule"}
+"""The `pipeline_schedule` axis → the engine's schedule class (its only training schedule: 1F1B)."""
+
+
 def promised(cell: Cell, problem: ProblemSpec) -> dict[str, Any]:
     """What a DeepSpeed pipeline cell's label promises — what its engine must report after set-up."""
     return {
@@ -43,6 +47,7 @@ def promised(cell: Cell, problem: ProblemSpec) -> dict[str, Any]:
         "micro_batch_size": cell.micro_batch_size,
         "grad_accum_steps": cell.grad_accum_steps,
         "pipeline_micro_batches": cell.grad_accum_steps,
+        "schedule": SCHEDULES[cell.pipeline_schedule],
         "gradient_clipping": gradient_clipping(problem),
     }
 
@@ -87,6 +92,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         engine._backward_prologue_per_tensor = types.MethodType(DeepSpeedEngine._backward_prologue_per_tensor, engine)
     recorder = StepRecorder(cell=cell, ctx=ctx, steps=problem.steps)
     recorder.count_collectives(engine)
+    ran_schedules = _measure_stage(engine, recorder)
     ran = Provenance(
         cell,
         promised=promised(cell, problem),
@@ -103,6 +109,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         gradient_clipping=engine.gradient_clipping(),
         update_rule=type(engine.basic_optimizer).__name__,
     )
+    ran.read_at_first_step(schedule=lambda: ran_schedules[0])
     ran.watch_forwards(engine.module)
 
     for step in range(problem.steps):
@@ -117,7 +124,9 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
             (mb.inputs, mb.targets)
             for mb in (task.micro_batch(step=step, micro_step=k) for k in range(plan.grad_accum_steps))
         )
+        recorder.pipeline.start()
         engine.train_batch(data_iter=micro_batches)
+        recorder.measure_model_state(step=step, micro_step=0, model=engine.module, optimizer=engine.optimizer)
         ran.step_done()
         recorder.record(
             step=step,
@@ -154,6 +163,28 @@ def _measure_norm(engine) -> dict[str, float]:
 
     engine._INSTRUCTION_MAP = {**engine._INSTRUCTION_MAP, schedule.OptimizerStep: optimizer_step}
     return norm
+
+
+def _measure_stage(engine, recorder: StepRecorder) -> list[str]:
+    """The engine's ForwardPass and BackwardPass instructions timed as the stage's work, the tensors
+    its p2p sends and receives move counted (gaeq.trainers.cost.PipelineCost); returns the list the
+    class name of each schedule the engine executes is appended to."""
+    cost, schedules = recorder.pipeline, []
+    engine._INSTRUCTION_MAP = {
+        **engine._INSTRUCTION_MAP,
+        schedule.ForwardPass: cost.computing(engine._INSTRUCTION_MAP[schedule.ForwardPass]),
+        schedule.BackwardPass: cost.computing(engine._INSTRUCTION_MAP[schedule.BackwardPass]),
+    }
+    for name in ("send", "recv"):
+        cost.patch(p2p, name, lambda fn: cost.sending(fn, lambda args, kwargs, result: [args[0]]))
+    execute = engine._exec_schedule
+
+    def exec_schedule(pipe_schedule, *args, **kwargs):
+        schedules.append(type(pipe_schedule).__name__)
+        return execute(pipe_schedule, *args, **kwargs)
+
+    engine._exec_schedule = exec_schedule
+    return schedules
 
 
 def _backward_not_divided(self, buffer_id):

@@ -26,8 +26,10 @@ from gaeq.problem.tp import tp_plan
 class TensorParallel:
     """One cell's split: its mesh, and what the trainers do differently because of it."""
 
-    def __init__(self, *, cell: Cell, device: torch.device) -> None:
-        self.mesh: DeviceMesh = init_device_mesh(
+    def __init__(self, *, cell: Cell, device: torch.device, mesh: DeviceMesh | None = None) -> None:
+        """`mesh`: one with ``dp`` and ``tp`` dimensions among others (a pipeline's (pp, dp, tp));
+        default: the (dp, tp) mesh of the whole world."""
+        self.mesh: DeviceMesh = mesh or init_device_mesh(
             device.type, (cell.data_parallel, cell.tensor_parallel), mesh_dim_names=("dp", "tp")
         )
         self.dp_group = self.mesh["dp"].get_group()
@@ -55,7 +57,12 @@ class TensorParallel:
 
 
 def clip_grad_norm_(
-    params: Iterable[torch.nn.Parameter], max_norm: float, *, per_shard: bool = False, dtype: torch.dtype | None = None
+    params: Iterable[torch.nn.Parameter],
+    max_norm: float,
+    *,
+    per_shard: bool = False,
+    dtype: torch.dtype | None = None,
+    over: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """torch's clip_grad_norm_ for a model whose parameters are DTensors on any mesh mixed with plain
     tensors: the norm of the whole model's gradient (each tensor's norm reduced over its shards),
@@ -63,10 +70,17 @@ def clip_grad_norm_(
     precision its squares were summed in: ``dtype`` (the baseline's float64), else the gradients' own.
 
     ``per_shard``: each rank's norm of the slices it holds — the tensor-parallel mistake of
-    measuring a sharded gradient locally (planted bug ``tp_grad_norm_per_shard``)."""
+    measuring a sharded gradient locally (planted bug ``tp_grad_norm_per_shard``).
+
+    ``over``: the group of ranks holding the model's other parameters (a pipeline's stages): their
+    squares are summed in too, so that every stage clips by the whole model's norm."""
     grads = [p.grad for p in params if p.grad is not None]
     norms = [full(torch.linalg.vector_norm(local(g) if per_shard else g, dtype=dtype)) for g in grads]
     total = torch.linalg.vector_norm(torch.stack(norms))
+    if over is not None:
+        squares = total.square().reshape(1)
+        dist.all_reduce(squares, group=over)
+        total = squares.sqrt()[0]
     if math.isfinite(max_norm):
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:
