@@ -8,7 +8,7 @@ import importlib.util
 
 from gaeq.bugs import BUGS
 from gaeq.matrix.cell import DEFAULT_PIPELINE_SCHEDULE, Split
-from gaeq.matrix.schema import FaultSpec, MatrixError, MatrixSpec
+from gaeq.matrix.schema import TENSOR_METRICS, FaultSpec, MatrixError, MatrixSpec
 from gaeq.problem.spec import ProblemSpec
 from gaeq.registry import (
     DEEPSPEED_TRAINERS,
@@ -29,6 +29,11 @@ def split_rules(split: Split, problem: ProblemSpec, spec: MatrixSpec) -> Split:
         check_tensor_parallel(split, problem)
     if split.pipeline_parallel > 1:
         check_pipeline_parallel(split, problem)
+        if tracked := [m for m in TENSOR_METRICS if m in spec.track]:
+            raise MatrixError(
+                f"pipeline cells are compared by loss and grad norm; tracking {'/'.join(tracked)} (each stage's "
+                f"tensors gathered at the boundary) is not offered for them yet ({_where(split)})"
+            )
     ds_bf16_needs_zero(split)
     library_installed(split)
     nvme_runs_own_config(split, problem)

@@ -48,7 +48,8 @@ class StepRecord:
     """Pipeline cells: bytes rank 0 (the first stage) sent to and received from its neighbouring
     stages during this step — activations and their gradients (gaeq.trainers.cost.PipelineCost)."""
     bubble: float | None = None
-    """Pipeline cells: the share of this step's schedule a rank spent not computing, mean over ranks."""
+    """Pipeline cells: the share of this step's schedule (from its start to the last backward of any
+    rank) a rank spent not computing its forwards and backwards, mean over ranks."""
 
 
 class TraceWriter:

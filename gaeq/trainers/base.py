@@ -215,21 +215,24 @@ class StepRecorder:
     ) -> None:
         # float64 end to end: the comparison must not be limited by the logging precision.
         comm_bytes = self.comm.take()
-        p2p_bytes, bubble = self.pipeline.take()
+        p2p_bytes, computing, span = self.pipeline.take()
         place = self.cell.place(self.ctx.rank)
         if place.tensor or place.stage != self.cell.pipeline_parallel - 1:
             # a tensor-parallel group saw one micro-batch: its first rank counts it; a pipeline's loss
             # exists on its last stage only
             local_loss_sum = 0.0
-        # the loss sum, and (pipelines) each rank's bubble and a count of them
-        sums = [local_loss_sum, bubble or 0.0, float(bubble is not None)]
-        total = torch.tensor(sums, dtype=torch.float64, device=self.ctx.device)
+        # the loss sum and (pipelines) the ranks' compute time; the pipeline's span is its longest rank's
+        total = torch.tensor([local_loss_sum, computing], dtype=torch.float64, device=self.ctx.device)
+        longest = torch.tensor([span], dtype=torch.float64, device=self.ctx.device)
         if self.ctx.world_size > 1:
-            with self.comm.paused():  # the lab's own collective, not training traffic
+            with self.comm.paused():  # the lab's own collectives, not training traffic
                 dist.all_reduce(total, op=dist.ReduceOp.SUM)
+                if self.cell.pipeline_parallel > 1:
+                    dist.all_reduce(longest, op=dist.ReduceOp.MAX)
         if self.writer is None:
             return
-        loss_sum, bubbles, ranks = total.tolist()
+        loss_sum, computing = total.tolist()
+        span = longest.item()
         self.writer.write(
             StepRecord(
                 step=step,
@@ -243,7 +246,8 @@ class StepRecorder:
                 peak_mem_bytes=self.memory.peak_bytes(),
                 model_state_bytes=self._model_state_bytes,
                 p2p_bytes=p2p_bytes,
-                bubble=bubbles / ranks if ranks else None,
+                # the mean share of the pipeline's span a rank did not compute
+                bubble=1.0 - computing / self.ctx.world_size / span if span > 0 else None,
             )
         )
         self._model_state_bytes = 0

@@ -166,9 +166,10 @@ class CommCounter:
 class PipelineCost:
     """What a pipeline stage costs beyond collectives, per optimizer step: the bytes it sends to and
     receives from its neighbouring stages (activations forward, their gradients back; the shapes a
-    library exchanges once, before the first transfer, are not counted), and its bubble — the share
-    of the step's schedule this rank spent not computing (1 − forward and backward time ÷ the time
-    from the schedule's start to its last backward)."""
+    library exchanges once, before the first transfer, are not counted), and the time it spent
+    computing (its forwards and backwards) within the span from the schedule's start to its last
+    backward. The pipeline's bubble is then 1 − compute ÷ the longest span of the pipeline's ranks
+    (StepRecorder.record): what every stage waits while the schedule fills and drains."""
 
     def __init__(self) -> None:
         self.p2p_bytes = 0
@@ -210,12 +211,13 @@ class PipelineCost:
         setattr(owner, name, wrap(original))
         self._restores.append(lambda: setattr(owner, name, original))
 
-    def take(self) -> tuple[int, float | None]:
-        """(p2p bytes, bubble) since the last :meth:`start`; bubble None when nothing was computed."""
-        span = self._last_end - self._started if self._started is not None else 0.0
-        bubble = max(0.0, 1.0 - self._busy / span) if span > 0 and self._busy > 0 else None
-        nbytes, self.p2p_bytes, self._started = self.p2p_bytes, 0, None
-        return nbytes, bubble
+    def take(self) -> tuple[int, float, float]:
+        """(p2p bytes, seconds computing, seconds from the start to the last backward) since the last
+        :meth:`start` (zeros where nothing was computed: not a pipeline)."""
+        span = self._last_end - self._started if self._started is not None and self._busy else 0.0
+        taken = (self.p2p_bytes, self._busy, span)
+        self.p2p_bytes, self._busy, self._started = 0, 0.0, None
+        return taken
 
     def detach(self) -> None:
         while self._restores:

@@ -2,7 +2,7 @@
 mesh, DeepSpeed AutoTP with ZeRO) trains the same optimisation as one process on the whole batch,
 its collectives are counted, and the grad norm measured per shard is caught.
 
-The whole file (29 cells, world 2 and 4) runs in docs/strategies.md; here its world-2 corners plus TP × DP
+The whole file (44 cells, world 2 and 4) runs in docs/strategies.md; here its world-2 corners plus TP × DP
 at world 4, on fewer steps, to keep the suite's time."""
 
 from __future__ import annotations
@@ -47,6 +47,25 @@ CELLS = [
         "zero_stage": 0,
         "expect": "diverge",
     },  # fmt: skip
+    # torch.distributed.pipelining: 1F1B alone and × tensor parallelism, interleaved 1F1B on the four-block
+    # GPT, and the control (torchtitan#1733)
+    {"trainer": "torch", "world_size": 2, "pipeline_parallel": 2, "micro_batch_size": 2},
+    {"trainer": "torch", "world_size": 4, "pipeline_parallel": 2, "tensor_parallel": 2, "micro_batch_size": 2},
+    {
+        "trainer": "torch",
+        "world_size": 2,
+        "pipeline_parallel": 2,
+        "pipeline_schedule": "interleaved_1f1b",
+        "micro_batch_size": 2,
+        "variant": "deep",
+    },
+    {
+        "trainer": "torch",
+        "world_size": 2,
+        "pipeline_parallel": 2,
+        "micro_batch_size": 2,
+        "bug": "pipelining_step_per_micro_batch",
+    },
     # after AutoTP and pipeline cells in the same process group: plain data parallelism over both ranks again
     {"trainer": "deepspeed", "world_size": 2, "micro_batch_size": 2, "zero_stage": 1},
 ]
@@ -78,26 +97,52 @@ def test_tensor_parallel_strategies(tmp_path):
     # all-reduces of micro × seq_len × n_embd fp32 — plus the 4-byte norm of each of the 12 split
     # tensors, reduced over its shards, at the boundary.
     activation = 2 * 16 * 64 * 4
-    steps = [
-        json.loads(line) for line in (out / "cells" / "torch-w2-tp2-mb2-ga8" / "trace.jsonl").read_text().splitlines()
-    ]
-    assert {s["comm_bytes"] for s in steps} == {8 * 8 * activation + 12 * 4}
-    autotp = [
-        json.loads(line)
-        for line in (out / "cells" / "deepspeed-z0-w2-tp2-mb2-ga8" / "trace.jsonl").read_text().splitlines()
-    ]
+
+    def trace(cell_id: str) -> list[dict]:
+        return [json.loads(line) for line in (out / "cells" / cell_id / "trace.jsonl").read_text().splitlines()]
+
+    assert {s["comm_bytes"] for s in trace("torch-w2-tp2-mb2-ga8")} == {8 * 8 * activation + 12 * 4}
+    autotp = trace("deepspeed-z0-w2-tp2-mb2-ga8")
     assert {s["comm_bytes"] for s in autotp[1:]} == {8 * 8 * activation + 4}  # DeepSpeed: one norm all-reduce
 
     # The pipeline: two stages cut by layer (embeddings and block 0 | block 1 and the head), GA micro-batches
-    pipe = cells["deepspeed-z1-w2-pp2-mb2-ga8"]["ran"]
+    pipe = cells["deepspeed-z1-w2-pp2-1f1b-mb2-ga8"]["ran"]
     assert (pipe["pipeline_parallel"], pipe["stage_layers"], pipe["pipeline_micro_batches"]) == (2, [0, 2, 4], 8)
-    summed = cells["deepspeed-z1-w2-pp2-mb2-ga8-bug_pipe_loss_summed_over_ga"]
+    assert pipe["schedule"] == "TrainSchedule"
+    torch_pipe = cells["torch-w2-pp2-1f1b-mb2-ga8"]["ran"]
+    assert (torch_pipe["schedule"], torch_pipe["stages"], torch_pipe["pipeline_micro_batches"]) == (
+        "Schedule1F1B",
+        2,
+        8,
+    )
+    interleaved = cells["torch-w2-pp2-interleaved_1f1b-mb2-ga8@deep"]["ran"]
+    assert (interleaved["stages"], interleaved["stage_indices"]) == (4, [0, 2])  # rank 0 holds stages 0 and 2
+    assert cells["torch-w4-tp2-pp2-1f1b-mb2-ga8"]["ran"]["tensor_parallel"] == 2
+
+    # What crosses rank 0's link each step, exactly: per micro-batch the activation (micro × seq_len ×
+    # n_embd fp32) out and its gradient back — three times over under interleaving (stage 0 → 1, and
+    # stage 2 ← 1 → 3, both ways). DeepSpeed's first step also sends the shapes (1 KB) once.
+    for cell_id, per_micro_batch in (
+        ("deepspeed-z1-w2-pp2-1f1b-mb2-ga8", 2),
+        ("torch-w2-pp2-1f1b-mb2-ga8", 2),
+        ("torch-w4-tp2-pp2-1f1b-mb2-ga8", 2),  # each tensor-parallel rank passes the whole activation on
+        ("torch-w2-pp2-interleaved_1f1b-mb2-ga8@deep", 6),
+    ):
+        p2p = [s["p2p_bytes"] for s in trace(cell_id)]
+        assert set(p2p[1:]) == {8 * per_micro_batch * activation} and p2p[0] >= p2p[1], (cell_id, p2p)
+        bubbles = [s["bubble"] for s in trace(cell_id)]
+        assert all(0 < b < 1 for b in bubbles), (cell_id, bubbles)  # measured: each rank waits for some of it
+    assert cells["torch-w2-pp2-1f1b-mb2-ga8"]["bubble_theory"] == 1 / 9  # (pp − 1) / (GA + pp − 1)
+
+    stepped = cells["torch-w2-pp2-1f1b-mb2-ga8-bug_pipelining_step_per_micro_batch"]
+    assert (stepped["caught_by"], stepped["first_divergent_step"]) == ("grad_norm", 0)
+    summed = cells["deepspeed-z1-w2-pp2-1f1b-mb2-ga8-bug_pipe_loss_summed_over_ga"]
     assert (summed["caught_by"], summed["first_divergent_step"]) == ("grad_norm", 0)
     assert summed["max_abs_loss_diff"] < 1e-5  # the loss does not show it: only the grad norm (GA× too large)
     assert abs(summed["max_rel_grad_norm_diff"] - 7.0) < 1e-3
-    rescaled = cells["deepspeed-z1-w2-pp2-mb2-ga8-bug_pipe_rescaled_every_stage"]
+    rescaled = cells["deepspeed-z1-w2-pp2-1f1b-mb2-ga8-bug_pipe_rescaled_every_stage"]
     assert (rescaled["caught_by"], rescaled["first_divergent_step"]) == ("grad_norm", 0)
-    zero0 = cells["deepspeed-z0-w2-pp2-mb2-ga8"]  # its own norm (gaeq's) matches until clipping acts on it
+    zero0 = cells["deepspeed-z0-w2-pp2-1f1b-mb2-ga8"]  # its own norm (gaeq's) matches until clipping acts on it
     assert (zero0["verdict"], zero0["caught_by"]) == ("diverge", "loss"), zero0["reason"]
 
     shard = cells["torch-w2-tp2-mb2-ga8-bug_tp_grad_norm_per_shard"]
