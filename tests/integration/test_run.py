@@ -131,6 +131,8 @@ def test_default_matrix_from_the_readme(default_run):
         "comm_bytes",
         "peak_mem_bytes",
         "model_state_bytes",
+        "p2p_bytes",
+        "bubble",
     }
     assert (out / "cells" / "deepspeed-z3-w2-mb4-ga4" / "rank1.log").exists()
     # What ran, read back from the live objects (DDP, the engine), is in report.json per cell.
