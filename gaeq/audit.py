@@ -79,7 +79,18 @@ def clipping(config: dict[str, Any], m: Mirror | None) -> Iterator[Finding]:
 
 def batch_keys(config: dict[str, Any], m: Mirror | None) -> Iterator[Finding]:
     for key in BATCH_KEYS:
-        if key in config:
+        if key == "gradient_accumulation_steps" and config.get(key) == 1:
+            yield Finding(
+                key=key,
+                value="1",
+                effect="risk",
+                why="a loop that accumulates by hand (several engine.backward per engine.step) makes every backward "
+                "the engine's boundary: at ZeRO-1/2 only the last micro-batch reaches the step (open-instruct#1498, "
+                "DeepSpeed 0.19.8) — write the real GA, or call engine.set_gradient_accumulation_boundary, or set "
+                "managed_gradient_accumulation: false",
+                evidence="experiments/pitfalls.yaml: deepspeed-z1-acc_manual-w2-mb4-ga4",
+            )
+        elif key in config:
             why = f"overridden in every cell by the matrix's split ({key} is what a split changes)"
             yield Finding(key=key, value=repr(config[key]), effect="fine", why=why)
 

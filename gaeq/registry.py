@@ -55,6 +55,18 @@ PIPELINE_SCHEDULES = {
 """The `pipeline_schedule` axis: the order in which a pipeline runs its GA micro-batches' forwards and
 backwards. Every schedule computes the same gradient; the bubble (time a stage waits) differs."""
 
+DEEPSPEED_ACCUMULATION = {
+    "managed": "the engine counts GA (the config's gradient_accumulation_steps) and reduces at its own boundary",
+    "manual": "the config says GA 1; the loop runs GA backwards (loss ÷ GA by hand) then one engine.step() — "
+    "every backward is then a boundary (open-instruct#1498)",
+    "manual_with_boundary": "the manual loop, telling the engine engine.set_gradient_accumulation_boundary(False) "
+    "before each backward but the last (True) — DeepSpeed's remedy",
+    "manual_unmanaged": "the manual loop with managed_gradient_accumulation: false in the config — DeepSpeed's "
+    "other remedy: backward() only accumulates, step() reduces",
+}
+"""The `deepspeed_accumulation` axis (the deepspeed trainer): who decides where a DeepSpeed step's
+accumulation ends — the engine, or a loop that accumulates by hand with GA 1 in the config."""
+
 INSTALL_HF = "pip install 'gaeq[hf]'"
 """The install line of every trainer's `package` (the `hf` extra pins them)."""
 

@@ -61,6 +61,7 @@ SPLIT_AXES = (
     "micro_batch_size",
     "zero_stage",
     "offload",
+    "deepspeed_accumulation",
     "dtype",
     "variant",
 )
@@ -102,6 +103,9 @@ class Split:
     zero_stage: int | None = None
     """ZeRO stage for DeepSpeed cells; None for the torch trainer."""
     offload: Offload = "none"
+    deepspeed_accumulation: str = "managed"
+    """Who ends a DeepSpeed step's accumulation (gaeq.registry.DEEPSPEED_ACCUMULATION): the engine, or
+    a loop accumulating by hand with GA 1 in the config."""
     dtype: Dtype = "fp32"
     variant: str = BASE
 
@@ -171,6 +175,8 @@ class Cell(Split):
             parts.append(f"z{self.zero_stage}")
         if self.offload != "none":
             parts.append(f"{self.offload}off")
+        if self.deepspeed_accumulation != "managed":
+            parts.append(f"acc_{self.deepspeed_accumulation}")
         ga = self.grad_accum_steps if self.divisible else "NA"
         parts.append(f"w{self.world_size}")
         if self.tensor_parallel > 1:

@@ -69,6 +69,8 @@ class Expander:
                     split = dict(zip(names, values), dtype=dtype, variant=variant)
                     if split["trainer"] not in DEEPSPEED_TRAINERS:
                         split |= DEEPSPEED_ONLY
+                    if split["trainer"] != "deepspeed":
+                        split["deepspeed_accumulation"] = "managed"  # the deepspeed trainer's loop only
                     if split["trainer"] not in TENSOR_PARALLEL_TRAINERS:
                         split["tensor_parallel"] = 1
                     if split["trainer"] not in PIPELINE_TRAINERS:

@@ -25,6 +25,7 @@ def split_rules(split: Split, problem: ProblemSpec, spec: MatrixSpec) -> Split:
     """Every cross-field rule of a split; returns it with DeepSpeed's ZeRO stage filled in (0)."""
     split = deepspeed_axes(split)
     split = pipeline_axes(split)
+    manual_accumulation(split, problem, spec)
     if split.tensor_parallel > 1:
         check_tensor_parallel(split, problem)
     if split.pipeline_parallel > 1:
@@ -70,6 +71,28 @@ def pipeline_axes(split: Split) -> Split:
     if split.pipeline_parallel > 1 and split.pipeline_schedule is None:
         split = dataclasses.replace(split, pipeline_schedule=DEFAULT_PIPELINE_SCHEDULE)
     return split
+
+
+def manual_accumulation(split: Split, problem: ProblemSpec, spec: MatrixSpec) -> None:
+    """A loop accumulating by hand around a DeepSpeed engine: the deepspeed trainer's, with gaeq's config."""
+    if split.deepspeed_accumulation == "managed":
+        return
+    if split.trainer != "deepspeed":
+        raise MatrixError(f"deepspeed_accumulation is the deepspeed trainer's loop; {_where(split)} sets it")
+    if split.pipeline_parallel > 1:
+        raise MatrixError(f"a pipeline's engine runs its own micro-batches: no manual accumulation ({_where(split)})")
+    if split.tensor_parallel > 1:
+        raise MatrixError(f"deepspeed_accumulation with tensor_parallel: not offered ({_where(split)})")
+    if split.deepspeed_accumulation == "manual_unmanaged" and split.zero_stage == 0 and "grads" in spec.track:
+        raise MatrixError(
+            f"unmanaged accumulation at ZeRO-0 reduces the gradients inside step(): tracking grads, read before it, "
+            f"is not offered ({_where(split)})"
+        )
+    if problem.deepspeed_config is not None:
+        raise MatrixError(
+            f"deepspeed_accumulation {split.deepspeed_accumulation} writes GA 1 into gaeq's own config; a "
+            f"deepspeed_config's cells keep its accumulation ({_where(split)})"
+        )
 
 
 def ds_bf16_needs_zero(split: Split) -> None:

@@ -12,7 +12,7 @@ from pydantic import Field, ValidationError
 from gaeq.bugs import BUGS
 from gaeq.problem.spec import Dtype, PositiveInt, ProblemSpec, Samples
 from gaeq.problem.spec import Spec as _Spec
-from gaeq.registry import PIPELINE_SCHEDULES, TRAINER_NAMES
+from gaeq.registry import DEEPSPEED_ACCUMULATION, PIPELINE_SCHEDULES, TRAINER_NAMES
 
 WorldSize = Annotated[int, Field(gt=0, le=4096)]
 TensorParallel = Annotated[int, Field(gt=0, le=4096)]
@@ -20,6 +20,7 @@ PipelineParallel = Annotated[int, Field(gt=0, le=64)]
 
 Trainer = Literal[TRAINER_NAMES]  # gaeq/registry.py: one entry per trainer
 PipelineSchedule = Literal[tuple(PIPELINE_SCHEDULES)]
+DeepSpeedAccumulation = Literal[tuple(DEEPSPEED_ACCUMULATION)]
 Expect = Literal["match", "diverge"]
 ZeroStage = Literal[0, 1, 2, 3]
 Offload = Literal["none", "cpu", "nvme"]
@@ -68,6 +69,13 @@ class AxesSpec(_Spec):
         description="DeepSpeed cells only: ZeRO-Offload of the optimizer (and of parameters at ZeRO-3) to CPU memory, "
         "or to files (nvme: ZeRO-3, needs libaio).",
     )
+    deepspeed_accumulation: list[DeepSpeedAccumulation] = Field(
+        ["managed"],
+        min_length=1,
+        description="The deepspeed trainer's cells only: who ends a step's accumulation — the engine (managed), or "
+        "a loop that runs GA backwards with GA 1 in the config (manual; manual_with_boundary and manual_unmanaged: "
+        "DeepSpeed's remedies for it).",
+    )
     dtype: list[Dtype] | None = Field(None, min_length=1, description="Default: [problem.dtype].")
     variant: list[VariantName] = Field([BASE], min_length=1, description="Problem variants the axes apply to.")
 
@@ -91,6 +99,7 @@ class CellSpec(_Spec):
     micro_batch_size: Samples
     zero_stage: ZeroStage | None = None
     offload: Offload = "none"
+    deepspeed_accumulation: DeepSpeedAccumulation = "managed"
     dtype: Dtype | None = Field(None, description="Default: the variant's dtype (or the first of axes.dtype).")
     variant: VariantName = BASE
     bug: str | None = Field(None, description=f"A planted bug: one of {sorted(BUGS)}.")

@@ -59,6 +59,11 @@ def deepspeed_config(
         "wall_clock_breakdown": False,
         "checkpoint": {"load_universal": bool(cell.resume and cell.resume.universal)},
     }
+    if cell.deepspeed_accumulation != "managed":  # a loop that accumulates by hand, telling the engine GA 1
+        config["gradient_accumulation_steps"] = 1
+        config["train_batch_size"] = cell.micro_batch_size * cell.data_parallel
+    if cell.deepspeed_accumulation == "manual_unmanaged":  # DeepSpeed's remedy: step() is the boundary
+        config["managed_gradient_accumulation"] = False
     if cell.pipeline_parallel > 1:  # the stages pass whole activations, none recomputed
         config["pipeline"] = {"activation_checkpoint_interval": 0, "pipe_partitioned": False, "grad_partitioned": False}
     if cell.offload == "nvme":

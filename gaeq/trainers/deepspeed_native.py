@@ -61,6 +61,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         lr_scheduler=None if problem.deepspeed_config else (lambda optimizer: build_scheduler(optimizer, problem)),
     )
     net = engine
+    managed = cell.deepspeed_accumulation == "managed"  # else GA 1 in the config, and our loop counts
     recorder = StepRecorder(cell=cell, ctx=ctx, steps=problem.steps)
     recorder.count_collectives(engine)
     model_dtype, grad_accum_dtype = engine.get_data_types()
@@ -72,6 +73,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         tensor_parallel=_tensor_parallel_of(engine),
         zero_stage=engine.zero_optimization_stage(),
         grad_accum_steps=engine.gradient_accumulation_steps(),
+        managed_gradient_accumulation=engine.managed_gradient_accumulation(),
         micro_batch_size=engine.train_micro_batch_size_per_gpu(),
         fp16_enabled=engine.fp16_enabled(),
         bf16_enabled=engine.bfloat16_enabled(),
@@ -100,9 +102,12 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         for micro_step in range(plan.grad_accum_steps):
             mb = task.micro_batch(step=step, micro_step=micro_step)
             boundary = micro_step == plan.grad_accum_steps - 1
+            if cell.deepspeed_accumulation == "manual_with_boundary":  # DeepSpeed's remedy for a manual loop
+                engine.set_gradient_accumulation_boundary(boundary)
             # ACCUMULATION: the engine counts micro-steps and reduces gradients at its own
-            # boundary; ours must be the same one.
-            if engine.is_gradient_accumulation_boundary() != boundary:
+            # boundary; ours must be the same one (a manual loop with GA 1 in the config: every
+            # backward is the engine's boundary — open-instruct#1498 — unless told otherwise).
+            if managed and engine.is_gradient_accumulation_boundary() != boundary:
                 raise RuntimeError(f"DeepSpeed's boundary disagrees with the plan at step {step}.{micro_step}")
             num_items = task.num_items(cell, mb, normaliser=normaliser)  # what the loss sum is divided by
             with ran.forward(mb.inputs), task.forwarding(mb):
@@ -110,7 +115,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
             # ACCUMULATION: DeepSpeed divides by GA itself inside engine.backward, and num_items
             # already did, so we hand it GA × our share (× dp: it averages over the data-parallel
             # ranks). Its return value is that ÷ GA; the loss we log is the forward one.
-            loss = micro_loss * task.data_parallel * plan.grad_accum_steps
+            loss = micro_loss * task.data_parallel * engine.gradient_accumulation_steps()  # (manual: GA 1)
             engine.backward(loss)
             recorder.measure_model_state(
                 step=step, micro_step=micro_step, model=engine.module, optimizer=engine.optimizer
@@ -122,8 +127,10 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
                     recorder.snapshot(step=step, kind="grads", gather=lambda: _full_grads(engine))
             # ACCUMULATION: step() every micro-step; the engine unscales (ds_fp16), clips, updates,
             # steps the schedule and zeroes gradients only when it is at the boundary — and on an
-            # fp16 overflow skips the update and the schedule, and lowers its loss scale.
-            engine.step()
+            # fp16 overflow skips the update and the schedule, and lowers its loss scale. A manual
+            # loop steps once, after its last backward.
+            if managed or boundary:
+                engine.step()
             local_loss_sum += micro_loss.item() * num_items
         skipped = engine.skipped_steps > skipped_before
         grad_norm = _norm_after_step(engine, grad_norm)
@@ -156,7 +163,9 @@ def promised(cell: Cell, problem: ProblemSpec) -> dict[str, Any]:
     label: dict[str, Any] = {
         "zero_stage": cell.zero_stage,
         "micro_batch_size": cell.micro_batch_size,
-        "grad_accum_steps": cell.grad_accum_steps,
+        # a manual loop tells the engine GA 1 (its forwards per step are still GA: measured)
+        "grad_accum_steps": cell.grad_accum_steps if cell.deepspeed_accumulation == "managed" else 1,
+        "managed_gradient_accumulation": cell.deepspeed_accumulation != "manual_unmanaged",
         "cpu_offload": cell.offload == "cpu",
         "fp16_enabled": cell.dtype == "ds_fp16",
         "bf16_enabled": cell.dtype == "ds_bf16",
@@ -190,7 +199,8 @@ def _swap_bytes(folder: Path) -> int:
 
 def _norm_before_step(engine) -> float | None:
     """ZeRO-0 keeps whole, already-averaged gradients in .grad at the boundary: measure them —
-    with AutoTP, the split layers' slices summed over the tensor-parallel group, the rest once.
+    with AutoTP, the split layers' slices summed over the tensor-parallel group, the rest once;
+    with managed_gradient_accumulation off, the average over the data-parallel ranks step() will take.
 
     With ZeRO ≥ 1 the gradients are partitioned; the engine's optimizer computes the global norm
     inside step() and we read it afterwards (:func:`_norm_after_step`).
@@ -198,6 +208,10 @@ def _norm_before_step(engine) -> float | None:
     if engine.zero_optimization_stage() > 0:
         return None
     params = [p for p in engine.module.parameters() if p.grad is not None]
+    if not engine.managed_gradient_accumulation():  # the engine reduces inside step(): the average it will take
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        deepspeed.comm.all_reduce(flat, group=engine.data_parallel_group)
+        return (torch.linalg.vector_norm(flat) / engine.dp_world_size).item()
     split = [p.grad for p in params if getattr(p, "tensor_model_parallel", False)]
     if not split:
         return torch.nn.utils.get_total_norm([p.grad for p in params]).item()

@@ -34,6 +34,11 @@ def test_every_planted_bug_is_caught_and_every_twin_matches(pitfalls_run):
     caught("torch-w1-mb8-ga4@dropout_global", loss=0)
     assert cells["deepspeed-z0-w1-mb4-ga8-bug_deepspeed_default_clipping@unclipped"]["caught_by"] == "loss"
     caught("deepspeed-z0-w1-mb4-ga8-bug_deepspeed_default_clipping@unclipped")
+    # the pinned DeepSpeed itself (open-instruct#1498): GA 1 in the config, GA backwards per step by hand —
+    # at ZeRO-1/2 only the last micro-batch reaches the step, a quarter of the gradient at GA 4
+    for stage in (1, 2):
+        caught(f"deepspeed-z{stage}-acc_manual-w2-mb4-ga4", grad_norm=0)
+        assert cells[f"deepspeed-z{stage}-acc_manual-w2-mb4-ga4"]["ran"]["grad_accum_steps"] == 1  # what it told
 
     twins = [
         "torch-w1-mb4-ga8@sgd",
@@ -48,6 +53,10 @@ def test_every_planted_bug_is_caught_and_every_twin_matches(pitfalls_run):
         "deepspeed-z3-w2-mb4-ga4@dropout_indexed",
         "deepspeed-z0-w1-mb4-ga8@unclipped",
         "deepspeed-z1-w1-mb2-ga16-ds_bf16@bf16_accum",
+        # DeepSpeed's remedies for the manual loop, and ZeRO-0, where re-averaging averages is harmless
+        "deepspeed-z1-acc_manual_with_boundary-w2-mb4-ga4",
+        "deepspeed-z1-acc_manual_unmanaged-w2-mb4-ga4",
+        "deepspeed-z0-acc_manual-w2-mb4-ga4",
     ]
     for cell_id in twins:
         assert cells[cell_id]["verdict"] == "match", cells[cell_id]

@@ -24,6 +24,8 @@ TABLE = [
         {**ADAMW, "train_batch_size": 64, "gradient_accumulation_steps": 4},
         {"train_batch_size": "fine", "gradient_accumulation_steps": "fine"},
     ),
+    # GA 1 in the config: a loop accumulating by hand around it loses all but the last micro-batch (ZeRO-1/2)
+    ({**ADAMW, "gradient_accumulation_steps": 1}, {"gradient_accumulation_steps": "risk"}),
     ({"optimizer": {"type": "Adam", "params": {"weight_decay": 0.1, "torch_adam": True}}}, {"optimizer.type": "fine"}),
     (ADAMW | {"fp16": {"enabled": True, "loss_scale": 0}}, {"fp16.loss_scale": "risk"}),
     (ADAMW | {"data_types": {"grad_accum_dtype": "bf16"}}, {"data_types.grad_accum_dtype": "risk"}),
