@@ -1,4 +1,5 @@
-"""transformers models by name: a causal LM class, randomly initialised from its config.
+"""transformers models by name: a causal LM (or token-classification) class, randomly initialised
+from its config.
 
 Never a download: the class's config is built from the matrix's keyword arguments, the vocabulary
 and positions from the token data, and the weights from the class's own initialisation under the
@@ -38,28 +39,46 @@ def causal_lm_classes() -> set[str]:
     """Names of every causal-LM class transformers knows (its AutoModelForCausalLM mapping)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    return _names(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def token_classification_classes() -> set[str]:
+    """Names of every token-classification class transformers knows: with one label per token of the
+    vocabulary, a next-token predictor whose head is ``GenericForTokenClassification``'s."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
+
+    return _names(MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES)
+
+
+def _names(mapping) -> set[str]:
     names: set[str] = set()
-    for value in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+    for value in mapping.values():
         names.update((value,) if isinstance(value, str) else value)
     return names
+
+
+def is_token_classifier(model: torch.nn.Module) -> bool:
+    return type(model).__name__ in token_classification_classes()
 
 
 def build_hf_model(spec: HFModelSpec, *, vocab_size: int, seq_len: int) -> torch.nn.Module:
     """The model, randomly initialised (call it under the problem's seed), in float32."""
     transformers = transformers_module()
-    if spec.hf not in causal_lm_classes():
+    token_classifier = spec.hf in token_classification_classes()
+    if spec.hf not in causal_lm_classes() and not token_classifier:
         raise HFModelError(
-            f"model.hf {spec.hf!r} is not a transformers causal-LM class (e.g. LlamaForCausalLM, GPT2LMHeadModel; "
-            f"transformers {transformers.__version__})"
+            f"model.hf {spec.hf!r} is not a transformers causal-LM or token-classification class (e.g. "
+            f"LlamaForCausalLM, GPT2LMHeadModel, LlamaForTokenClassification; transformers {transformers.__version__})"
         )
     cls = getattr(transformers, spec.hf)
+    labels = {"num_labels": vocab_size} if token_classifier else {}  # a label per token: the next one
     # gaeq shrinks the vocabulary to the data's, which makes transformers warn about the config's
     # special token ids (GPT-2's 50256): noise about knobs training never reads.
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
     try:
         config = cls.config_class(
-            **spec.config, vocab_size=vocab_size, max_position_embeddings=seq_len, use_cache=False
+            **spec.config, **labels, vocab_size=vocab_size, max_position_embeddings=seq_len, use_cache=False
         )
         model = cls(config).float()
     except Exception as exc:  # noqa: BLE001 - any failure here is the config's
@@ -70,17 +89,20 @@ def build_hf_model(spec: HFModelSpec, *, vocab_size: int, seq_len: int) -> torch
         transformers.logging.set_verbosity(verbosity)
     if not getattr(config, "return_dict", True):
         raise HFModelError(f"model.hf {spec.hf}: return_dict must stay true (gaeq reads outputs by name)")
+    if spec.accepts_loss_kwargs is not None:  # what the transformers Trainer reads instead of guessing
+        model.accepts_loss_kwargs = spec.accepts_loss_kwargs
     return model
 
 
 def dropouts(model: torch.nn.Module) -> dict[str, float]:
     """The model config's non-zero dropout knobs (``attention_dropout``, GPT-2's ``resid_pdrop``,
     …). torch's global RNG draws their masks, so the masks depend on the split. Knobs of heads a
-    causal LM does not have (GPT-2's ``summary_*``, ``classifier_dropout``) are left out."""
+    causal LM does not have (GPT-2's ``summary_*``, ``classifier_dropout``) are left out — but a token
+    classifier's own head dropout (``GenericForTokenClassification``: 0.1 when the config has none)."""
     config = getattr(model, "config", None)
     if config is None:
         return {}
-    return {
+    found = {
         key: float(value)
         for key, value in sorted(config.to_dict().items())
         if ("dropout" in key or "pdrop" in key)
@@ -88,12 +110,25 @@ def dropouts(model: torch.nn.Module) -> dict[str, float]:
         and isinstance(value, float)
         and value > 0
     }
+    head = getattr(model, "dropout", None)  # a token classifier's head: 0.1 unless the config says otherwise
+    if is_token_classifier(model) and isinstance(head, torch.nn.Dropout) and head.p > 0:
+        found["classifier_dropout"] = float(head.p)
+    return found
 
 
 def model_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, *, num_items: int) -> torch.Tensor:
     """The model's own loss over the micro-batch, as a transformers training loop computes it:
     the sum over its valid tokens ÷ ``num_items`` (``num_items_in_batch``). ``targets`` are already
-    the next tokens (the data shifts them), so they go in as ``shift_labels``."""
+    the next tokens (the data shifts them), so they go in as ``shift_labels``.
+
+    A token classifier's forward drops ``num_items_in_batch`` (``GenericForTokenClassification`` calls
+    its loss function without it: a mean over the micro-batch) — so its own loss function is called
+    here with the count, as a correct loop would; the transformers Trainer calls the forward
+    (transformers#45305)."""
+    inner = getattr(model, "module", model)  # (DDP's)
+    if is_token_classifier(inner):
+        outputs = model(input_ids=inputs)
+        return inner.loss_function(outputs.logits, targets, inner.config, num_items_in_batch=num_items)
     outputs = model(input_ids=inputs, labels=targets, shift_labels=targets, num_items_in_batch=num_items)
     return outputs.loss
 

@@ -153,7 +153,8 @@ HF_DATA_KEYS = ("vocab_size", "max_position_embeddings", "n_positions", "n_ctx")
 
 class HFModelSpec(Spec):
     """A transformers causal LM by class name (``LlamaForCausalLM``, ``GPT2LMHeadModel``, … any class
-    of transformers' causal-LM auto mapping), randomly initialised from ``config`` — never a download.
+    of transformers' causal-LM auto mapping) — or a token-classification class (``LlamaForTokenClassification``:
+    one label per vocabulary token, the next one) — randomly initialised from ``config``, never a download.
     Needs ``pip install 'gaeq[hf]'``."""
 
     kind: Literal["hf"] = "hf"
@@ -163,6 +164,12 @@ class HFModelSpec(Spec):
         description="Keyword arguments of the class's config (LlamaConfig, ...). Everything else is the "
         "config's default — dropouts included, kept as given (a default dropout > 0 makes masks depend on "
         "the split: such cells diverge, and the report says why). Vocabulary and positions come from the data.",
+    )
+    accepts_loss_kwargs: bool | None = Field(
+        None,
+        description="Set the model's accepts_loss_kwargs: what the transformers Trainer reads, instead of guessing "
+        "from forward's **kwargs, to decide whether the model divides by num_items_in_batch itself (then the "
+        "Trainer does not ÷ GA). None: the class's own.",
     )
 
     @model_validator(mode="after")

@@ -26,6 +26,7 @@ from gaeq.bugs import Bug
 from gaeq.matrix import Cell
 from gaeq.problem.build import BuiltProblem
 from gaeq.problem.data import IGNORE_INDEX
+from gaeq.problem.hf import is_token_classifier
 from gaeq.problem.models import sample_keys
 from gaeq.problem.spec import ProblemSpec
 from gaeq.registry import TRAINERS
@@ -120,7 +121,9 @@ def promised(cell: Cell, problem: ProblemSpec) -> dict[str, Any]:
     """What a Trainer cell's label promises (:mod:`gaeq.trainers.provenance` checks it after step 1)."""
     label = {
         "grad_accum_steps": cell.grad_accum_steps,
-        "model_accepts_loss_kwargs": cell.bug != Bug.HF_LOSS_PER_MICRO_BATCH,
+        # what the Trainer decided: False under the planted bug, or where the model says so itself
+        "model_accepts_loss_kwargs": cell.bug != Bug.HF_LOSS_PER_MICRO_BATCH
+        and getattr(problem.model, "accepts_loss_kwargs", None) is not False,
         "average_tokens_across_devices": cell.bug != Bug.HF_TOKENS_PER_DEVICE,
     }
     if TRAINERS[cell.trainer].deepspeed:  # hf_deepspeed: the engine the Trainer built
@@ -251,8 +254,10 @@ class Recording(TrainerCallback):
     def watch(self, model: torch.nn.Module) -> list:
         """Hooks around each forward the Trainer makes (it owns the call): Provenance (the first
         one's rows and module dtypes), and the micro-batch's loss sum = its loss × the count it was
-        divided by (num_items_in_batch, or its own valid tokens for a mean)."""
+        divided by (num_items_in_batch, or its own valid tokens for a mean — what a token classifier
+        returns whatever it is given: GenericForTokenClassification drops the count)."""
         open_: list = []
+        means = is_token_classifier(model)
 
         def before(module, args, kwargs):
             context = self.ran.forward(kwargs["input_ids"])
@@ -263,7 +268,7 @@ class Recording(TrainerCallback):
             open_.pop().__exit__(None, None, None)
             loss = output["loss"] if isinstance(output, dict) else output.loss
             count = kwargs.get("num_items_in_batch")
-            if count is None:
+            if count is None or means:  # a mean over the micro-batch's own valid tokens
                 count = (kwargs["labels"] != IGNORE_INDEX).sum()
             self.local_loss_sum += loss.item() * float(count)
 

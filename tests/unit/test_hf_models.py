@@ -64,12 +64,38 @@ def test_pairings_loss_hf_needs_a_transformers_model_and_tokens():
 
 
 def test_a_class_that_is_not_a_causal_lm_is_refused_by_name():
-    with pytest.raises(HFModelError, match=r"'BertModel' is not a transformers causal-LM class .*transformers 5\."):
+    with pytest.raises(
+        HFModelError,
+        match=r"'BertModel' is not a transformers causal-LM or token-classification class .*transformers 5\.",
+    ):
         build_problem(problem({"hf": "BertModel"}))
     with pytest.raises(HFModelError, match="LlamaForCausalLM: cannot build from model.config .*no_such_knob"):
         build_problem(
             problem({"hf": "LlamaForCausalLM", "config": {"no_such_knob": "x", "hidden_act": "no_such_knob"}})
         )
+
+
+def test_a_token_classifier_predicts_the_next_token_and_its_own_loss_is_given_the_count_its_forward_drops():
+    from gaeq.problem.hf import model_loss
+
+    spec = {**LLAMA, "hf": "LlamaForTokenClassification"}
+    model = build_problem(problem(spec)).model
+    assert model.config.num_labels == 24  # one label per vocabulary token: the next one
+    assert dropouts(model) == {"classifier_dropout": 0.1}  # its head's default, masks from torch's global RNG
+    model = build_problem(problem({**spec, "config": {**spec["config"], "classifier_dropout": 0.0}})).model
+    # nothing said: the Trainer guesses from GenericForTokenClassification.forward's **kwargs
+    assert dropouts(model) == {} and not hasattr(model, "accepts_loss_kwargs")
+    inputs, targets = torch.randint(0, 24, (2, 8)), torch.randint(0, 24, (2, 8))
+    targets[1, 5:] = -100  # padding
+    logits = model(input_ids=inputs).logits
+    summed = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+    # the forward ignores num_items_in_batch (a mean over the micro-batch: what the Trainer gets) ...
+    forward = model(input_ids=inputs, labels=targets, num_items_in_batch=100).loss
+    torch.testing.assert_close(forward, summed / 13)
+    # ... gaeq's loop calls its loss function with the count, as a correct loop must
+    torch.testing.assert_close(model_loss(model, inputs, targets, num_items=100), summed / 100)
+    fixed = build_problem(problem({**spec, "accepts_loss_kwargs": False})).model
+    assert fixed.accepts_loss_kwargs is False  # what the Trainer reads instead of guessing from **kwargs
 
 
 def test_without_transformers_one_line_says_how_to_install_it(monkeypatch):
