@@ -36,6 +36,7 @@ class Bug(Name):
     PIPE_LOSS_SUMMED_OVER_GA = "pipe_loss_summed_over_ga"
     PIPE_RESCALED_EVERY_STAGE = "pipe_rescaled_every_stage"
     PIPELINING_STEP_PER_MICRO_BATCH = "pipelining_step_per_micro_batch"
+    HSDP_GRAD_NORM_OVER_REPLICAS = "hsdp_grad_norm_over_replicas"
     LR_ZERO = "lr_zero"
 
 
@@ -55,6 +56,8 @@ class PlantedBug:
     """The bug exists only from this many ranks on (a per-process mistake needs several processes)."""
     min_tensor_parallel: int = 1
     """The bug exists only where layers are split over this many ranks or more."""
+    min_hsdp_replicas: int = 1
+    """The bug exists only where a hybrid-sharded model has this many replicas or more."""
     pipeline: bool = False
     """The bug lives in a trainer's pipeline module (its schedule): it exists only in cells with
     pipeline stages — and no other bug does (a pipeline cell does not run the accumulation loop)."""
@@ -225,6 +228,16 @@ BUGS: dict[str, PlantedBug] = {
                 "far by its micro-batch count, so the first call's count GA/2 times too little"
             ),
             reported="torchtitan#1733 (fixed by #1732: scale_grads=False, the loss scaled instead); pytorch#196641",
+        ),
+        PlantedBug(
+            name=Bug.HSDP_GRAD_NORM_OVER_REPLICAS,
+            trainers=("fsdp",),
+            min_hsdp_replicas=2,
+            description=(
+                "hybrid sharding's grad norm summed over every rank: each shard's squares counted once per "
+                "replica, so the norm is √replicas too large and clipping too strong"
+            ),
+            reported="VeOmni#862",
         ),
         PlantedBug(
             name=Bug.LR_ZERO,

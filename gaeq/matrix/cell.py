@@ -58,6 +58,7 @@ SPLIT_AXES = (
     "tensor_parallel",
     "pipeline_parallel",
     "pipeline_schedule",
+    "hsdp_replicas",
     "micro_batch_size",
     "zero_stage",
     "offload",
@@ -99,6 +100,9 @@ class Split:
     pipeline_schedule: str | None = None
     """The order a pipeline runs its micro-batches in (gaeq.registry.PIPELINE_SCHEDULES); None
     without stages."""
+    hsdp_replicas: int = 1
+    """FSDP2 cells: replicas of a hybrid-sharded model (HSDP), each sharding it over data-parallel
+    ranks ÷ this; 1: every data-parallel rank holds one shard (plain FSDP)."""
     micro_batch_size: int
     zero_stage: int | None = None
     """ZeRO stage for DeepSpeed cells; None for the torch trainer."""
@@ -183,6 +187,8 @@ class Cell(Split):
             parts.append(f"tp{self.tensor_parallel}")
         if self.pipeline_parallel > 1:
             parts += [f"pp{self.pipeline_parallel}", str(self.pipeline_schedule)]
+        if self.hsdp_replicas > 1:
+            parts.append(f"hsdp{self.hsdp_replicas}")
         parts += [f"mb{self.micro_batch_size}", f"ga{ga}"]
         if self.dtype != "fp32":
             parts.append(self.dtype)

@@ -71,6 +71,11 @@ class Expander:
                         split |= DEEPSPEED_ONLY
                     if split["trainer"] != "deepspeed":
                         split["deepspeed_accumulation"] = "managed"  # the deepspeed trainer's loop only
+                    if split["trainer"] != "fsdp":
+                        split["hsdp_replicas"] = 1
+                    replicas = split["hsdp_replicas"]
+                    if replicas > 1 and (split["world_size"] % replicas or split["world_size"] == replicas):
+                        continue  # no such split: replicas that leave no shard group of two ranks or more
                     if split["trainer"] not in TENSOR_PARALLEL_TRAINERS:
                         split["tensor_parallel"] = 1
                     if split["trainer"] not in PIPELINE_TRAINERS:

@@ -26,6 +26,8 @@ def split_rules(split: Split, problem: ProblemSpec, spec: MatrixSpec) -> Split:
     split = deepspeed_axes(split)
     split = pipeline_axes(split)
     manual_accumulation(split, problem, spec)
+    if split.hsdp_replicas > 1:
+        check_hsdp(split)
     if split.tensor_parallel > 1:
         check_tensor_parallel(split, problem)
     if split.pipeline_parallel > 1:
@@ -92,6 +94,21 @@ def manual_accumulation(split: Split, problem: ProblemSpec, spec: MatrixSpec) ->
         raise MatrixError(
             f"deepspeed_accumulation {split.deepspeed_accumulation} writes GA 1 into gaeq's own config; a "
             f"deepspeed_config's cells keep its accumulation ({_where(split)})"
+        )
+
+
+def check_hsdp(split: Split) -> None:
+    """Hybrid sharding: the fsdp trainer's, replicas dividing the data-parallel ranks into shard groups."""
+    where = f"the {split.trainer} cell w{split.world_size} hsdp{split.hsdp_replicas} mb{split.micro_batch_size}"
+    if split.trainer != "fsdp":
+        raise MatrixError(f"hsdp_replicas is FSDP2's hybrid sharding: the fsdp trainer only ({where})")
+    if split.tensor_parallel > 1 or split.pipeline_parallel > 1:
+        raise MatrixError(f"hsdp_replicas with tensor or pipeline parallelism: not offered ({where})")
+    if split.world_size % split.hsdp_replicas:
+        raise MatrixError(f"world_size {split.world_size} is not divisible by hsdp_replicas {split.hsdp_replicas}")
+    if split.world_size == split.hsdp_replicas:
+        raise MatrixError(
+            f"hsdp_replicas {split.hsdp_replicas} = world_size leaves one rank per shard group: that is DDP ({where})"
         )
 
 
@@ -172,6 +189,10 @@ def bug_rules(bug: str, split: Split, problem: ProblemSpec) -> None:
     if split.tensor_parallel < planted.min_tensor_parallel:
         raise MatrixError(
             f"bug {bug!r} needs tensor_parallel ≥ {planted.min_tensor_parallel}, the cell has {split.tensor_parallel}"
+        )
+    if split.hsdp_replicas < planted.min_hsdp_replicas:
+        raise MatrixError(
+            f"bug {bug!r} needs hsdp_replicas ≥ {planted.min_hsdp_replicas}, the cell has {split.hsdp_replicas}"
         )
     if planted.pipeline != (split.pipeline_parallel > 1):
         raise MatrixError(

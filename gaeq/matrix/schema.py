@@ -17,6 +17,7 @@ from gaeq.registry import DEEPSPEED_ACCUMULATION, PIPELINE_SCHEDULES, TRAINER_NA
 WorldSize = Annotated[int, Field(gt=0, le=4096)]
 TensorParallel = Annotated[int, Field(gt=0, le=4096)]
 PipelineParallel = Annotated[int, Field(gt=0, le=64)]
+Replicas = Annotated[int, Field(gt=0, le=4096)]
 
 Trainer = Literal[TRAINER_NAMES]  # gaeq/registry.py: one entry per trainer
 PipelineSchedule = Literal[tuple(PIPELINE_SCHEDULES)]
@@ -61,6 +62,12 @@ class AxesSpec(_Spec):
         description="Pipeline cells only: the order of the micro-batches' forwards and backwards (torch: "
         f"{', '.join(PIPELINE_SCHEDULES)}; deepspeed: 1f1b). A schedule a trainer does not run is skipped for it.",
     )
+    hsdp_replicas: list[Replicas] = Field(
+        [1],
+        min_length=1,
+        description="fsdp cells only: FSDP2 on a 2-D (replicate × shard) mesh — HSDP — with this many replicas, "
+        "each sharding the model over data-parallel ranks ÷ this (1: plain FSDP, every rank one shard).",
+    )
     micro_batch_size: list[Samples] = Field(min_length=1)
     zero_stage: list[ZeroStage] = Field([0], min_length=1, description="DeepSpeed cells only.")
     offload: list[Offload] = Field(
@@ -96,6 +103,7 @@ class CellSpec(_Spec):
     tensor_parallel: TensorParallel = 1
     pipeline_parallel: PipelineParallel = 1
     pipeline_schedule: PipelineSchedule | None = Field(None, description="Pipeline cells only. Default: 1f1b.")
+    hsdp_replicas: Replicas = 1
     micro_batch_size: Samples
     zero_stage: ZeroStage | None = None
     offload: Offload = "none"

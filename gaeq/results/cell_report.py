@@ -96,6 +96,7 @@ class CellReport:
     tensor_parallel = Part[int]("cell")
     pipeline_parallel = Part[int]("cell")
     pipeline_schedule = Part[str]("cell")
+    hsdp_replicas = Part[int]("cell")
     micro_batch_size = Part[int]("cell")
     zero_stage = Part[int]("cell")
     offload = Part[str]("cell")
@@ -168,7 +169,7 @@ class CellReport:
 
 
 JSON_FIELDS = (
-    *("id", "trainer", "world_size", "tensor_parallel", "pipeline_parallel", "pipeline_schedule"),
+    *("id", "trainer", "world_size", "tensor_parallel", "pipeline_parallel", "pipeline_schedule", "hsdp_replicas"),
     *("micro_batch_size", "grad_accum_steps"),
     "zero_stage",
     *("offload", "dtype", "variant", "bug", "expect", "role", "verdict"),

@@ -129,6 +129,7 @@ def _hparams(cell) -> dict[str, object]:
         "tensor_parallel": cell.tensor_parallel,
         "pipeline_parallel": cell.pipeline_parallel,
         "pipeline_schedule": cell.pipeline_schedule or "none",
+        "hsdp_replicas": cell.hsdp_replicas,
         "micro_batch_size": cell.micro_batch_size,
         "grad_accum_steps": cell.grad_accum_steps or 0,
         "zero_stage": "none" if cell.zero_stage is None else str(cell.zero_stage),

@@ -43,10 +43,12 @@ def forked_rank(script: str, args: list[str], env: dict[str, str], cwd: str, log
     from gaeq.runtime.worker import redirect_fds
 
     os.setsid()
-    lifeline.arm_death_signal()
     os.environ.clear()
     os.environ.update(env)
-    lifeline.bind_to_parent()  # dies with gaeq, whatever kills it (GAEQ_PARENT_PID is in env)
+    # Dies with gaeq, whatever kills it (GAEQ_PARENT_PID is in env), and takes its session — the
+    # script's own processes — with it. No death signal tied to the fork server: when gaeq is killed
+    # the server exits too, and a rank SIGKILLed for that first would leave its session running.
+    lifeline.bind_to_parent()
     os.chdir(cwd)
     redirect_fds(log)
     code = 0

@@ -51,6 +51,7 @@ _DEEPSPEED_SIZES: dict[str, Callable] = {
 _FSDP_SIZES: dict[str, Callable] = {
     "all_gather_single": lambda a, k: _nbytes(_arg(a, k, 0, "output_tensor")),
     "reduce_scatter_single": lambda a, k: _nbytes(_arg(a, k, 1, "input")),
+    "all_reduce": lambda a, k: _nbytes(_arg(a, k, 0, "tensor")),  # HSDP: the replicas' average
 }
 
 

@@ -32,8 +32,18 @@ from gaeq.trainers.tensor_parallel import TensorParallel, full
 
 
 def promised(cell: Cell, problem: ProblemSpec) -> dict[str, Any]:
-    """What an FSDP2 cell's label promises: the model sharded, every parameter a shard."""
-    return {"fsdp": True, "sharded_parameters": True}
+    """What an FSDP2 cell's label promises: the model sharded, every parameter a shard, replicated
+    (HSDP) as often as the label says."""
+    return {"fsdp": True, "sharded_parameters": True, "hsdp_replicas": cell.hsdp_replicas}
+
+
+def _replicas(model: torch.nn.Module) -> int:
+    """How many replicas hold the model's shards: the size of the dimension its parameters are
+    replicated over (HSDP's), 1 where they are only sharded."""
+    from torch.distributed.tensor import Replicate
+
+    p = next(model.parameters())
+    return max([p.device_mesh.size(i) for i, pl in enumerate(p.placements) if isinstance(pl, Replicate)] or [1])
 
 
 def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
@@ -42,11 +52,17 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     plan = task.plan
     model = task.model.to(ctx.device)
     # ACCUMULATION: FSDP2 shards every block, then the rest (the root), over the data-parallel
-    # ranks; its reduce-scatter averages gradients over them (÷ dp), as DDP's all-reduce does.
+    # ranks; its reduce-scatter averages gradients over them (÷ dp), as DDP's all-reduce does —
+    # under HSDP over each shard group, then an all-reduce averages the replicas.
     tp = TensorParallel(cell=cell, device=ctx.device) if cell.tensor_parallel > 1 else None
     if tp is not None:
         tp.parallelize(model)  # first the layers over each tensor-parallel group, then FSDP2
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,)) if tp is None else tp.mesh["dp"]
+    if cell.hsdp_replicas > 1:  # HSDP: each replica shards the model over its group of ranks
+        replicas = cell.hsdp_replicas
+        mesh = init_device_mesh(
+            ctx.device.type, (replicas, ctx.world_size // replicas), mesh_dim_names=("replicate", "shard")
+        )
     for block in shard_units(model):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -59,6 +75,8 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     clip_grad_norm_ = torch.nn.utils.clip_grad_norm_ if tp is None else tensor_parallel.clip_grad_norm_
     if cell.bug == Bug.TP_GRAD_NORM_PER_SHARD:  # planted bug: each rank clips by its slices' norm
         clip_grad_norm_ = functools.partial(tensor_parallel.clip_grad_norm_, per_shard=True)
+    if cell.bug == Bug.HSDP_GRAD_NORM_OVER_REPLICAS:  # planted bug: shards' squares summed over every rank
+        clip_grad_norm_ = functools.partial(tensor_parallel.clip_grad_norm_, per_shard=True, over=dist.group.WORLD)
     recorder = StepRecorder(cell=cell, ctx=ctx, steps=problem.steps)
     recorder.count_collectives(model if ctx.world_size > 1 else None)
     recorder.count_collectives(tp)
@@ -70,6 +88,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         tensor_parallel=tensor_parallel.tensor_parallel_of(model),
         fsdp=isinstance(model, FSDPModule),
         sharded_parameters=all(isinstance(p, DTensor) for p in model.parameters()),
+        hsdp_replicas=_replicas(model),
         update_rule=type(optimizer).__name__,
     )
 

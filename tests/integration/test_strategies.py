@@ -66,6 +66,15 @@ CELLS = [
         "micro_batch_size": 2,
         "bug": "pipelining_step_per_micro_batch",
     },
+    # HSDP (2 replicas × 2 shards) and its control (VeOmni#862)
+    {"trainer": "fsdp", "world_size": 4, "hsdp_replicas": 2, "micro_batch_size": 2},
+    {
+        "trainer": "fsdp",
+        "world_size": 4,
+        "hsdp_replicas": 2,
+        "micro_batch_size": 2,
+        "bug": "hsdp_grad_norm_over_replicas",
+    },
     # after AutoTP and pipeline cells in the same process group: plain data parallelism over both ranks again
     {"trainer": "deepspeed", "world_size": 2, "micro_batch_size": 2, "zero_stage": 1},
 ]
@@ -144,6 +153,12 @@ def test_tensor_parallel_strategies(tmp_path):
     assert (rescaled["caught_by"], rescaled["first_divergent_step"]) == ("grad_norm", 0)
     zero0 = cells["deepspeed-z0-w2-pp2-1f1b-mb2-ga8"]  # its own norm (gaeq's) matches until clipping acts on it
     assert (zero0["verdict"], zero0["caught_by"]) == ("diverge", "loss"), zero0["reason"]
+
+    hsdp = cells["fsdp-w4-hsdp2-mb2-ga2"]
+    assert (hsdp["ran"]["hsdp_replicas"], hsdp["ran"]["sharded_parameters"]) == (2, True)
+    over = cells["fsdp-w4-hsdp2-mb2-ga2-bug_hsdp_grad_norm_over_replicas"]
+    assert (over["caught_by"], over["first_divergent_step"]) == ("grad_norm", 0)
+    assert abs(over["max_rel_grad_norm_diff"] - (2**0.5 - 1)) < 1e-3  # each shard's squares counted twice: √2
 
     shard = cells["torch-w2-tp2-mb2-ga8-bug_tp_grad_norm_per_shard"]
     assert (shard["verdict"], shard["caught_by"], shard["first_divergent_step"]) == ("diverge", "grad_norm", 0)
