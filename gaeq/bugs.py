@@ -37,6 +37,7 @@ class Bug(Name):
     PIPE_RESCALED_EVERY_STAGE = "pipe_rescaled_every_stage"
     PIPELINING_STEP_PER_MICRO_BATCH = "pipelining_step_per_micro_batch"
     HSDP_GRAD_NORM_OVER_REPLICAS = "hsdp_grad_norm_over_replicas"
+    TOKENS_ALL_REDUCED_THEN_DDP_AVERAGED = "tokens_all_reduced_then_ddp_averaged"
     LR_ZERO = "lr_zero"
 
 
@@ -238,6 +239,17 @@ BUGS: dict[str, PlantedBug] = {
                 "replica, so the norm is √replicas too large and clipping too strong"
             ),
             reported="VeOmni#862",
+        ),
+        PlantedBug(
+            name=Bug.TOKENS_ALL_REDUCED_THEN_DDP_AVERAGED,
+            trainers=("torch",),
+            min_world_size=2,
+            description=(
+                "the loss divided by the token count all-reduced over ranks (the global count), then DDP averages "
+                "the gradients over the ranks again: every gradient ÷ world — the effective lr ÷ world; under "
+                "clipping the loss hides it, the pre-clip norm does not"
+            ),
+            reported="verl#5366",
         ),
         PlantedBug(
             name=Bug.LR_ZERO,

@@ -112,6 +112,8 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
                 # ACCUMULATION: we divide — num_items counts the whole global batch, so ÷ GA is in it —
                 # and multiply by the data-parallel ranks, because DDP averages over them.
                 loss = micro_loss * task.data_parallel
+                if cell.bug == Bug.TOKENS_ALL_REDUCED_THEN_DDP_AVERAGED:
+                    loss = micro_loss  # planted bug: the global count, then DDP's average on top (÷ world twice)
                 if cell.bug == Bug.NO_LOSS_DIVISION:
                     loss = loss * plan.grad_accum_steps  # planted bug: forgets ÷ GA
                 scaler.scale(loss).backward()
