@@ -38,6 +38,8 @@ class Bug(Name):
     PIPELINING_STEP_PER_MICRO_BATCH = "pipelining_step_per_micro_batch"
     HSDP_GRAD_NORM_OVER_REPLICAS = "hsdp_grad_norm_over_replicas"
     TOKENS_ALL_REDUCED_THEN_DDP_AVERAGED = "tokens_all_reduced_then_ddp_averaged"
+    MOE_AUX_LOSS_NOT_DIVIDED_BY_GA = "moe_aux_loss_not_divided_by_ga"
+    MOE_AUX_LOSS_AVERAGED_TWICE = "moe_aux_loss_averaged_twice"
     LR_ZERO = "lr_zero"
 
 
@@ -57,6 +59,8 @@ class PlantedBug:
     """The bug exists only from this many ranks on (a per-process mistake needs several processes)."""
     min_tensor_parallel: int = 1
     """The bug exists only where layers are split over this many ranks or more."""
+    moe: bool = False
+    """The bug exists only in a mixture of experts (model.moe)."""
     min_hsdp_replicas: int = 1
     """The bug exists only where a hybrid-sharded model has this many replicas or more."""
     pipeline: bool = False
@@ -250,6 +254,27 @@ BUGS: dict[str, PlantedBug] = {
                 "clipping the loss hides it, the pre-clip norm does not"
             ),
             reported="verl#5366",
+        ),
+        PlantedBug(
+            name=Bug.MOE_AUX_LOSS_NOT_DIVIDED_BY_GA,
+            trainers=("torch", "deepspeed"),
+            moe=True,
+            description=(
+                "a mixture of experts' load-balancing term added to every micro-batch's loss whole, without the "
+                "÷ GA the main loss gets: the router's gradient GA× too strong"
+            ),
+            reported="Megatron-LM#3769",
+        ),
+        PlantedBug(
+            name=Bug.MOE_AUX_LOSS_AVERAGED_TWICE,
+            trainers=("torch", "deepspeed"),
+            moe=True,
+            min_world_size=2,
+            description=(
+                "the load-balancing term divided by the data-parallel ranks by hand, then averaged over them again "
+                "by DDP: the router's balancing gradient ÷ world too weak"
+            ),
+            reported="NeMo-Automodel#1408",
         ),
         PlantedBug(
             name=Bug.LR_ZERO,

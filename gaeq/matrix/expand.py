@@ -136,7 +136,11 @@ class Expander:
         """The baseline's split with micro-batches as small as the smallest of its group's cells
         (which sets how the gradient's sums round: a twin at half the batch may round like the
         baseline itself), else cut by the batch's smallest factor. The same optimisation, summed
-        in another order. None when the baseline's micro-batch is a single sample."""
+        in another order. None when the baseline's micro-batch is a single sample, or its problem's
+        mixture of experts balances over each micro-batch (then no other split is the same optimisation)."""
+        moe = getattr(self.problem(baseline.variant).model, "moe", None)
+        if moe is not None and moe.balance != "global":  # its balance loss changes with the split itself:
+            return None  # no twin computes the same optimisation in other micro-batches
         micro = baseline.micro_batch_size
         rows = baseline.train_batch_size // baseline.data_parallel
         fits = [m for m in micro_batches if m < micro and rows % m == 0]

@@ -28,6 +28,8 @@ def split_rules(split: Split, problem: ProblemSpec, spec: MatrixSpec) -> Split:
     manual_accumulation(split, problem, spec)
     if split.hsdp_replicas > 1:
         check_hsdp(split)
+    if getattr(problem.model, "moe", None) is not None:
+        check_moe(split)
     if split.tensor_parallel > 1:
         check_tensor_parallel(split, problem)
     if split.pipeline_parallel > 1:
@@ -95,6 +97,20 @@ def manual_accumulation(split: Split, problem: ProblemSpec, spec: MatrixSpec) ->
             f"deepspeed_accumulation {split.deepspeed_accumulation} writes GA 1 into gaeq's own config; a "
             f"deepspeed_config's cells keep its accumulation ({_where(split)})"
         )
+
+
+MOE_TRAINERS = ("torch", "deepspeed")
+"""The loops that count a step's routing before its first backward (CellProblem.route_step)."""
+
+
+def check_moe(split: Split) -> None:
+    """A mixture of experts runs in the loops that add its balance loss per micro-batch and route ahead."""
+    if split.trainer not in MOE_TRAINERS:
+        raise MatrixError(
+            f"a mixture of experts' balance loss runs in the {', '.join(MOE_TRAINERS)} trainers, not {split.trainer}"
+        )
+    if split.tensor_parallel > 1 or split.pipeline_parallel > 1:
+        raise MatrixError(f"a mixture of experts with tensor or pipeline parallelism: not offered ({_where(split)})")
 
 
 def check_hsdp(split: Split) -> None:
@@ -190,6 +206,8 @@ def bug_rules(bug: str, split: Split, problem: ProblemSpec) -> None:
         raise MatrixError(
             f"bug {bug!r} needs tensor_parallel ≥ {planted.min_tensor_parallel}, the cell has {split.tensor_parallel}"
         )
+    if planted.moe and getattr(problem.model, "moe", None) is None:
+        raise MatrixError(f"bug {bug!r} exists only in a mixture of experts (model.moe)")
     if split.hsdp_replicas < planted.min_hsdp_replicas:
         raise MatrixError(
             f"bug {bug!r} needs hsdp_replicas ≥ {planted.min_hsdp_replicas}, the cell has {split.hsdp_replicas}"

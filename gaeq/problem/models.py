@@ -99,15 +99,50 @@ class CausalSelfAttention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
+def _mlp(n_embd: int, hidden: int) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(n_embd, hidden), nn.GELU(), nn.Linear(hidden, n_embd))
+
+
+class MoE(nn.Module):
+    """A mixture of experts in place of a block's MLP (gaeq/problem/moe.py computes its balance loss).
+
+    Every forward leaves what the load-balancing loss needs in :attr:`stats`: how many of the
+    forward's tokens each expert took (its top-k choices, counted: no gradient), the sum of each
+    expert's router probability over them (with gradient) and the token count; :attr:`routed` adds
+    up the counts over the cell (``ran``: router tokens per expert)."""
+
+    def __init__(self, spec: GPTSpec) -> None:
+        super().__init__()
+        moe = spec.moe
+        self.top_k = moe.top_k
+        self.router = nn.Linear(spec.n_embd, moe.experts, bias=False)
+        # experts of the dense MLP's width ÷ top_k: a token's compute the dense block's
+        self.experts = nn.ModuleList(_mlp(spec.n_embd, 4 * spec.n_embd // moe.top_k) for _ in range(moe.experts))
+        self.stats: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        self.routed = torch.zeros(moe.experts, dtype=torch.long)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = self.router(x).softmax(dim=-1)  # (b, t, experts)
+        top, chosen = probs.topk(self.top_k, dim=-1)
+        gates = torch.zeros_like(probs).scatter(-1, chosen, top / top.sum(dim=-1, keepdim=True))
+        # dense: every expert on every token, weighted by its gate (0 where not chosen) — exact, tiny
+        out = sum(gates[..., e : e + 1] * expert(x) for e, expert in enumerate(self.experts))
+        counts = torch.zeros_like(self.routed).scatter_add(
+            0, chosen.flatten().cpu(), torch.ones_like(chosen.flatten().cpu())
+        )
+        self.stats = (counts, probs.flatten(0, -2).sum(dim=0), probs.shape[0] * probs.shape[1])
+        if torch.is_grad_enabled():
+            self.routed += counts
+        return out
+
+
 class Block(nn.Module):
     def __init__(self, spec: GPTSpec, *, seed: int, index: int) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(spec.n_embd)
         self.attn = CausalSelfAttention(spec)
         self.ln_2 = nn.LayerNorm(spec.n_embd)
-        self.mlp = nn.Sequential(
-            nn.Linear(spec.n_embd, 4 * spec.n_embd), nn.GELU(), nn.Linear(4 * spec.n_embd, spec.n_embd)
-        )
+        self.mlp = _mlp(spec.n_embd, 4 * spec.n_embd) if spec.moe is None else MoE(spec)
         self.drop_attn = _dropout(spec.dropout, spec.dropout_rng, seed=seed, layer=2 * index + 1)
         self.drop_mlp = _dropout(spec.dropout, spec.dropout_rng, seed=seed, layer=2 * index + 2)
 

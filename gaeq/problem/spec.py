@@ -105,6 +105,31 @@ class MLPSpec(Spec):
     dropout_rng: Literal["indexed", "global"] = _DROPOUT_RNG
 
 
+class MoESpec(Spec):
+    """Every block's MLP a mixture of experts: a linear router, softmax over the experts, the top-k
+    experts' outputs weighted by their renormalised probabilities — and the standard load-balancing
+    auxiliary loss (Switch Transformer): coef × experts × Σᵢ fᵢ·Pᵢ per layer, fᵢ the share of routed
+    tokens expert i took, Pᵢ its mean router probability."""
+
+    experts: int = Field(4, ge=2, le=64)
+    top_k: int = Field(2, ge=1)
+    aux_loss_coef: float = Field(0.01, ge=0, description="The load-balancing loss's weight.")
+    balance: Literal["micro_batch", "global", "global_buffered"] = Field(
+        "micro_batch",
+        description="Which tokens fᵢ and Pᵢ are taken over. micro_batch: each micro-batch's own (the usual way: "
+        "NOT invariant to the split — it depends on which samples share a micro-batch); global: the whole "
+        "global batch over every rank (arXiv 2501.11873, Qwen3-MoE) — fᵢ counted by a routing-only pass over "
+        "the step's micro-batches before the first backward, so the split cannot matter; global_buffered: fᵢ "
+        "from a running buffer of this rank's micro-batches so far in the step (the paper's cheap form).",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> MoESpec:
+        if self.top_k > self.experts:
+            raise ValueError(f"top_k {self.top_k} exceeds experts {self.experts}")
+        return self
+
+
 class GPTSpec(Spec):
     """nanoGPT-like: token + position embeddings, pre-LN blocks (causal attention, MLP), an untied head."""
 
@@ -114,6 +139,7 @@ class GPTSpec(Spec):
     n_embd: Width = 32
     dropout: float = Field(0.0, ge=0, lt=1)
     dropout_rng: Literal["indexed", "global"] = _DROPOUT_RNG
+    moe: MoESpec | None = Field(None, description="Each block's MLP a mixture of experts (None: a dense MLP).")
 
     @model_validator(mode="after")
     def _check(self) -> GPTSpec:

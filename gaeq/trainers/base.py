@@ -23,6 +23,7 @@ from gaeq.problem.data import BatchPlan
 from gaeq.problem.hf import dropouts
 from gaeq.problem.loss import mean_of_means_count
 from gaeq.problem.models import sample_keys
+from gaeq.problem.moe import Balance, moe_layers
 from gaeq.problem.spec import ProblemSpec
 from gaeq.results.snapshots import SnapshotWriter, wanted
 from gaeq.results.trace import StepRecord, TraceWriter
@@ -65,6 +66,8 @@ class CellProblem:
     data_rank: int
     """This rank's place in the plan: its data-parallel rank (Cell.place: the ranks of one
     tensor-parallel group share micro-batches, the stages of one pipeline pass them on)."""
+    balance: Balance | None = None
+    """A mixture of experts' load-balancing loss (gaeq/problem/moe.py); None for a dense model."""
 
     @property
     def model(self) -> torch.nn.Module:
@@ -86,8 +89,31 @@ class CellProblem:
 
     def micro_loss(self, net: torch.nn.Module, mb: MicroBatch, *, num_items: int) -> torch.Tensor:
         """Forward the micro-batch through `net`: its loss sum ÷ `num_items` (``loss: hf``: the
-        model's own loss, given ``num_items_in_batch``)."""
-        return self.built.micro_loss(net, mb.inputs, mb.targets, num_items=num_items)
+        model's own loss, given ``num_items_in_batch``) — plus, for a mixture of experts, its term of
+        the load-balancing loss."""
+        loss = self.built.micro_loss(net, mb.inputs, mb.targets, num_items=num_items)
+        return loss if self.balance is None else loss + self.balance.loss()
+
+    def route_step(self, net: torch.nn.Module, step: int) -> None:
+        """Before a step's first backward: a mixture of experts balanced over the global batch counts
+        the step's routing (a forward of each of this rank's micro-batches, without gradient, summed
+        over the ranks); nothing otherwise."""
+        if self.balance is None:
+            return
+
+        def forward(k: int) -> Callable[[], object]:
+            def run() -> object:
+                mb = self.micro_batch(step=step, micro_step=k)
+                with self.forwarding(mb):
+                    return net(mb.inputs)
+
+            return run
+
+        self.balance.route(forward(k) for k in range(self.plan.grad_accum_steps))
+
+    def router_tokens(self) -> list[list[int]] | None:
+        """Tokens each expert of each layer took on this rank so far (``ran``); None for a dense model."""
+        return None if self.balance is None else [layer.routed.tolist() for layer in self.balance.layers]
 
     def model_facts(self) -> dict:
         """What the model is, for the provenance: a transformers model's class and the non-zero
@@ -134,19 +160,34 @@ def build_cell_problem(cell: Cell, problem: ProblemSpec, ctx: RunContext) -> Cel
     if cell.world_size != (dist.get_world_size() if dist.is_initialized() else 1):
         raise RuntimeError(f"cell {cell.id} needs world_size {cell.world_size}, process group has another")
     torch.manual_seed(problem.seed)  # the global RNG (dropout_rng: global) starts alike in every cell
+    plan = BatchPlan(
+        train_batch_size=cell.train_batch_size,
+        micro_batch_size=cell.micro_batch_size,
+        data_parallel=cell.data_parallel,
+        num_samples=problem.num_samples,
+        seed=problem.seed,
+    )
+    built = build_problem(problem)
+    layers = moe_layers(built.model)
     return CellProblem(
-        plan=BatchPlan(
-            train_batch_size=cell.train_batch_size,
-            micro_batch_size=cell.micro_batch_size,
-            data_parallel=cell.data_parallel,
-            num_samples=problem.num_samples,
-            seed=problem.seed,
-        ),
-        built=build_problem(problem),
+        plan=plan,
+        built=built,
         dtype=cell.dtype,
         device=ctx.device,
         data_rank=cell.place(ctx.rank).data,
+        balance=Balance(problem.model.moe, layers, share=balance_share(cell, plan)) if layers else None,
     )
+
+
+def balance_share(cell: Cell, plan: BatchPlan) -> float:
+    """A micro-batch's weight in a mixture of experts' load-balancing loss: its share of the step's
+    GA × dp micro-batches — as the main loss's num_items carries ÷ GA. Where the MoE bugs are made."""
+    share = 1.0 / (plan.grad_accum_steps * plan.data_parallel)
+    if cell.bug == Bug.MOE_AUX_LOSS_NOT_DIVIDED_BY_GA:
+        share = 1.0 / plan.data_parallel  # planted bug: the auxiliary term added to every micro-batch whole
+    if cell.bug == Bug.MOE_AUX_LOSS_AVERAGED_TWICE:
+        share = share / plan.data_parallel  # planted bug: ÷ dp by hand, then DDP's average again
+    return share
 
 
 HALF_MODEL = {"ds_bf16": torch.bfloat16, "ds_fp16": torch.float16}

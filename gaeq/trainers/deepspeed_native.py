@@ -90,6 +90,8 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     if cell.offload == "nvme":  # the engine really swaps: its files are there after the first step
         swapped = functools.cache(lambda: _swap_bytes(swap_dir(ctx)))  # the folder walked once
         ran.read_at_first_step(nvme_swap_bytes=swapped, swapped_to_nvme=lambda: swapped() > 0)
+    if task.balance is not None:  # a mixture of experts: the tokens each expert took in the first step
+        ran.read_at_first_step(router_tokens=task.router_tokens)
     start = load_deepspeed(engine, run_dir=ctx.run_dir, resume=cell.resume) if cell.resume else 0
 
     for step in range(start, problem.steps):
@@ -99,6 +101,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         normaliser = task.normaliser(step)  # loss elements (samples or valid tokens) in the global batch
         local_loss_sum = 0.0  # this rank's part of the global loss sum, float64 on the host
         skipped_before = engine.skipped_steps
+        task.route_step(net, step)  # a mixture of experts balanced globally: the step's routing, counted ahead
         for micro_step in range(plan.grad_accum_steps):
             mb = task.micro_batch(step=step, micro_step=micro_step)
             boundary = micro_step == plan.grad_accum_steps - 1

@@ -1,0 +1,48 @@
+"""experiments/moe.yaml through real process groups and DeepSpeed: a mixture of experts balanced over
+the global batch matches at world 2 in both trainers; balanced over each micro-batch it does not (a
+measured divergence, expected); the balance loss ÷ dp twice is caught. The whole file runs in
+docs/moe.md; here its world-2 corner on fewer steps."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from tests.conftest import REPO
+from tests.helpers import cells_by_id, gaeq_run_here
+from tests.processes import leftovers
+
+pytestmark = pytest.mark.integration
+
+CELLS = [
+    {"trainer": "torch", "world_size": 2, "micro_batch_size": 2, "expect": "diverge"},
+    {"trainer": "torch", "world_size": 2, "micro_batch_size": 2, "variant": "global"},
+    {"trainer": "deepspeed", "world_size": 2, "micro_batch_size": 2, "zero_stage": 1, "variant": "global"},
+    {
+        "trainer": "torch",
+        "world_size": 2,
+        "micro_batch_size": 2,
+        "variant": "global",
+        "bug": "moe_aux_loss_averaged_twice",
+    },
+]
+
+
+def test_moe_balance_over_the_global_batch_matches_and_over_micro_batches_does_not(tmp_path):
+    spec = yaml.safe_load((REPO / "experiments" / "moe.yaml").read_text())
+    spec["cells"], spec["problem"]["steps"] = CELLS, 4
+    spec["variants"].pop("buffered")
+    matrix, out = tmp_path / "moe.yaml", tmp_path / "run"
+    matrix.write_text(yaml.safe_dump(spec))
+    proc, report, tag = gaeq_run_here(matrix, out)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    cells = cells_by_id(report)
+    for cell_id in ("torch-w2-mb2-ga4@global", "deepspeed-z1-w2-mb2-ga4@global"):
+        assert cells[cell_id]["verdict"] == "match" and cells[cell_id]["max_abs_loss_diff"] < 1e-6, cells[cell_id]
+        routed = cells[cell_id]["ran"]["router_tokens"]  # rank 0's first step: 4 micro-batches × 2 × 16 tokens × top-2
+        assert [sum(layer) for layer in routed] == [4 * 2 * 16 * 2] * 2
+    per_micro_batch = cells["torch-w2-mb2-ga4"]
+    assert (per_micro_batch["verdict"], per_micro_batch["caught_by"]) == ("diverge", "loss")  # its step-0 loss
+    twice = cells["torch-w2-mb2-ga4-bug_moe_aux_loss_averaged_twice@global"]
+    assert (twice["verdict"], twice["first_divergent_step"]) == ("diverge", 0)
+    assert leftovers(tag) == []

@@ -1,0 +1,90 @@
+"""A mixture of experts and its load-balancing loss (gaeq/problem/moe.py), in this process at world 1:
+balanced over the global batch it is the same optimisation at every split, balanced over each
+micro-batch it is not (the control that must diverge), the two planted bugs are caught, and what is
+bad input. Process groups and DeepSpeed: tests/integration/test_moe.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gaeq.matrix import MatrixError, load_matrix, matrix_from_dict
+from gaeq.problem.build import build_problem
+from gaeq.problem.moe import moe_layers
+from gaeq.problem.spec import ProblemSpec
+from gaeq.results.report import judge
+from gaeq.results.trace import TraceStore
+from tests.helpers import run_in_process, small_spec
+
+MOE = {"experts": 4, "top_k": 2, "aux_loss_coef": 0.01}
+
+
+def moe_spec(balance: str, **more) -> dict:
+    spec = small_spec(**more)
+    spec["problem"].update(
+        model={"kind": "gpt", "n_layer": 2, "n_head": 2, "n_embd": 32, "moe": MOE | {"balance": balance}},
+        data={"kind": "tokens", "vocab_size": 16, "seq_len": 8},
+        loss="cross_entropy",
+        steps=3,
+    )
+    return spec
+
+
+@pytest.mark.parametrize("balance", ["global", "micro_batch"])
+def test_global_balance_matches_every_split_and_micro_batch_balance_does_not(write_matrix, tmp_path, balance):
+    axes = {"trainer": ["torch"], "world_size": [1], "micro_batch_size": [2, 8]}
+    matrix = load_matrix(write_matrix(moe_spec(balance, axes=axes)))
+    report = judge(matrix, run_in_process(matrix, tmp_path), TraceStore(tmp_path))
+    cells = {c.id: c for c in report.cells}
+    for cell_id in ("torch-w1-mb2-ga8", "torch-w1-mb8-ga2"):
+        if balance == "global":
+            assert cells[cell_id].verdict == "match" and cells[cell_id].max_abs_loss_diff < 1e-6, cells[cell_id].reason
+        else:  # its statistics depend on which samples share a micro-batch: visible in the step-0 loss
+            assert (cells[cell_id].verdict, cells[cell_id].first_divergent_step) == ("diverge", 0)
+    # a micro-batch-balanced group has no noise-floor twin: another split is not the same optimisation
+    assert bool(matrix.floors) == (balance == "global")
+    router = cells["torch-w1-mb2-ga8"].ran["router_tokens"]  # the first step's routing, per layer and expert
+    assert len(router) == 2 and all(sum(layer) == 16 * 8 * 2 for layer in router)  # every token picks top-2
+
+
+def test_the_two_balance_bugs_are_caught_at_step_0(write_matrix, tmp_path):
+    cells = [{"trainer": "torch", "micro_batch_size": 4, "bug": "moe_aux_loss_not_divided_by_ga"}]
+    matrix = load_matrix(
+        write_matrix(moe_spec("global", axes={"trainer": ["torch"], "micro_batch_size": [4]}, cells=cells))
+    )
+    report = judge(matrix, run_in_process(matrix, tmp_path), TraceStore(tmp_path))
+    bug = next(c for c in report.cells if c.bug)
+    assert (bug.verdict, bug.first_divergent_step) == ("diverge", 0), bug.reason
+    assert next(c for c in report.cells if c.id == "torch-w1-mb4-ga4").verdict == "match"  # its twin
+
+
+def test_the_balance_loss_is_switch_transformers_and_the_model_routes_top_k():
+    problem = ProblemSpec.model_validate(moe_spec("micro_batch")["problem"])
+    built = build_problem(problem)
+    layers = moe_layers(built.model)
+    assert len(layers) == 2 and len(layers[0].experts) == 4
+    inputs, _ = built.dataset.batch(list(range(4)))
+    built.model(inputs)
+    counts, prob_sum, tokens = layers[0].stats
+    assert (int(counts.sum()), tokens) == (4 * 8 * 2, 4 * 8)  # top-2 of every token
+    torch.testing.assert_close(prob_sum.sum(), torch.tensor(float(tokens)))  # probabilities sum to 1 per token
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"cells": [{"trainer": "fsdp", "micro_batch_size": 4}]}, "balance loss runs in the torch, deepspeed trainers"),
+        ({"moe": {"top_k": 5}}, "top_k 5 exceeds experts 4"),
+    ],
+)
+def test_where_a_mixture_of_experts_is_bad_input(change, message):
+    spec = moe_spec("global", axes=None, cells=change.get("cells", [{"trainer": "torch", "micro_batch_size": 4}]))
+    spec["problem"]["model"]["moe"] |= change.get("moe", {})
+    with pytest.raises((MatrixError, ValueError), match=message):
+        matrix_from_dict(spec)
+
+
+def test_a_balance_bug_needs_a_mixture_of_experts():
+    spec = small_spec(cells=[{"trainer": "torch", "micro_batch_size": 4, "bug": "moe_aux_loss_not_divided_by_ga"}])
+    with pytest.raises(MatrixError, match="exists only in a mixture of experts"):
+        matrix_from_dict(spec)
