@@ -32,11 +32,11 @@ def moe_spec(balance: str, **more) -> dict:
 
 @pytest.mark.parametrize("balance", ["global", "micro_batch"])
 def test_global_balance_matches_every_split_and_micro_batch_balance_does_not(write_matrix, tmp_path, balance):
-    axes = {"trainer": ["torch"], "world_size": [1], "micro_batch_size": [2, 8]}
+    axes = {"trainer": ["torch"], "world_size": [1], "micro_batch_size": [2]}
     matrix = load_matrix(write_matrix(moe_spec(balance, axes=axes)))
     report = judge(matrix, run_in_process(matrix, tmp_path), TraceStore(tmp_path))
     cells = {c.id: c for c in report.cells}
-    for cell_id in ("torch-w1-mb2-ga8", "torch-w1-mb8-ga2"):
+    for cell_id in ("torch-w1-mb2-ga8",):
         if balance == "global":
             assert cells[cell_id].verdict == "match" and cells[cell_id].max_abs_loss_diff < 1e-6, cells[cell_id].reason
         else:  # its statistics depend on which samples share a micro-batch: visible in the step-0 loss
