@@ -39,6 +39,7 @@ class Bug(Name):
     HSDP_GRAD_NORM_OVER_REPLICAS = "hsdp_grad_norm_over_replicas"
     TOKENS_ALL_REDUCED_THEN_DDP_AVERAGED = "tokens_all_reduced_then_ddp_averaged"
     MOE_AUX_LOSS_NOT_DIVIDED_BY_GA = "moe_aux_loss_not_divided_by_ga"
+    EMPTY_MICRO_BATCH_COUNTED = "empty_micro_batch_counted"
     MOE_AUX_LOSS_AVERAGED_TWICE = "moe_aux_loss_averaged_twice"
     LR_ZERO = "lr_zero"
 
@@ -254,6 +255,17 @@ BUGS: dict[str, PlantedBug] = {
                 "clipping the loss hides it, the pre-clip norm does not"
             ),
             reported="verl#5366",
+        ),
+        PlantedBug(
+            name=Bug.EMPTY_MICRO_BATCH_COUNTED,
+            trainers=("torch", "deepspeed"),
+            loss="cross_entropy",
+            description=(
+                "each micro-batch's mean ÷ the number of micro-batches of the step — the empty ones (every label "
+                "masked) counted too: with equal-length samples exact without empties, with them every gradient "
+                "× valid ÷ all micro-batches"
+            ),
+            reported="NeMo-RL#212",
         ),
         PlantedBug(
             name=Bug.MOE_AUX_LOSS_NOT_DIVIDED_BY_GA,

@@ -173,6 +173,7 @@ class TokenData:
         self.vocab_size = spec.vocab_size
         self.seq_len = spec.seq_len
         self.min_len = spec.min_len
+        self.masked_every = spec.masked_every
         logits = 2.5 * np.random.default_rng([seed, 0x70CE]).standard_normal((spec.vocab_size, spec.vocab_size))
         probs = np.exp(logits - logits.max(axis=1, keepdims=True))
         self._cumulative = np.cumsum(probs / probs.sum(axis=1, keepdims=True), axis=1)
@@ -184,11 +185,18 @@ class TokenData:
     def length(self, index: int) -> int:
         return int(self.lengths([index])[0])
 
+    def masked(self, indices: Sequence[int]) -> np.ndarray:
+        """Which samples have no valid label (TokensSpec.masked_every)."""
+        indices = np.asarray(indices, dtype=np.int64)
+        if self.masked_every is None:
+            return np.zeros(len(indices), dtype=bool)
+        return indices % self.masked_every == self.masked_every - 1
+
     def loss_elements(self, index: int) -> int:
-        return self.length(index) - 1
+        return self.total_loss_elements([index])
 
     def total_loss_elements(self, indices: Sequence[int]) -> int:
-        return int((self.lengths(indices) - 1).sum())
+        return int(((self.lengths(indices) - 1) * ~self.masked(indices)).sum())
 
     def tokens(self, indices: Sequence[int]) -> np.ndarray:
         """Full-length Markov walks, one row per index (row i is then cut at its length)."""
@@ -205,7 +213,8 @@ class TokenData:
         walks = self.tokens(indices)
         inputs = np.zeros((len(indices), self.seq_len), dtype=np.int64)
         labels = np.full((len(indices), self.seq_len), IGNORE_INDEX, dtype=np.int64)
-        for row, n in enumerate(lengths):
+        for row, (n, masked) in enumerate(zip(lengths, self.masked(indices))):
             inputs[row, : n - 1] = walks[row, : n - 1]
-            labels[row, : n - 1] = walks[row, 1:n]
+            if not masked:
+                labels[row, : n - 1] = walks[row, 1:n]
         return torch.from_numpy(inputs), torch.from_numpy(labels)

@@ -76,6 +76,12 @@ class TokensSpec(Spec):
     vocab_size: int = Field(16, gt=0, le=65536)
     seq_len: int = Field(24, ge=2, le=4096, description="Padded length (the model's block size).")
     min_len: int = Field(3, ge=2, description="Shortest sequence (tokens, before the shift by one).")
+    masked_every: int | None = Field(
+        None,
+        ge=2,
+        description="Every n-th sample (by index) has no valid label — a prompt masked out, a sequence over the "
+        "length limit: nothing to learn from, and a micro-batch of such samples is empty. None: none.",
+    )
     num_samples: PositiveInt | None = _NUM_SAMPLES
 
     @model_validator(mode="after")

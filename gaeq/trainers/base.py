@@ -85,6 +85,8 @@ class CellProblem:
             )
         if cell.bug == Bug.HF_NUM_ITEMS_PER_MICRO_BATCH:
             return mb.loss_elements  # planted bug: num_items_in_batch of the micro-batch, not the global batch
+        if cell.bug == Bug.EMPTY_MICRO_BATCH_COUNTED:  # planted bug: a micro-batch's mean ÷ all of the step's
+            return max(mb.loss_elements, 1) * self.plan.grad_accum_steps * self.plan.data_parallel  # empties too
         return normaliser
 
     def micro_loss(self, net: torch.nn.Module, mb: MicroBatch, *, num_items: int) -> torch.Tensor:

@@ -31,6 +31,8 @@ def test_every_planted_bug_is_caught_and_every_twin_matches(pitfalls_run):
     caught("deepspeed-z2-w2-mb4-ga4-bug_mean_of_means@gpt", grad_norm=0)
     # ÷ world twice (verl#5366): the pre-clip norm halves at step 0; the loss never leaves its tolerance
     caught("torch-w2-mb4-ga4-bug_tokens_all_reduced_then_ddp_averaged@gpt", grad_norm=0, loss=None)
+    # empty micro-batches counted (NeMo-RL#212): a quarter of them empty, the norm a quarter short, the loss unmoved
+    caught("torch-w1-mb1-ga32-bug_empty_micro_batch_counted@masked", grad_norm=0, loss=None)
     caught("torch-w1-mb8-ga4@batchnorm", loss=0)
     caught("deepspeed-z1-w2-mb4-ga4@batchnorm", loss=0)
     caught("torch-w1-mb8-ga4@dropout_global", loss=0)
@@ -50,6 +52,7 @@ def test_every_planted_bug_is_caught_and_every_twin_matches(pitfalls_run):
         "torch-w1-mb4-ga8@gpt",
         "deepspeed-z2-w2-mb4-ga4@gpt",
         "torch-w2-mb4-ga4@gpt",
+        "torch-w1-mb1-ga32@masked",
         "torch-w1-mb8-ga4@layernorm",
         "deepspeed-z1-w2-mb4-ga4@layernorm",
         "torch-w1-mb8-ga4@dropout_indexed",

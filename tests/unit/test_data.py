@@ -82,3 +82,15 @@ def test_runs_of_positions_map_like_single_positions_across_epochs():
         assert plan.samples_at(range(start, stop)) == [plan.sample_at(p) for p in range(start, stop)]
     endless = BatchPlan(train_batch_size=8, micro_batch_size=2, data_parallel=2)
     assert endless.samples_at(range(3, 9)) == list(range(3, 9))
+
+
+def test_masked_samples_have_no_valid_label_and_count_nothing():
+    from gaeq.problem.data import IGNORE_INDEX, TokenData
+    from gaeq.problem.spec import TokensSpec
+
+    data = TokenData(TokensSpec(vocab_size=16, seq_len=8, min_len=9, masked_every=4), seed=0)
+    _, labels = data.batch(list(range(8)))
+    masked = [i for i in range(8) if (labels[i] == IGNORE_INDEX).all()]
+    assert masked == [3, 7]  # every fourth sample, by index
+    assert [data.loss_elements(i) for i in range(8)] == [8, 8, 8, 0, 8, 8, 8, 0]
+    assert data.total_loss_elements(range(8)) == 48
