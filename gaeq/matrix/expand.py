@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from gaeq.matrix.cell import DEEPSPEED_ONLY, SPLIT_AXES, Cell, Fault, Matrix, Resume, Role, Split, group_key
 from gaeq.matrix.resume import at_step_inside, plain_source, source_rules, target_rules
-from gaeq.matrix.rules import bug_rules, fault_rules, script_rules, skip_reason, split_rules
+from gaeq.matrix.rules import bug_rules, fault_rules, mixture_of_experts, script_rules, skip_reason, split_rules
 from gaeq.matrix.schema import BASE, TENSOR_METRICS, FaultSpec, MatrixError, MatrixSpec, ResumeSpec, describe
 from gaeq.problem.spec import ProblemSpec
 from gaeq.registry import DEEPSPEED_TRAINERS, PIPELINE_TRAINERS, TENSOR_PARALLEL_TRAINERS, TRAINERS
@@ -138,9 +138,10 @@ class Expander:
         baseline itself), else cut by the batch's smallest factor. The same optimisation, summed
         in another order. None when the baseline's micro-batch is a single sample, or its problem's
         mixture of experts balances over each micro-batch (then no other split is the same optimisation)."""
-        moe = getattr(self.problem(baseline.variant).model, "moe", None)
-        if moe is not None and moe.balance != "global":  # its balance loss changes with the split itself:
-            return None  # no twin computes the same optimisation in other micro-batches
+        problem = self.problem(baseline.variant)
+        moe = getattr(problem.model, "moe", None)
+        if mixture_of_experts(problem) and (moe is None or moe.balance != "global"):
+            return None  # its balance loss changes with the split itself: no twin is the same optimisation
         micro = baseline.micro_batch_size
         rows = baseline.train_batch_size // baseline.data_parallel
         fits = [m for m in micro_batches if m < micro and rows % m == 0]

@@ -99,6 +99,12 @@ def manual_accumulation(split: Split, problem: ProblemSpec, spec: MatrixSpec) ->
         )
 
 
+def mixture_of_experts(problem: ProblemSpec) -> bool:
+    """gaeq's GPT with `moe`, or a transformers model that adds its routers' balance loss."""
+    model = problem.model
+    return getattr(model, "moe", None) is not None or bool(getattr(model, "config", {}).get("output_router_logits"))
+
+
 MOE_TRAINERS = ("torch", "deepspeed")
 """The loops that count a step's routing before its first backward (CellProblem.route_step)."""
 
@@ -206,8 +212,11 @@ def bug_rules(bug: str, split: Split, problem: ProblemSpec) -> None:
         raise MatrixError(
             f"bug {bug!r} needs tensor_parallel ≥ {planted.min_tensor_parallel}, the cell has {split.tensor_parallel}"
         )
-    if planted.moe and getattr(problem.model, "moe", None) is None:
-        raise MatrixError(f"bug {bug!r} exists only in a mixture of experts (model.moe)")
+    if planted.moe and not mixture_of_experts(problem):
+        raise MatrixError(
+            f"bug {bug!r} exists only in a mixture of experts (model.moe, or a transformers model with "
+            "output_router_logits: true)"
+        )
     if split.hsdp_replicas < planted.min_hsdp_replicas:
         raise MatrixError(
             f"bug {bug!r} needs hsdp_replicas ≥ {planted.min_hsdp_replicas}, the cell has {split.hsdp_replicas}"

@@ -44,12 +44,19 @@ class BuiltProblem:
     """The loss sum of a micro-batch from the model's outputs; None for ``loss: hf`` (the model's own)."""
 
     def micro_loss(
-        self, net: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, *, num_items: int
+        self,
+        net: torch.nn.Module,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        *,
+        num_items: int,
+        aux_share: float = 1.0,
     ) -> torch.Tensor:
         """Forward `inputs` through `net` (the model or its wrapper): the micro-batch's loss sum ÷
-        `num_items` — with num_items the global batch's element count, its share of the global mean."""
-        if self.loss_sum is None:
-            return hf.model_loss(net, inputs, targets, num_items=num_items)  # transformers divides
+        `num_items` — with num_items the global batch's element count, its share of the global mean
+        (a transformers mixture of experts' balance term weighed by `aux_share`, hf.model_loss)."""
+        if self.loss_sum is None:  # transformers divides
+            return hf.model_loss(net, inputs, targets, num_items=num_items, aux_share=aux_share)
         return self.loss_sum(hf.logits(net(inputs)), targets) / num_items
 
     def loss_elements(self, index: int) -> int:

@@ -116,7 +116,9 @@ def dropouts(model: torch.nn.Module) -> dict[str, float]:
     return found
 
 
-def model_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, *, num_items: int) -> torch.Tensor:
+def model_loss(
+    model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, *, num_items: int, aux_share: float = 1.0
+) -> torch.Tensor:
     """The model's own loss over the micro-batch, as a transformers training loop computes it:
     the sum over its valid tokens ÷ ``num_items`` (``num_items_in_batch``). ``targets`` are already
     the next tokens (the data shifts them), so they go in as ``shift_labels``.
@@ -124,13 +126,19 @@ def model_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tens
     A token classifier's forward drops ``num_items_in_batch`` (``GenericForTokenClassification`` calls
     its loss function without it: a mean over the micro-batch) — so its own loss function is called
     here with the count, as a correct loop would; the transformers Trainer calls the forward
-    (transformers#45305)."""
+    (transformers#45305). A mixture of experts' balance term is weighed by ``aux_share``, the micro-batch's
+    share of the step (1: as the model adds it, whole)."""
     inner = getattr(model, "module", model)  # (DDP's)
     if is_token_classifier(inner):
         outputs = model(input_ids=inputs)
         return inner.loss_function(outputs.logits, targets, inner.config, num_items_in_batch=num_items)
     outputs = model(input_ids=inputs, labels=targets, shift_labels=targets, num_items_in_batch=num_items)
-    return outputs.loss
+    aux = getattr(outputs, "aux_loss", None)
+    if aux is None or aux_share == 1.0:
+        return outputs.loss
+    # A mixture of experts (output_router_logits) adds router_aux_loss_coef × its micro-batch's balance
+    # loss whole; gaeq's loops weigh it as the main loss is weighed — its share of the step's micro-batches.
+    return outputs.loss + inner.router_aux_loss_coef * aux * (aux_share - 1.0)
 
 
 def logits(outputs: Any) -> torch.Tensor:

@@ -68,6 +68,8 @@ class CellProblem:
     tensor-parallel group share micro-batches, the stages of one pipeline pass them on)."""
     balance: Balance | None = None
     """A mixture of experts' load-balancing loss (gaeq/problem/moe.py); None for a dense model."""
+    aux_share: float = 1.0
+    """A micro-batch's weight in a transformers mixture of experts' balance term (balance_share)."""
 
     @property
     def model(self) -> torch.nn.Module:
@@ -93,7 +95,7 @@ class CellProblem:
         """Forward the micro-batch through `net`: its loss sum ÷ `num_items` (``loss: hf``: the
         model's own loss, given ``num_items_in_batch``) — plus, for a mixture of experts, its term of
         the load-balancing loss."""
-        loss = self.built.micro_loss(net, mb.inputs, mb.targets, num_items=num_items)
+        loss = self.built.micro_loss(net, mb.inputs, mb.targets, num_items=num_items, aux_share=self.aux_share)
         return loss if self.balance is None else loss + self.balance.loss()
 
     def route_step(self, net: torch.nn.Module, step: int) -> None:
@@ -178,6 +180,7 @@ def build_cell_problem(cell: Cell, problem: ProblemSpec, ctx: RunContext) -> Cel
         device=ctx.device,
         data_rank=cell.place(ctx.rank).data,
         balance=Balance(problem.model.moe, layers, share=balance_share(cell, plan)) if layers else None,
+        aux_share=balance_share(cell, plan),
     )
 
 

@@ -88,3 +88,46 @@ def test_a_balance_bug_needs_a_mixture_of_experts():
     spec = small_spec(cells=[{"trainer": "torch", "micro_batch_size": 4, "bug": "moe_aux_loss_not_divided_by_ga"}])
     with pytest.raises(MatrixError, match="exists only in a mixture of experts"):
         matrix_from_dict(spec)
+
+
+MIXTRAL = {
+    "hf": "MixtralForCausalLM",
+    "config": {
+        "hidden_size": 16,
+        "intermediate_size": 16,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "output_router_logits": True,
+        "router_aux_loss_coef": 0.02,
+    },
+}
+
+
+def test_the_pinned_trainer_adds_mixtrals_balance_loss_to_every_micro_batch_whole(write_matrix, tmp_path):
+    """transformers' Trainer skips ÷ GA for a model that takes num_items_in_batch — which divides the
+    language-modelling loss only: Mixtral's router balance term goes in whole at every micro-batch, the
+    very computation of the planted moe_aux_loss_not_divided_by_ga (gaeq's loop weighs it by its share)."""
+    cells = [
+        {"trainer": "hf", "micro_batch_size": 4, "expect": "diverge"},
+        {"trainer": "torch", "micro_batch_size": 4, "bug": "moe_aux_loss_not_divided_by_ga"},
+    ]
+    spec = small_spec(axes=None, cells=cells)
+    spec["problem"].update(
+        model=MIXTRAL,
+        data={"kind": "tokens", "vocab_size": 16, "seq_len": 8, "min_len": 9},
+        loss="hf",
+        steps=3,
+        schedule={"name": "warmup_cosine", "warmup_steps": 1, "warmup_convention": "transformers"},
+    )
+    matrix = load_matrix(write_matrix(spec))
+    assert matrix.floors == {}  # per-micro-batch balance: no twin is the same optimisation
+    report = judge(matrix, run_in_process(matrix, tmp_path), TraceStore(tmp_path))
+    cells = {c.id: c for c in report.cells}
+    trainer, planted = cells["hf-w1-mb4-ga4"], cells["torch-w1-mb4-ga4-bug_moe_aux_loss_not_divided_by_ga"]
+    assert trainer.verdict == planted.verdict == "diverge"
+    traces = TraceStore(tmp_path)
+    for a, b in zip(traces.get(trainer.id), traces.get(planted.id)):  # step by step, the same optimisation
+        assert abs(a.loss - b.loss) < 1e-5 and abs(a.grad_norm / b.grad_norm - 1) < 1e-4
