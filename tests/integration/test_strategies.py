@@ -2,7 +2,7 @@
 mesh, DeepSpeed AutoTP with ZeRO) trains the same optimisation as one process on the whole batch,
 its collectives are counted, and the grad norm measured per shard is caught.
 
-The whole file (44 cells, world 2 and 4) runs in docs/strategies.md; here its world-2 corners plus TP × DP
+The whole file (46 cells, world 2 and 4) runs in docs/strategies.md; here its world-2 corners plus TP × DP
 at world 4, on fewer steps, to keep the suite's time."""
 
 from __future__ import annotations
