@@ -14,6 +14,7 @@ valid-token count, every token weighs the same whatever the split — transforme
 
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Any
 
@@ -35,14 +36,16 @@ def transformers_module():
         raise HFModelError(INSTALL_HINT) from None
 
 
-def causal_lm_classes() -> set[str]:
+@functools.cache
+def causal_lm_classes() -> frozenset[str]:
     """Names of every causal-LM class transformers knows (its AutoModelForCausalLM mapping)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     return _names(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
-def token_classification_classes() -> set[str]:
+@functools.cache
+def token_classification_classes() -> frozenset[str]:
     """Names of every token-classification class transformers knows: with one label per token of the
     vocabulary, a next-token predictor whose head is ``GenericForTokenClassification``'s."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
@@ -50,11 +53,11 @@ def token_classification_classes() -> set[str]:
     return _names(MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES)
 
 
-def _names(mapping) -> set[str]:
+def _names(mapping) -> frozenset[str]:
     names: set[str] = set()
     for value in mapping.values():
         names.update((value,) if isinstance(value, str) else value)
-    return names
+    return frozenset(names)
 
 
 def is_token_classifier(model: torch.nn.Module) -> bool:

@@ -127,9 +127,7 @@ class MoE(nn.Module):
         gates = torch.zeros_like(probs).scatter(-1, chosen, top / top.sum(dim=-1, keepdim=True))
         # dense: every expert on every token, weighted by its gate (0 where not chosen) — exact, tiny
         out = sum(gates[..., e : e + 1] * expert(x) for e, expert in enumerate(self.experts))
-        counts = torch.zeros_like(self.routed).scatter_add(
-            0, chosen.flatten().cpu(), torch.ones_like(chosen.flatten().cpu())
-        )
+        counts = torch.bincount(chosen.flatten().cpu(), minlength=len(self.experts))
         self.stats = (counts, probs.flatten(0, -2).sum(dim=0), probs.shape[0] * probs.shape[1])
         if torch.is_grad_enabled():
             self.routed += counts

@@ -42,7 +42,7 @@ class Balance:
         self.counts: list[torch.Tensor] = []
         self.tokens = 0
 
-    def route(self, forwards: Iterable[Callable[[], object]], *, group: dist.ProcessGroup | None = None) -> None:
+    def route(self, forwards: Iterable[Callable[[], object]]) -> None:
         """Before the step's first backward: global balance runs each of the step's forwards
         (without gradient) and sums the experts' counts over them and over the ranks; buffered
         balance empties its buffer. Nothing for micro-batch balance."""
@@ -53,9 +53,9 @@ class Balance:
             for forward in forwards:
                 forward()
                 self._add_stats()
-        if dist.is_initialized() and dist.get_world_size(group) > 1:
+        if dist.is_initialized() and dist.get_world_size() > 1:  # (every rank a data-parallel one: rules.check_moe)
             flat = torch.cat([*self.counts, torch.tensor([self.tokens])]).double()
-            dist.all_reduce(flat, group=group)
+            dist.all_reduce(flat)
             *counts, tokens = flat.long().split([c.numel() for c in self.counts] + [1])
             self.counts, self.tokens = list(counts), int(tokens)
 

@@ -173,14 +173,15 @@ def build_cell_problem(cell: Cell, problem: ProblemSpec, ctx: RunContext) -> Cel
     )
     built = build_problem(problem)
     layers = moe_layers(built.model)
+    share = balance_share(cell, plan)
     return CellProblem(
         plan=plan,
         built=built,
         dtype=cell.dtype,
         device=ctx.device,
         data_rank=cell.place(ctx.rank).data,
-        balance=Balance(problem.model.moe, layers, share=balance_share(cell, plan)) if layers else None,
-        aux_share=balance_share(cell, plan),
+        balance=Balance(problem.model.moe, layers, share=share) if layers else None,
+        aux_share=share,
     )
 
 

@@ -12,6 +12,7 @@ its layers call (the activations' all-reduces) and the data-parallel all-reduce 
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import time
@@ -78,13 +79,31 @@ def _alone(args, kwargs) -> bool:
     return isinstance(group, torch.distributed.ProcessGroup) and group.size() == 1
 
 
+class Patches:
+    """Attributes replaced by wrappers of themselves, each put back by :meth:`restore` (last first)."""
+
+    def __init__(self) -> None:
+        self._originals: list[tuple[object, str, object]] = []
+
+    def patch(self, owner, name: str, wrap: Callable[[Callable], Callable]) -> None:
+        """Replace `owner.name` by ``wrap(original)``."""
+        original = getattr(owner, name)
+        setattr(owner, name, wrap(original))
+        self._originals.append((owner, name, original))
+
+    def restore(self) -> None:
+        while self._originals:
+            owner, name, original = self._originals.pop()
+            setattr(owner, name, original)
+
+
 class CommCounter:
     """Bytes this rank put through collectives since the last :meth:`take`."""
 
     def __init__(self) -> None:
         self.bytes = 0
         self._paused = 0
-        self._restores: list[Callable[[], None]] = []
+        self._patches = Patches()
 
     def add(self, nbytes: int) -> None:
         if not self._paused:
@@ -123,8 +142,7 @@ class CommCounter:
             self._patch(torch.distributed, {"all_reduce": _DEEPSPEED_SIZES["all_reduce"]})
 
     def detach(self) -> None:
-        while self._restores:
-            self._restores.pop()()
+        self._patches.restore()
 
     def _attach_ddp(self, ddp) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -143,25 +161,17 @@ class CommCounter:
     def _patch(self, owner, sizes: dict[str, Callable]) -> None:
         """Wrap `owner`'s collectives (a DeepSpeed backend's methods, torch.distributed's functions)
         so that each call adds its size; :meth:`detach` puts the originals back."""
-        originals = {}
         for name, size in sizes.items():
-            method = getattr(owner, name, None)
-            if method is None:
-                continue
+            if getattr(owner, name, None) is not None:
+                self._patches.patch(owner, name, functools.partial(self._counting, size=size))
 
-            def counting(*args, _method=method, _size=size, **kwargs):
-                if not _alone(args, kwargs):
-                    self.add(_size(args, kwargs))
-                return _method(*args, **kwargs)
+    def _counting(self, method: Callable, *, size: Callable) -> Callable:
+        def counting(*args, **kwargs):
+            if not _alone(args, kwargs):
+                self.add(size(args, kwargs))
+            return method(*args, **kwargs)
 
-            originals[name] = method
-            setattr(owner, name, counting)
-
-        def restore() -> None:
-            for name, method in originals.items():
-                setattr(owner, name, method)
-
-        self._restores.append(restore)
+        return counting
 
 
 class PipelineCost:
@@ -177,7 +187,7 @@ class PipelineCost:
         self._busy = 0.0
         self._started: float | None = None
         self._last_end = 0.0
-        self._restores: list[Callable[[], None]] = []
+        self._patches = Patches()
 
     def start(self) -> None:
         """The step's schedule begins (call it right before the library's step/train_batch)."""
@@ -208,9 +218,7 @@ class PipelineCost:
 
     def patch(self, owner, name: str, wrap: Callable[[Callable], Callable]) -> None:
         """Replace `owner.name` by ``wrap(original)`` until :meth:`detach`."""
-        original = getattr(owner, name)
-        setattr(owner, name, wrap(original))
-        self._restores.append(lambda: setattr(owner, name, original))
+        self._patches.patch(owner, name, wrap)
 
     def take(self) -> tuple[int, float, float]:
         """(p2p bytes, seconds computing, seconds from the start to the last backward) since the last
@@ -221,8 +229,7 @@ class PipelineCost:
         return taken
 
     def detach(self) -> None:
-        while self._restores:
-            self._restores.pop()()
+        self._patches.restore()
 
 
 def model_state_bytes(model: torch.nn.Module, optimizer: object) -> int:

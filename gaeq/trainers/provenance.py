@@ -76,12 +76,11 @@ class Provenance:
 
     def watch_forwards(self, module: torch.nn.Module) -> None:
         """For a loop the trainer does not write (a pipeline's schedule): every forward of `module`
-        is measured as :meth:`forward` measures one — but a forward of meta tensors, which computes
-        nothing (torch's pipeline stages infer their shapes with one)."""
+        is measured as :meth:`forward` measures one."""
         entered: list = []
 
         def before(_module, args) -> None:
-            entered.append(contextlib.nullcontext() if args[0].is_meta else self.forward(args[0]))
+            entered.append(self.forward(args[0]))
             entered[-1].__enter__()
 
         def after(_module, _args, _output) -> None:
