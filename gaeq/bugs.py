@@ -40,6 +40,8 @@ class Bug(Name):
     TOKENS_ALL_REDUCED_THEN_DDP_AVERAGED = "tokens_all_reduced_then_ddp_averaged"
     MOE_AUX_LOSS_NOT_DIVIDED_BY_GA = "moe_aux_loss_not_divided_by_ga"
     EMPTY_MICRO_BATCH_COUNTED = "empty_micro_batch_counted"
+    PACKED_SEQUENCES_WEIGHTED_PER_PACK = "packed_sequences_weighted_per_pack"
+    PARTIAL_LAST_WINDOW = "partial_last_window"
     MOE_AUX_LOSS_AVERAGED_TWICE = "moe_aux_loss_averaged_twice"
     LR_ZERO = "lr_zero"
 
@@ -62,6 +64,10 @@ class PlantedBug:
     """The bug exists only where layers are split over this many ranks or more."""
     moe: bool = False
     """The bug exists only in a mixture of experts (model.moe)."""
+    packed: bool = False
+    """The bug exists only in packed token data (data.packed)."""
+    short_step: bool = False
+    """The bug exists only at an epoch's short last step (epoch_end: short_step), which the run must reach."""
     min_hsdp_replicas: int = 1
     """The bug exists only where a hybrid-sharded model has this many replicas or more."""
     pipeline: bool = False
@@ -266,6 +272,29 @@ BUGS: dict[str, PlantedBug] = {
                 "× valid ÷ all micro-batches"
             ),
             reported="NeMo-RL#212",
+        ),
+        PlantedBug(
+            name=Bug.PACKED_SEQUENCES_WEIGHTED_PER_PACK,
+            trainers=("torch", "deepspeed"),
+            loss="cross_entropy",
+            packed=True,
+            description=(
+                "packed training reduces each pack to the mean over its own tokens, then averages the packs: every "
+                "pack weighs the same, so a token of a pack with few targets weighs more — split-invariant, and "
+                "wrong at any split; the loss of an untrained model hardly shows it (every token near log V), "
+                "the gradient does"
+            ),
+            reported="ms-swift#10144 (seen with packed DPO)",
+        ),
+        PlantedBug(
+            name=Bug.PARTIAL_LAST_WINDOW,
+            trainers=("torch",),
+            short_step=True,
+            description=(
+                "the last accumulation window of an epoch holds fewer micro-batches than GA, and the loop still "
+                "divides by GA: that step's gradient too small by its share of a full window"
+            ),
+            reported="Lightning#19987 (Lightning 2.0–2.2)",
         ),
         PlantedBug(
             name=Bug.MOE_AUX_LOSS_NOT_DIVIDED_BY_GA,

@@ -34,6 +34,9 @@ class TrainerSpec:
     schedule: the loop is not the accumulation loop of `module`); None: it does not pipeline."""
     pipeline_schedules: tuple[str, ...] = ()
     """The pipeline schedules its pipeline cells may run (:data:`PIPELINE_SCHEDULES`), its default first."""
+    short_steps: bool = False
+    """Runs an epoch's short last step (`epoch_end: short_step`): its loop asks the data plan how many
+    micro-steps each step has, instead of running GA of them."""
     checkpoints: bool = False
     """Writes and resumes checkpoints: a resume experiment's source (and a plain resume's target)."""
     dtypes: tuple[str, ...] = ALL_DTYPES
@@ -88,6 +91,7 @@ TRAINERS: dict[str, TrainerSpec] = {
             tensor_parallel=True,
             pipeline="gaeq.trainers.torch_pipeline",
             pipeline_schedules=("1f1b", "gpipe", "interleaved_1f1b"),
+            short_steps=True,
             checkpoints=True,
             dtypes=("fp32", "bf16", "fp16"),
         ),

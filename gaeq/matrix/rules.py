@@ -8,16 +8,20 @@ import importlib.util
 
 from gaeq.bugs import BUGS
 from gaeq.matrix.cell import DEFAULT_PIPELINE_SCHEDULE, Split
+from gaeq.matrix.parallel_rules import (
+    check_hsdp,
+    check_moe,
+    check_pipeline_parallel,
+    check_short_steps,
+    check_tensor_parallel,
+    grad_accum_of,
+    mixture_of_experts,
+    reaches_short_step,
+    where,
+)
 from gaeq.matrix.schema import TENSOR_METRICS, FaultSpec, MatrixError, MatrixSpec
 from gaeq.problem.spec import ProblemSpec
-from gaeq.registry import (
-    DEEPSPEED_TRAINERS,
-    INSTALL_HF,
-    PIPELINE_TRAINERS,
-    TENSOR_PARALLEL_TRAINERS,
-    TRAINERS,
-    dtypes_said,
-)
+from gaeq.registry import DEEPSPEED_TRAINERS, INSTALL_HF, TRAINERS, dtypes_said
 from gaeq.script.placeholders import PlaceholderError, check
 
 
@@ -26,6 +30,8 @@ def split_rules(split: Split, problem: ProblemSpec, spec: MatrixSpec) -> Split:
     split = deepspeed_axes(split)
     split = pipeline_axes(split)
     manual_accumulation(split, problem, spec)
+    if problem.epoch_end == "short_step":
+        check_short_steps(split, problem)
     if split.hsdp_replicas > 1:
         check_hsdp(split)
     if getattr(problem.model, "moe", None) is not None:
@@ -37,7 +43,7 @@ def split_rules(split: Split, problem: ProblemSpec, spec: MatrixSpec) -> Split:
         if tracked := [m for m in TENSOR_METRICS if m in spec.track]:
             raise MatrixError(
                 f"pipeline cells are compared by loss and grad norm; tracking {'/'.join(tracked)} (each stage's "
-                f"tensors gathered at the boundary) is not offered for them yet ({_where(split)})"
+                f"tensors gathered at the boundary) is not offered for them yet ({where(split)})"
             )
     ds_bf16_needs_zero(split)
     library_installed(split)
@@ -52,26 +58,22 @@ def split_rules(split: Split, problem: ProblemSpec, spec: MatrixSpec) -> Split:
     return split
 
 
-def _where(split: Split) -> str:
-    return f"the {split.trainer} cell w{split.world_size} mb{split.micro_batch_size}"
-
-
 def deepspeed_axes(split: Split) -> Split:
     """zero_stage and offload are DeepSpeed settings; a DeepSpeed cell without a stage is ZeRO-0."""
     deepspeed = split.trainer in DEEPSPEED_TRAINERS
     if not deepspeed and split.zero_stage is not None:
-        raise MatrixError(f"zero_stage is a DeepSpeed setting; {_where(split)} sets it")
+        raise MatrixError(f"zero_stage is a DeepSpeed setting; {where(split)} sets it")
     if deepspeed and split.zero_stage is None:
         split = dataclasses.replace(split, zero_stage=0)
     if not deepspeed and split.offload != "none":
-        raise MatrixError(f"offload is a DeepSpeed setting; {_where(split)} sets it")
+        raise MatrixError(f"offload is a DeepSpeed setting; {where(split)} sets it")
     return split
 
 
 def pipeline_axes(split: Split) -> Split:
     """pipeline_schedule is a pipeline setting; a pipeline cell without one runs 1F1B."""
     if split.pipeline_parallel == 1 and split.pipeline_schedule is not None:
-        raise MatrixError(f"pipeline_schedule is a pipeline setting; {_where(split)} has no pipeline_parallel")
+        raise MatrixError(f"pipeline_schedule is a pipeline setting; {where(split)} has no pipeline_parallel")
     if split.pipeline_parallel > 1 and split.pipeline_schedule is None:
         split = dataclasses.replace(split, pipeline_schedule=DEFAULT_PIPELINE_SCHEDULE)
     return split
@@ -82,55 +84,20 @@ def manual_accumulation(split: Split, problem: ProblemSpec, spec: MatrixSpec) ->
     if split.deepspeed_accumulation == "managed":
         return
     if split.trainer != "deepspeed":
-        raise MatrixError(f"deepspeed_accumulation is the deepspeed trainer's loop; {_where(split)} sets it")
+        raise MatrixError(f"deepspeed_accumulation is the deepspeed trainer's loop; {where(split)} sets it")
     if split.pipeline_parallel > 1:
-        raise MatrixError(f"a pipeline's engine runs its own micro-batches: no manual accumulation ({_where(split)})")
+        raise MatrixError(f"a pipeline's engine runs its own micro-batches: no manual accumulation ({where(split)})")
     if split.tensor_parallel > 1:
-        raise MatrixError(f"deepspeed_accumulation with tensor_parallel: not offered ({_where(split)})")
+        raise MatrixError(f"deepspeed_accumulation with tensor_parallel: not offered ({where(split)})")
     if split.deepspeed_accumulation == "manual_unmanaged" and split.zero_stage == 0 and "grads" in spec.track:
         raise MatrixError(
             f"unmanaged accumulation at ZeRO-0 reduces the gradients inside step(): tracking grads, read before it, "
-            f"is not offered ({_where(split)})"
+            f"is not offered ({where(split)})"
         )
     if problem.deepspeed_config is not None:
         raise MatrixError(
             f"deepspeed_accumulation {split.deepspeed_accumulation} writes GA 1 into gaeq's own config; a "
-            f"deepspeed_config's cells keep its accumulation ({_where(split)})"
-        )
-
-
-def mixture_of_experts(problem: ProblemSpec) -> bool:
-    """gaeq's GPT with `moe`, or a transformers model that adds its routers' balance loss."""
-    model = problem.model
-    return getattr(model, "moe", None) is not None or bool(getattr(model, "config", {}).get("output_router_logits"))
-
-
-MOE_TRAINERS = ("torch", "deepspeed")
-"""The loops that count a step's routing before its first backward (CellProblem.route_step)."""
-
-
-def check_moe(split: Split) -> None:
-    """A mixture of experts runs in the loops that add its balance loss per micro-batch and route ahead."""
-    if split.trainer not in MOE_TRAINERS:
-        raise MatrixError(
-            f"a mixture of experts' balance loss runs in the {', '.join(MOE_TRAINERS)} trainers, not {split.trainer}"
-        )
-    if split.tensor_parallel > 1 or split.pipeline_parallel > 1:
-        raise MatrixError(f"a mixture of experts with tensor or pipeline parallelism: not offered ({_where(split)})")
-
-
-def check_hsdp(split: Split) -> None:
-    """Hybrid sharding: the fsdp trainer's, replicas dividing the data-parallel ranks into shard groups."""
-    where = f"the {split.trainer} cell w{split.world_size} hsdp{split.hsdp_replicas} mb{split.micro_batch_size}"
-    if split.trainer != "fsdp":
-        raise MatrixError(f"hsdp_replicas is FSDP2's hybrid sharding: the fsdp trainer only ({where})")
-    if split.tensor_parallel > 1 or split.pipeline_parallel > 1:
-        raise MatrixError(f"hsdp_replicas with tensor or pipeline parallelism: not offered ({where})")
-    if split.world_size % split.hsdp_replicas:
-        raise MatrixError(f"world_size {split.world_size} is not divisible by hsdp_replicas {split.hsdp_replicas}")
-    if split.world_size == split.hsdp_replicas:
-        raise MatrixError(
-            f"hsdp_replicas {split.hsdp_replicas} = world_size leaves one rank per shard group: that is DDP ({where})"
+            f"deepspeed_config's cells keep its accumulation ({where(split)})"
         )
 
 
@@ -185,11 +152,11 @@ def script_rules(split: Split, problem: ProblemSpec, *, args: tuple[str, ...]) -
     """A script matrix's cells run its script, and only they take script arguments."""
     script = TRAINERS[split.trainer].script
     if problem.script is not None and not script:
-        raise MatrixError(f"a script matrix runs its script in every cell; {_where(split)} names another trainer")
+        raise MatrixError(f"a script matrix runs its script in every cell; {where(split)} names another trainer")
     if problem.script is None and script:
         raise MatrixError("trainer script runs a script matrix (script: at the matrix's top level)")
     if args and not script:
-        raise MatrixError(f"args are a script cell's; {_where(split)} trains gaeq's own loop")
+        raise MatrixError(f"args are a script cell's; {where(split)} trains gaeq's own loop")
     for arg in args:
         try:
             check(arg)
@@ -217,6 +184,13 @@ def bug_rules(bug: str, split: Split, problem: ProblemSpec) -> None:
             f"bug {bug!r} exists only in a mixture of experts (model.moe, or a transformers model with "
             "output_router_logits: true)"
         )
+    if planted.packed and not getattr(problem.data, "packed", False):
+        raise MatrixError(f"bug {bug!r} exists only in packed token data (data: {{kind: tokens, packed: true}})")
+    if planted.short_step and not reaches_short_step(problem):
+        raise MatrixError(
+            f"bug {bug!r} exists only at an epoch's short last step: epoch_end short_step, data.num_samples not a "
+            f"multiple of train_batch_size {problem.train_batch_size}, and steps reaching an epoch's end"
+        )
     if split.hsdp_replicas < planted.min_hsdp_replicas:
         raise MatrixError(
             f"bug {bug!r} needs hsdp_replicas ≥ {planted.min_hsdp_replicas}, the cell has {split.hsdp_replicas}"
@@ -233,7 +207,7 @@ def bug_rules(bug: str, split: Split, problem: ProblemSpec) -> None:
         )
     if planted.loss is not None and problem.loss != planted.loss:
         raise MatrixError(f"bug {bug!r} exists only with loss {planted.loss}, not {problem.loss!r}")
-    if planted.pipeline_calls > 1 and (micro_batches := _micro_batches(split, problem)):
+    if planted.pipeline_calls > 1 and (micro_batches := grad_accum_of(split, problem)):
         from gaeq.problem.stages import schedule_problem
 
         per_call, left = divmod(micro_batches, planted.pipeline_calls)
@@ -281,67 +255,6 @@ def check_precision(precision: str, dtype: str) -> None:
             f"deepspeed_config enables {section} ({section}.enabled: true): its DeepSpeed cells are {precision}, "
             f"not {dtype} — set dtype: {precision} (with a DeepSpeed baseline)"
         )
-
-
-def model_parallel_fits(split: Split, axis: str, trainers: frozenset[str], where: str) -> None:
-    """A model-parallel `axis` (tensor_parallel, pipeline_parallel) in a trainer that has it, its groups
-    (with the other axis's) fitting the world."""
-    if split.trainer not in trainers:
-        raise MatrixError(f"{axis} runs in the {', '.join(sorted(trainers))} trainers, not {split.trainer} ({where})")
-    if split.world_size % (split.tensor_parallel * split.pipeline_parallel):
-        other = "pipeline_parallel" if axis == "tensor_parallel" else "tensor_parallel"
-        said = f"{axis} {getattr(split, axis)}" + (f" × {other} {n}" if (n := getattr(split, other)) > 1 else "")
-        raise MatrixError(f"world_size {split.world_size} is not divisible by {said} ({where})")
-
-
-def check_tensor_parallel(split: Split, problem: ProblemSpec) -> None:
-    """A tensor-parallel split that can run exactly as labelled — else bad input, naming the numbers."""
-    from gaeq.problem.tp import plan_problem
-
-    where = f"the {split.trainer} cell w{split.world_size} tp{split.tensor_parallel} mb{split.micro_batch_size}"
-    model_parallel_fits(split, "tensor_parallel", TENSOR_PARALLEL_TRAINERS, where)
-    if split.dtype not in ("fp32", "bf16"):
-        raise MatrixError(
-            f"tensor-parallel cells run fp32 and bf16 (autocast over fp32 weights), not {split.dtype} ({where})"
-        )
-    if split.trainer == "deepspeed" and (problem.deepspeed_config is not None or split.offload != "none"):
-        raise MatrixError(f"DeepSpeed AutoTP cells run gaeq's own DeepSpeed config, without offload ({where})")
-    if why := plan_problem(problem, split.tensor_parallel):
-        raise MatrixError(f"tensor_parallel {split.tensor_parallel}: {why}")
-
-
-def check_pipeline_parallel(split: Split, problem: ProblemSpec) -> None:
-    """A pipeline split that can run exactly as labelled — else bad input, naming the numbers."""
-    from gaeq.problem.stages import schedule_problem, stages_per_rank, stages_problem
-
-    pp, schedule = split.pipeline_parallel, split.pipeline_schedule
-    where = f"the {split.trainer} cell w{split.world_size} pp{pp} {schedule} mb{split.micro_batch_size}"
-    model_parallel_fits(split, "pipeline_parallel", PIPELINE_TRAINERS, where)
-    if schedule not in (offered := TRAINERS[split.trainer].pipeline_schedules):
-        raise MatrixError(f"the {split.trainer} trainer's pipelines run {', '.join(offered)}, not {schedule} ({where})")
-    if split.dtype != "fp32":
-        raise MatrixError(f"pipeline cells run fp32, not {split.dtype} ({where})")
-    if split.tensor_parallel > 1 and split.trainer != "torch":
-        raise MatrixError(f"pipeline_parallel with tensor_parallel: the torch trainer only ({where})")
-    micro_batches = _micro_batches(split, problem)  # (None: an indivisible batch, said by the cell)
-    if micro_batches and (why := schedule_problem(schedule, pipeline_parallel=pp, micro_batches=micro_batches)):
-        raise MatrixError(f"{why} ({where})")
-    if split.trainer == "deepspeed":
-        if split.zero_stage > 1:
-            raise MatrixError(
-                f"DeepSpeed's pipeline engine runs ZeRO 0 and 1 (it refuses stage {split.zero_stage}) ({where})"
-            )
-        if problem.deepspeed_config is not None or split.offload != "none":
-            raise MatrixError(f"DeepSpeed pipeline cells run gaeq's own DeepSpeed config, without offload ({where})")
-    if why := stages_problem(problem, pp * stages_per_rank(schedule)):
-        raise MatrixError(f"pipeline_parallel {pp} ({schedule}): {why}")
-
-
-def _micro_batches(split: Split, problem: ProblemSpec) -> int | None:
-    """The split's GA (a pipeline's micro-batches per step), or None where the batch does not divide."""
-    data_parallel = split.world_size // (split.pipeline_parallel * split.tensor_parallel)
-    micro_batches, left = divmod(problem.train_batch_size, split.micro_batch_size * data_parallel)
-    return None if left else micro_batches
 
 
 def check_hf_trainer(problem: ProblemSpec, spec: MatrixSpec) -> None:

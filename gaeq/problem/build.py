@@ -42,6 +42,8 @@ class BuiltProblem:
     model: torch.nn.Module
     loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
     """The loss sum of a micro-batch from the model's outputs; None for ``loss: hf`` (the model's own)."""
+    per_sample: bool = False
+    """Each sample counts as one loss element whatever the dataset's count (a loss_sum of per-sample means)."""
 
     def micro_loss(
         self,
@@ -60,11 +62,15 @@ class BuiltProblem:
         return self.loss_sum(hf.logits(net(inputs)), targets) / num_items
 
     def loss_elements(self, index: int) -> int:
+        if self.per_sample:
+            return 1
         counter = getattr(self.dataset, "loss_elements", None)
         return 1 if counter is None else int(counter(index))
 
     def total_loss_elements(self, indices) -> int:
         """Loss elements of many samples (a dataset may answer in one call)."""
+        if self.per_sample:
+            return len(indices)
         total = getattr(self.dataset, "total_loss_elements", None)
         if total is not None:
             return int(total(indices))

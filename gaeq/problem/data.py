@@ -7,6 +7,9 @@ so samples are addressed by global position, never by "the next batch of a loade
     micro-step k, rank r gets  = that batch[(k*world + r)*micro : (k*world + r + 1)*micro]
     grad_accum_steps           = B // (micro * world)          derived, never chosen
 
+(With ``epoch_end: short_step`` a finite dataset's epoch ends with a step of its own, holding the
+samples left in fewer micro-steps — :meth:`BatchPlan.step_positions`.)
+
 A position maps to a sample index (itself for an endless stream, or a seeded permutation per
 epoch for a finite dataset), and a sample is a pure function of (seed, index).
 """
@@ -21,7 +24,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from gaeq.problem.spec import RegressionSpec, TokensSpec, indivisible_message
+from gaeq.problem.spec import RegressionSpec, TokensSpec, indivisible_message, short_step_message
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,6 +35,9 @@ class BatchPlan:
     """Ranks that see different samples (the world ÷ tensor parallel): a step's batch is split over them."""
     num_samples: int | None = None
     """Finite dataset size (positions walk a per-epoch permutation), or None for an endless stream."""
+    short_steps: bool = False
+    """A finite dataset's epoch ends with a step of its own, holding the samples left (num_samples mod
+    train_batch_size) in fewer micro-steps; False: a step's batch runs on into the next epoch."""
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -46,19 +52,45 @@ class BatchPlan:
                     world_size=self.data_parallel,
                 )
             )
+        if self.short_steps:
+            if self.num_samples is None:
+                raise ValueError("short last steps end a finite dataset's epoch: data.num_samples is needed")
+            message = short_step_message(
+                num_samples=self.num_samples,
+                train_batch_size=self.train_batch_size,
+                micro_batch_size=self.micro_batch_size,
+                data_parallel=self.data_parallel,
+            )
+            if message:
+                raise ValueError(message)
 
     @property
     def grad_accum_steps(self) -> int:
+        """Micro-steps of a full step."""
         return self.train_batch_size // (self.micro_batch_size * self.data_parallel)
+
+    def step_positions(self, step: int) -> range:
+        """Global positions of `step`'s batch: train_batch_size of them, but an epoch's short last step."""
+        if not self.short_steps:
+            return range(step * self.train_batch_size, (step + 1) * self.train_batch_size)
+        epoch, within = divmod(step, -(-self.num_samples // self.train_batch_size))
+        start = epoch * self.num_samples + within * self.train_batch_size
+        return range(start, min(start + self.train_batch_size, (epoch + 1) * self.num_samples))
+
+    def micro_steps(self, step: int) -> int:
+        """Micro-steps of `step`: GA, or fewer at an epoch's short last step (its last micro-batch
+        may be short too, on one data-parallel rank)."""
+        return -(-len(self.step_positions(step)) // (self.micro_batch_size * self.data_parallel))
 
     def positions(self, *, step: int, micro_step: int, rank: int) -> range:
         """Global positions of the micro-batch that data-parallel `rank` processes at (`step`, `micro_step`)."""
-        if not 0 <= micro_step < self.grad_accum_steps:
-            raise ValueError(f"micro_step {micro_step} outside [0, {self.grad_accum_steps})")
+        if not 0 <= micro_step < self.micro_steps(step):
+            raise ValueError(f"micro_step {micro_step} outside [0, {self.micro_steps(step)})")
         if not 0 <= rank < self.data_parallel:
             raise ValueError(f"rank {rank} outside [0, {self.data_parallel})")
-        start = step * self.train_batch_size + (micro_step * self.data_parallel + rank) * self.micro_batch_size
-        return range(start, start + self.micro_batch_size)
+        batch = self.step_positions(step)
+        start = batch.start + (micro_step * self.data_parallel + rank) * self.micro_batch_size
+        return range(start, min(start + self.micro_batch_size, batch.stop))
 
     def sample_indices(self, *, step: int, micro_step: int, rank: int) -> list[int]:
         return self.samples_at(self.positions(step=step, micro_step=micro_step, rank=rank))
@@ -166,6 +198,8 @@ class TokenData:
     Sample ``i`` has ``L_i`` tokens (min_len ≤ L_i ≤ seq_len + 1); inputs are tokens[:-1], labels
     tokens[1:], both right-padded to ``seq_len`` (labels with IGNORE_INDEX). Causal attention means
     padding never influences a valid position, so ``L_i - 1`` tokens count toward the loss.
+    Packed (TokensSpec.packed), a row holds several documents end to end and each document's last
+    token predicts nothing: a pack of k documents and L_i tokens has ``L_i - k`` targets.
     """
 
     def __init__(self, spec: TokensSpec, *, seed: int) -> None:
@@ -174,13 +208,28 @@ class TokenData:
         self.seq_len = spec.seq_len
         self.min_len = spec.min_len
         self.masked_every = spec.masked_every
+        self.packed = spec.packed
         logits = 2.5 * np.random.default_rng([seed, 0x70CE]).standard_normal((spec.vocab_size, spec.vocab_size))
         probs = np.exp(logits - logits.max(axis=1, keepdims=True))
         self._cumulative = np.cumsum(probs / probs.sum(axis=1, keepdims=True), axis=1)
 
     def lengths(self, indices: Sequence[int]) -> np.ndarray:
+        """Tokens of each sample's row (before the shift by one): a sequence's length, or a pack's
+        documents laid end to end."""
+        if self.packed:
+            return self.documents(indices).sum(axis=1)
         u = hashed_uniform(self.seed, 3, np.asarray(indices, dtype=np.uint64), 1)[:, 0]
         return self.min_len + np.floor(u * (self.seq_len + 2 - self.min_len)).astype(np.int64)
+
+    def documents(self, indices: Sequence[int]) -> np.ndarray:
+        """Packed data: the lengths of each pack's documents, one row per index, zero past its last
+        document (the first that would not fit in seq_len + 1 tokens ends the pack)."""
+        longest = max(self.min_len, (self.seq_len + 1) // 2)
+        most = (self.seq_len + 1) // self.min_len
+        u = hashed_uniform(self.seed, 5, np.asarray(indices, dtype=np.uint64), most)
+        lengths = self.min_len + np.floor(u * (longest + 1 - self.min_len)).astype(np.int64)
+        fits = np.cumsum(lengths, axis=1) <= self.seq_len + 1
+        return lengths * np.cumprod(fits, axis=1)
 
     def length(self, index: int) -> int:
         return int(self.lengths([index])[0])
@@ -196,11 +245,13 @@ class TokenData:
         return self.total_loss_elements([index])
 
     def total_loss_elements(self, indices: Sequence[int]) -> int:
-        return int(((self.lengths(indices) - 1) * ~self.masked(indices)).sum())
+        # a sequence of n tokens has n - 1 targets; a pack, one fewer per document
+        targets = self.lengths(indices) - ((self.documents(indices) > 0).sum(axis=1) if self.packed else 1)
+        return int((targets * ~self.masked(indices)).sum())
 
-    def tokens(self, indices: Sequence[int]) -> np.ndarray:
+    def tokens(self, indices: Sequence[int], *, stream: int = 4) -> np.ndarray:
         """Full-length Markov walks, one row per index (row i is then cut at its length)."""
-        u = hashed_uniform(self.seed, 4, np.asarray(indices, dtype=np.uint64), self.seq_len + 1)
+        u = hashed_uniform(self.seed, stream, np.asarray(indices, dtype=np.uint64), self.seq_len + 1)
         out = np.empty(u.shape, dtype=np.int64)
         out[:, 0] = np.minimum((u[:, 0] * self.vocab_size).astype(np.int64), self.vocab_size - 1)
         for t in range(1, u.shape[1]):
@@ -208,13 +259,34 @@ class TokenData:
             out[:, t] = np.minimum((cumulative < u[:, t : t + 1]).sum(axis=1), self.vocab_size - 1)
         return out
 
+    def rows(self, indices: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Each sample's tokens (seq_len + 1 per row, valid up to its length) and whether each token
+        starts a document (a pack's documents are walks of their own; a sequence is one document)."""
+        if not self.packed:
+            starts = np.zeros((len(indices), self.seq_len + 1), dtype=bool)
+            starts[:, 0] = True
+            return self.tokens(indices), starts
+        documents = self.documents(indices)
+        most = documents.shape[1]
+        keys = np.asarray(indices, dtype=np.int64)[:, None] * most + np.arange(most)  # one walk per document
+        walks = self.tokens(keys.ravel(), stream=6).reshape(len(indices), most, -1)
+        rows = np.zeros((len(indices), self.seq_len + 1), dtype=np.int64)
+        starts = np.zeros(rows.shape, dtype=bool)
+        for row, lengths in enumerate(documents):
+            at = 0
+            for document, n in enumerate(lengths[lengths > 0]):
+                rows[row, at : at + n] = walks[row, document, :n]
+                starts[row, at] = True
+                at += n
+        return rows, starts
+
     def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         lengths = self.lengths(indices)
-        walks = self.tokens(indices)
+        walks, starts = self.rows(indices)
         inputs = np.zeros((len(indices), self.seq_len), dtype=np.int64)
         labels = np.full((len(indices), self.seq_len), IGNORE_INDEX, dtype=np.int64)
         for row, (n, masked) in enumerate(zip(lengths, self.masked(indices))):
             inputs[row, : n - 1] = walks[row, : n - 1]
             if not masked:
-                labels[row, : n - 1] = walks[row, 1:n]
+                labels[row, : n - 1] = np.where(starts[row, 1:n], IGNORE_INDEX, walks[row, 1:n])  # not across documents
         return torch.from_numpy(inputs), torch.from_numpy(labels)

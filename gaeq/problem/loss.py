@@ -29,6 +29,15 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
 LOSSES = {"mse": mse_sum, "cross_entropy": cross_entropy_sum}
 
 
+def cross_entropy_row_means(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum over rows of each row's mean cross-entropy over its valid tokens: a row (a pack) weighs
+    the same whatever its token count — the reduction of the planted bug packed_sequences_weighted_per_pack."""
+    per_token = F.cross_entropy(
+        logits.float().transpose(1, -1), labels, ignore_index=IGNORE_INDEX, reduction="none"
+    )  # (rows, seq_len)
+    return (per_token.sum(dim=1) / (labels != IGNORE_INDEX).sum(dim=1).clamp(min=1)).sum()
+
+
 def mean_of_means_count(*, micro_elements: int, grad_accum_steps: int, data_parallel: int) -> int:
     """The count the planted bug ``mean_of_means`` divides by: as if every micro-batch of the global
     batch held this one's elements. Each micro-batch then weighs the same, whatever its element

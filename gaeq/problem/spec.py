@@ -82,6 +82,12 @@ class TokensSpec(Spec):
         description="Every n-th sample (by index) has no valid label — a prompt masked out, a sequence over the "
         "length limit: nothing to learn from, and a micro-batch of such samples is empty. None: none.",
     )
+    packed: bool = Field(
+        False,
+        description="Each sample a pack, as packed training feeds a model: documents (Markov walks of their own "
+        "lengths, min_len to (seq_len + 1) // 2 tokens) laid end to end until the next does not fit, the rest "
+        "padded; a target that would cross into the next document is ignored. Valid tokens differ from pack to pack.",
+    )
     num_samples: PositiveInt | None = _NUM_SAMPLES
 
     @model_validator(mode="after")
@@ -277,6 +283,13 @@ class ProblemSpec(Spec):
     seed: int = Field(0, ge=0, description="Seeds the model init and every sample (sample = f(seed, index)).")
     dtype: Dtype = Field("fp32", description="Compute dtype when the axes do not list dtypes.")
     train_batch_size: Samples = Field(description="Global batch B: samples per optimizer step, fixed for all cells.")
+    epoch_end: Literal["run_on", "short_step"] = Field(
+        "run_on",
+        description="How a finite dataset's epoch (data.num_samples) ends. run_on: a step's batch runs on into the "
+        "next epoch, so every step holds train_batch_size samples; short_step: as a DataLoader's epoch ends, with "
+        "a step of its own holding the num_samples mod train_batch_size samples left, in fewer micro-steps — "
+        "each of them still a share of that step's own samples (the trainers that run it: the registry's short_steps).",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ProblemSpec:
@@ -300,6 +313,19 @@ class ProblemSpec(Spec):
                 raise ValueError(f"model {kind} trains on data kind {want_data}, got {data_kind or 'a plugin'}")
             if self.loss not in want_loss:
                 raise ValueError(f"model {kind} needs loss {' or '.join(want_loss)}, got {self.loss!r}")
+        return self
+
+    @model_validator(mode="after")
+    def _check_epoch_end(self) -> ProblemSpec:
+        if self.epoch_end == "run_on":
+            return self
+        if self.num_samples is None:
+            raise ValueError("epoch_end short_step ends a finite dataset's epoch: set data.num_samples")
+        if self.num_samples <= self.train_batch_size:
+            raise ValueError(
+                f"epoch_end short_step: data.num_samples {self.num_samples} must exceed train_batch_size "
+                f"{self.train_batch_size} (an epoch of one step never holds a full global batch)"
+            )
         return self
 
     @model_validator(mode="after")
@@ -334,4 +360,17 @@ def indivisible_message(*, train_batch_size: int, micro_batch_size: int, world_s
     return (
         f"train_batch_size {train_batch_size} is not divisible by "
         f"micro_batch_size {micro_batch_size} × world_size {world_size}"
+    )
+
+
+def short_step_message(*, num_samples: int, train_batch_size: int, micro_batch_size: int, data_parallel: int) -> str:
+    """Why an epoch's short last step (epoch_end short_step) cannot be split so; '' if it can: a rank's
+    last micro-batch may be short, but every data-parallel rank must run as many micro-steps, none empty."""
+    left = num_samples % train_batch_size
+    if data_parallel == 1 or left % (micro_batch_size * data_parallel) == 0:
+        return ""
+    return (
+        f"an epoch's last step holds num_samples {num_samples} mod train_batch_size {train_batch_size} = {left} "
+        f"samples: not divisible by micro_batch_size {micro_batch_size} × data-parallel ranks {data_parallel} "
+        "(every rank must run as many micro-steps, none of them empty)"
     )

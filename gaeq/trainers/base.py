@@ -7,6 +7,7 @@ modules differ only where accumulation really differs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -21,7 +22,7 @@ from gaeq.matrix import Cell
 from gaeq.problem.build import BuiltProblem, build_problem
 from gaeq.problem.data import BatchPlan
 from gaeq.problem.hf import dropouts
-from gaeq.problem.loss import mean_of_means_count
+from gaeq.problem.loss import cross_entropy_row_means, mean_of_means_count
 from gaeq.problem.models import sample_keys
 from gaeq.problem.moe import Balance, moe_layers
 from gaeq.problem.spec import ProblemSpec
@@ -130,8 +131,7 @@ class CellProblem:
     def normaliser(self, step: int) -> int:
         """Loss elements in the whole global batch of `step` (samples, or valid tokens): the
         denominator of the step's loss, known before any forward pass."""
-        positions = range(step * self.plan.train_batch_size, (step + 1) * self.plan.train_batch_size)
-        return self.built.total_loss_elements(self.plan.samples_at(positions))
+        return self.built.total_loss_elements(self.plan.samples_at(self.plan.step_positions(step)))
 
     @property
     def data_parallel(self) -> int:
@@ -169,9 +169,12 @@ def build_cell_problem(cell: Cell, problem: ProblemSpec, ctx: RunContext) -> Cel
         micro_batch_size=cell.micro_batch_size,
         data_parallel=cell.data_parallel,
         num_samples=problem.num_samples,
+        short_steps=problem.epoch_end == "short_step",
         seed=problem.seed,
     )
     built = build_problem(problem)
+    if cell.bug == Bug.PACKED_SEQUENCES_WEIGHTED_PER_PACK:  # planted bug: each pack's mean, the packs averaged
+        built = dataclasses.replace(built, loss_sum=cross_entropy_row_means, per_sample=True)
     layers = moe_layers(built.model)
     share = balance_share(cell, plan)
     return CellProblem(
@@ -259,7 +262,9 @@ class StepRecorder:
         lr: float,
         seconds: float,
         skipped: bool = False,
+        samples: int | None = None,
     ) -> None:
+        """`samples`: trained through this step (None: step + 1 full global batches)."""
         # float64 end to end: the comparison must not be limited by the logging precision.
         comm_bytes = self.comm.take()
         p2p_bytes, computing, span = self.pipeline.take()
@@ -286,7 +291,7 @@ class StepRecorder:
                 loss=loss_sum / normaliser,
                 grad_norm=float(grad_norm),
                 lr=float(lr),
-                samples=(step + 1) * self.cell.train_batch_size,
+                samples=(step + 1) * self.cell.train_batch_size if samples is None else samples,
                 seconds=seconds,
                 skipped=skipped,
                 comm_bytes=comm_bytes,

@@ -102,13 +102,16 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         normaliser = task.normaliser(step)  # loss elements (samples or valid tokens) in the global batch
         local_loss_sum = 0.0  # this rank's part of the global loss sum, float64 on the host
         task.route_step(net, step)  # a mixture of experts balanced globally: the step's routing, counted ahead
-        for micro_step in range(plan.grad_accum_steps):
+        micro_steps = plan.micro_steps(step)  # GA; fewer at an epoch's short last step (epoch_end: short_step)
+        for micro_step in range(micro_steps):
             mb = task.micro_batch(step=step, micro_step=micro_step)
-            boundary = micro_step == plan.grad_accum_steps - 1
+            boundary = micro_step == micro_steps - 1
             # ACCUMULATION: gradients are all-reduced only on the boundary micro-step; before it,
             # no_sync() lets them pile up locally in .grad (with tensor parallelism: see below).
             sync = contextlib.nullcontext() if ddp is None or boundary else ddp.no_sync()
             num_items = task.num_items(cell, mb, normaliser=normaliser)  # what the loss sum is divided by
+            if cell.bug == Bug.PARTIAL_LAST_WINDOW:  # planted bug: ÷ GA, even where the epoch's last window is short
+                num_items = num_items * plan.grad_accum_steps / micro_steps
             with sync:
                 with ran.forward(mb.inputs), task.forwarding(mb):
                     micro_loss = task.micro_loss(net, mb, num_items=num_items)
@@ -161,6 +164,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
             lr=lr,
             seconds=time.perf_counter() - started,
             skipped=skipped,
+            samples=plan.step_positions(step).stop,
         )
         if step + 1 in cell.save_at:
             save_torch(model, optimizer, scheduler, run_dir=ctx.run_dir, cell_id=cell.id, step=step + 1, rank=ctx.rank)

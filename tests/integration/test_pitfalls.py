@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from gaeq.results.trace import read_trace
 from tests.helpers import cells_by_id
 from tests.processes import leftovers
 
@@ -11,7 +12,7 @@ pytestmark = pytest.mark.integration
 
 
 def test_every_planted_bug_is_caught_and_every_twin_matches(pitfalls_run):
-    proc, report, tag, _ = pitfalls_run
+    proc, report, tag, out = pitfalls_run
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert report["ok"] is True
     cells = cells_by_id(report)
@@ -33,6 +34,15 @@ def test_every_planted_bug_is_caught_and_every_twin_matches(pitfalls_run):
     caught("torch-w2-mb4-ga4-bug_tokens_all_reduced_then_ddp_averaged@gpt", grad_norm=0, loss=None)
     # empty micro-batches counted (NeMo-RL#212): a quarter of them empty, the norm a quarter short, the loss unmoved
     caught("torch-w1-mb1-ga32-bug_empty_micro_batch_counted@masked", grad_norm=0, loss=None)
+    # packs weighted equally (ms-swift#10144): wrong at any split, the step-0 loss off by 3e-4 of itself only
+    caught("torch-w1-mb4-ga8-bug_packed_sequences_weighted_per_pack@packed", grad_norm=0, loss=0)
+    # the epoch's short last window still ÷ GA (Lightning#19987): at the first epoch's end (step 3), its norm × 3/4
+    caught("torch-w2-mb4-ga4-bug_partial_last_window@epochs", grad_norm=3, loss=4)
+    short, twin = (
+        [r.grad_norm for r in read_trace(out / "cells" / f"torch-w2-mb4-ga4{bug}@epochs")]
+        for bug in ("-bug_partial_last_window", "")
+    )
+    assert short[:3] == pytest.approx(twin[:3], rel=1e-6) and short[3] / twin[3] == pytest.approx(3 / 4, rel=1e-6)
     caught("torch-w1-mb8-ga4@batchnorm", loss=0)
     caught("deepspeed-z1-w2-mb4-ga4@batchnorm", loss=0)
     caught("torch-w1-mb8-ga4@dropout_global", loss=0)
@@ -53,6 +63,8 @@ def test_every_planted_bug_is_caught_and_every_twin_matches(pitfalls_run):
         "deepspeed-z2-w2-mb4-ga4@gpt",
         "torch-w2-mb4-ga4@gpt",
         "torch-w1-mb1-ga32@masked",
+        "torch-w1-mb4-ga8@packed",
+        "torch-w2-mb4-ga4@epochs",
         "torch-w1-mb8-ga4@layernorm",
         "deepspeed-z1-w2-mb4-ga4@layernorm",
         "torch-w1-mb8-ga4@dropout_indexed",

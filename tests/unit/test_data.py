@@ -94,3 +94,67 @@ def test_masked_samples_have_no_valid_label_and_count_nothing():
     assert masked == [3, 7]  # every fourth sample, by index
     assert [data.loss_elements(i) for i in range(8)] == [8, 8, 8, 0, 8, 8, 8, 0]
     assert data.total_loss_elements(range(8)) == 48
+
+
+def test_packs_hold_whole_documents_and_no_target_crosses_into_the_next():
+    from gaeq.problem.data import IGNORE_INDEX, TokenData
+    from gaeq.problem.spec import TokensSpec
+
+    data = TokenData(TokensSpec(vocab_size=16, seq_len=24, min_len=3, packed=True), seed=0)
+    inputs, labels = data.batch(list(range(32)))
+    documents = data.documents(range(32))
+    rows, starts = data.rows(range(32))
+    assert ((documents > 0).sum(axis=1) >= 2).all()  # several documents per pack
+    assert (documents.sum(axis=1) <= 25).all()  # each fits in seq_len + 1 tokens
+    counts = (labels != IGNORE_INDEX).sum(dim=1).tolist()
+    assert counts == [data.loss_elements(i) for i in range(32)]  # a pack of k documents: its tokens − k targets
+    assert counts == (documents.sum(axis=1) - (documents > 0).sum(axis=1)).tolist()
+    assert len(set(counts)) > 3  # packs differ in their valid tokens (what makes per-pack weighting wrong)
+    for row in range(32):
+        valid = labels[row] != IGNORE_INDEX
+        assert (labels[row][valid] == torch.from_numpy(rows[row, 1:])[valid]).all()  # the next token …
+        assert not torch.from_numpy(starts[row, 1:])[valid].any()  # … never the first of the next document
+    again_inputs, again_labels = data.batch([5])  # a pack is a pure function of (seed, index)
+    assert torch.equal(again_inputs[0], inputs[5]) and torch.equal(again_labels[0], labels[5])
+
+
+def test_a_short_step_ends_each_epoch_and_every_split_sees_its_samples_once():
+    """epoch_end short_step: 120 samples in steps of 32 → 32, 32, 32, 24 per epoch, each epoch's
+    samples seen once, the last step in fewer micro-steps (a rank's last micro-batch may be short)."""
+    for micro, world in [(32, 1), (4, 1), (5, 1), (4, 2), (2, 4), (3, 2)]:
+        if 32 % (micro * world):
+            continue
+        plan = BatchPlan(
+            train_batch_size=32, micro_batch_size=micro, data_parallel=world, num_samples=120, short_steps=True, seed=1
+        )
+        for epoch in range(2):
+            seen = []
+            for step in range(4 * epoch, 4 * epoch + 4):
+                full = step % 4 != 3
+                assert plan.micro_steps(step) == (plan.grad_accum_steps if full else -(-24 // (micro * world)))
+                assert len(plan.step_positions(step)) == (32 if full else 24)
+                batches = [
+                    plan.sample_indices(step=step, micro_step=k, rank=r)
+                    for k in range(plan.micro_steps(step))
+                    for r in range(world)
+                ]
+                assert all(batches)  # no rank ever gets an empty micro-batch
+                seen += [i for batch in batches for i in batch]
+            assert sorted(seen) == list(range(120))
+
+
+def test_a_short_step_that_cannot_split_evenly_over_ranks_is_refused_with_numbers():
+    with pytest.raises(ValueError, match=r"120 mod train_batch_size 32 = 24 samples: not divisible by .* 16 × .* 2"):
+        BatchPlan(train_batch_size=32, micro_batch_size=16, data_parallel=2, num_samples=120, short_steps=True)
+    BatchPlan(train_batch_size=32, micro_batch_size=16, data_parallel=1, num_samples=120, short_steps=True)  # short
+
+
+def test_per_pack_means_weigh_tokens_by_their_pack():
+    """The planted bug's reduction: the token mean when every pack has as many targets, not otherwise."""
+    from gaeq.problem.loss import cross_entropy_row_means, cross_entropy_sum
+
+    logits = torch.randn(2, 6, 5, generator=torch.Generator().manual_seed(0))
+    labels = torch.tensor([[1, 2, 3, -100, -100, -100], [4, 0, 1, 2, -100, -100]])
+    equal = torch.tensor([[1, 2, 3, -100, -100, -100], [4, 0, 1, -100, -100, -100]])
+    torch.testing.assert_close(cross_entropy_row_means(logits, equal) / 2, cross_entropy_sum(logits, equal) / 6)
+    assert abs(cross_entropy_row_means(logits, labels) / 2 - cross_entropy_sum(logits, labels) / 7) > 1e-3

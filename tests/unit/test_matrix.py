@@ -230,3 +230,48 @@ def test_the_optimizer_partition_alone_decides_at_the_threshold(write_matrix, mo
     monkeypatch.setattr("gaeq.accelerator.nvme_unsupported_reason", lambda: None)
     cell = mlp_nvme_matrix(write_matrix, hidden=hidden, depth=3, worlds=[2])[2]
     assert (cell.skip_reason is None) == swaps, cell.skip_reason
+
+
+def epochs_spec(*cells: dict, num_samples: int | None = 40, steps: int = 12, **problem) -> dict:
+    spec = small_spec(axes=None, cells=list(cells))
+    spec["problem"]["data"]["num_samples"] = num_samples
+    spec["problem"].update(epoch_end="short_step", steps=steps, **problem)
+    return spec
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (
+            epochs_spec({"trainer": "deepspeed", "micro_batch_size": 4}),
+            "epoch_end short_step runs in the torch trainer, not deepspeed",
+        ),
+        (epochs_spec({"trainer": "torch", "world_size": 2, "micro_batch_size": 8}), "40 mod train_batch_size 16 = 8"),
+        (epochs_spec({"trainer": "torch", "micro_batch_size": 4}, num_samples=None), "set data.num_samples"),
+        (epochs_spec({"trainer": "torch", "micro_batch_size": 4}, num_samples=16), "must exceed train_batch_size 16"),
+        (
+            epochs_spec(
+                {"trainer": "torch", "micro_batch_size": 4, "bug": "partial_last_window"},
+                steps=2,
+                schedule={"name": "constant"},
+            ),
+            "exists only at an epoch's short last step",  # 40 samples: the short step is step 2, never reached
+        ),
+        (
+            small_spec(
+                cells=[{"trainer": "torch", "micro_batch_size": 4, "bug": "packed_sequences_weighted_per_pack"}]
+            ),
+            "exists only in packed token data",
+        ),
+    ],
+)
+def test_where_short_steps_and_their_bugs_are_bad_input(write_matrix, spec, message):
+    with pytest.raises((MatrixError, ValueError), match=message):
+        load_matrix(write_matrix(spec))
+
+
+def test_the_partial_window_bug_needs_the_run_to_reach_a_short_step(write_matrix):
+    matrix = load_matrix(
+        write_matrix(epochs_spec({"trainer": "torch", "micro_batch_size": 4, "bug": "partial_last_window"}, steps=3))
+    )
+    assert matrix.cells[-1].bug == "partial_last_window"

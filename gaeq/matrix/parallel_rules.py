@@ -1,0 +1,134 @@
+"""The rules of cells whose model or batch is laid out beyond plain data parallelism: tensor and
+pipeline parallelism, hybrid sharding, a mixture of experts, an epoch's short last step — each a
+small named function that raises :class:`MatrixError` naming the numbers (`split_rules` asks them)."""
+
+from __future__ import annotations
+
+from gaeq.matrix.cell import Split
+from gaeq.matrix.schema import MatrixError
+from gaeq.problem.spec import ProblemSpec, short_step_message
+from gaeq.registry import PIPELINE_TRAINERS, TENSOR_PARALLEL_TRAINERS, TRAINERS
+
+
+def where(split: Split) -> str:
+    return f"the {split.trainer} cell w{split.world_size} mb{split.micro_batch_size}"
+
+
+def mixture_of_experts(problem: ProblemSpec) -> bool:
+    """gaeq's GPT with `moe`, or a transformers model that adds its routers' balance loss."""
+    model = problem.model
+    return getattr(model, "moe", None) is not None or bool(getattr(model, "config", {}).get("output_router_logits"))
+
+
+MOE_TRAINERS = ("torch", "deepspeed")
+"""The loops that count a step's routing before its first backward (CellProblem.route_step)."""
+
+
+def check_moe(split: Split) -> None:
+    """A mixture of experts runs in the loops that add its balance loss per micro-batch and route ahead."""
+    if split.trainer not in MOE_TRAINERS:
+        raise MatrixError(
+            f"a mixture of experts' balance loss runs in the {', '.join(MOE_TRAINERS)} trainers, not {split.trainer}"
+        )
+    if split.tensor_parallel > 1 or split.pipeline_parallel > 1:
+        raise MatrixError(f"a mixture of experts with tensor or pipeline parallelism: not offered ({where(split)})")
+
+
+def reaches_short_step(problem: ProblemSpec) -> bool:
+    """Whether the run trains an epoch's short last step (epoch_end short_step)."""
+    batch, samples = problem.train_batch_size, problem.num_samples
+    return problem.epoch_end == "short_step" and bool(samples % batch) and problem.steps >= -(-samples // batch)
+
+
+def check_short_steps(split: Split, problem: ProblemSpec) -> None:
+    """An epoch's short last step: a loop that asks the data plan for each step's micro-steps, and a
+    step whose samples split evenly over the data-parallel ranks."""
+    if not TRAINERS[split.trainer].short_steps:
+        runs = ", ".join(name for name, spec in TRAINERS.items() if spec.short_steps)
+        raise MatrixError(f"epoch_end short_step runs in the {runs} trainer, not {split.trainer} ({where(split)})")
+    if split.pipeline_parallel > 1 or getattr(problem.model, "moe", None) is not None:
+        raise MatrixError(f"epoch_end short_step with a pipeline or a mixture of experts: not offered ({where(split)})")
+    message = short_step_message(
+        num_samples=problem.num_samples,
+        train_batch_size=problem.train_batch_size,
+        micro_batch_size=split.micro_batch_size,
+        data_parallel=split.world_size // split.tensor_parallel,
+    )
+    if message:
+        raise MatrixError(f"{message} ({where(split)})")
+
+
+def check_hsdp(split: Split) -> None:
+    """Hybrid sharding: the fsdp trainer's, replicas dividing the data-parallel ranks into shard groups."""
+    where = f"the {split.trainer} cell w{split.world_size} hsdp{split.hsdp_replicas} mb{split.micro_batch_size}"
+    if split.trainer != "fsdp":
+        raise MatrixError(f"hsdp_replicas is FSDP2's hybrid sharding: the fsdp trainer only ({where})")
+    if split.tensor_parallel > 1 or split.pipeline_parallel > 1:
+        raise MatrixError(f"hsdp_replicas with tensor or pipeline parallelism: not offered ({where})")
+    if split.world_size % split.hsdp_replicas:
+        raise MatrixError(f"world_size {split.world_size} is not divisible by hsdp_replicas {split.hsdp_replicas}")
+    if split.world_size == split.hsdp_replicas:
+        raise MatrixError(
+            f"hsdp_replicas {split.hsdp_replicas} = world_size leaves one rank per shard group: that is DDP ({where})"
+        )
+
+
+def model_parallel_fits(split: Split, axis: str, trainers: frozenset[str], where: str) -> None:
+    """A model-parallel `axis` (tensor_parallel, pipeline_parallel) in a trainer that has it, its groups
+    (with the other axis's) fitting the world."""
+    if split.trainer not in trainers:
+        raise MatrixError(f"{axis} runs in the {', '.join(sorted(trainers))} trainers, not {split.trainer} ({where})")
+    if split.world_size % (split.tensor_parallel * split.pipeline_parallel):
+        other = "pipeline_parallel" if axis == "tensor_parallel" else "tensor_parallel"
+        said = f"{axis} {getattr(split, axis)}" + (f" × {other} {n}" if (n := getattr(split, other)) > 1 else "")
+        raise MatrixError(f"world_size {split.world_size} is not divisible by {said} ({where})")
+
+
+def check_tensor_parallel(split: Split, problem: ProblemSpec) -> None:
+    """A tensor-parallel split that can run exactly as labelled — else bad input, naming the numbers."""
+    from gaeq.problem.tp import plan_problem
+
+    where = f"the {split.trainer} cell w{split.world_size} tp{split.tensor_parallel} mb{split.micro_batch_size}"
+    model_parallel_fits(split, "tensor_parallel", TENSOR_PARALLEL_TRAINERS, where)
+    if split.dtype not in ("fp32", "bf16"):
+        raise MatrixError(
+            f"tensor-parallel cells run fp32 and bf16 (autocast over fp32 weights), not {split.dtype} ({where})"
+        )
+    if split.trainer == "deepspeed" and (problem.deepspeed_config is not None or split.offload != "none"):
+        raise MatrixError(f"DeepSpeed AutoTP cells run gaeq's own DeepSpeed config, without offload ({where})")
+    if why := plan_problem(problem, split.tensor_parallel):
+        raise MatrixError(f"tensor_parallel {split.tensor_parallel}: {why}")
+
+
+def check_pipeline_parallel(split: Split, problem: ProblemSpec) -> None:
+    """A pipeline split that can run exactly as labelled — else bad input, naming the numbers."""
+    from gaeq.problem.stages import schedule_problem, stages_per_rank, stages_problem
+
+    pp, schedule = split.pipeline_parallel, split.pipeline_schedule
+    where = f"the {split.trainer} cell w{split.world_size} pp{pp} {schedule} mb{split.micro_batch_size}"
+    model_parallel_fits(split, "pipeline_parallel", PIPELINE_TRAINERS, where)
+    if schedule not in (offered := TRAINERS[split.trainer].pipeline_schedules):
+        raise MatrixError(f"the {split.trainer} trainer's pipelines run {', '.join(offered)}, not {schedule} ({where})")
+    if split.dtype != "fp32":
+        raise MatrixError(f"pipeline cells run fp32, not {split.dtype} ({where})")
+    if split.tensor_parallel > 1 and split.trainer != "torch":
+        raise MatrixError(f"pipeline_parallel with tensor_parallel: the torch trainer only ({where})")
+    micro_batches = grad_accum_of(split, problem)  # (None: an indivisible batch, said by the cell)
+    if micro_batches and (why := schedule_problem(schedule, pipeline_parallel=pp, micro_batches=micro_batches)):
+        raise MatrixError(f"{why} ({where})")
+    if split.trainer == "deepspeed":
+        if split.zero_stage > 1:
+            raise MatrixError(
+                f"DeepSpeed's pipeline engine runs ZeRO 0 and 1 (it refuses stage {split.zero_stage}) ({where})"
+            )
+        if problem.deepspeed_config is not None or split.offload != "none":
+            raise MatrixError(f"DeepSpeed pipeline cells run gaeq's own DeepSpeed config, without offload ({where})")
+    if why := stages_problem(problem, pp * stages_per_rank(schedule)):
+        raise MatrixError(f"pipeline_parallel {pp} ({schedule}): {why}")
+
+
+def grad_accum_of(split: Split, problem: ProblemSpec) -> int | None:
+    """The split's GA (a pipeline's micro-batches per step), or None where the batch does not divide."""
+    data_parallel = split.world_size // (split.pipeline_parallel * split.tensor_parallel)
+    micro_batches, left = divmod(problem.train_batch_size, split.micro_batch_size * data_parallel)
+    return None if left else micro_batches
