@@ -144,6 +144,36 @@ def model_loss(
     return outputs.loss + inner.router_aux_loss_coef * aux * (aux_share - 1.0)
 
 
+class RouterTokens:
+    """The tokens each expert of each layer of a transformers mixture of experts took (the top
+    ``num_experts_per_tok`` of its router's logits), counted by a forward hook on every router: the
+    modules of the class transformers records ``router_logits`` from (``_can_record_outputs``). For
+    ``ran``, in every loop — the Trainer's included."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        recorder = (getattr(model, "_can_record_outputs", None) or {}).get("router_logits")
+        routers = [m for m in model.modules() if recorder is not None and isinstance(m, recorder.target_class)]
+        self.index = getattr(recorder, "index", 0)
+        self.top_k = getattr(model.config, "num_experts_per_tok", 1)
+        self.counts: list[torch.Tensor | None] = [None] * len(routers)
+        self.hooks = [router.register_forward_hook(self._count(i)) for i, router in enumerate(routers)]
+
+    def _count(self, layer: int):
+        def hook(module, args, output) -> None:
+            logits = (output[self.index] if isinstance(output, tuple) else output).detach()
+            chosen = logits.topk(self.top_k, dim=-1).indices.flatten().cpu()
+            counts = torch.bincount(chosen, minlength=logits.shape[-1])
+            self.counts[layer] = counts if self.counts[layer] is None else self.counts[layer] + counts
+
+        return hook
+
+    def __bool__(self) -> bool:
+        return bool(self.hooks)
+
+    def tokens(self) -> list[list[int]]:
+        return [[] if c is None else c.tolist() for c in self.counts]
+
+
 def logits(outputs: Any) -> torch.Tensor:
     """A transformers output's logits; any other model's output as it is."""
     return outputs.logits if hasattr(outputs, "logits") and isinstance(outputs.logits, torch.Tensor) else outputs

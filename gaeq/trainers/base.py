@@ -21,7 +21,7 @@ from gaeq.bugs import Bug
 from gaeq.matrix import Cell
 from gaeq.problem.build import BuiltProblem, build_problem
 from gaeq.problem.data import BatchPlan
-from gaeq.problem.hf import dropouts
+from gaeq.problem.hf import RouterTokens, dropouts
 from gaeq.problem.loss import cross_entropy_row_means, mean_of_means_count
 from gaeq.problem.models import sample_keys
 from gaeq.problem.moe import Balance, moe_layers
@@ -71,6 +71,8 @@ class CellProblem:
     """A mixture of experts' load-balancing loss (gaeq/problem/moe.py); None for a dense model."""
     aux_share: float = 1.0
     """A micro-batch's weight in a transformers mixture of experts' balance term (balance_share)."""
+    routers: RouterTokens | None = None
+    """A transformers mixture of experts' routing, counted (None for any other model)."""
 
     @property
     def model(self) -> torch.nn.Module:
@@ -116,8 +118,15 @@ class CellProblem:
 
         self.balance.route(forward(k) for k in range(self.plan.grad_accum_steps))
 
+    @property
+    def routes(self) -> bool:
+        """A mixture of experts: gaeq's GPT with `moe`, or a transformers model with routers."""
+        return self.balance is not None or self.routers is not None
+
     def router_tokens(self) -> list[list[int]] | None:
         """Tokens each expert of each layer took on this rank so far (``ran``); None for a dense model."""
+        if self.routers is not None:
+            return self.routers.tokens()
         return None if self.balance is None else [layer.routed.tolist() for layer in self.balance.layers]
 
     def model_facts(self) -> dict:
@@ -177,6 +186,7 @@ def build_cell_problem(cell: Cell, problem: ProblemSpec, ctx: RunContext) -> Cel
         built = dataclasses.replace(built, loss_sum=cross_entropy_row_means, per_sample=True)
     layers = moe_layers(built.model)
     share = balance_share(cell, plan)
+    routers = RouterTokens(built.model) if getattr(built.model, "config", None) is not None else None
     return CellProblem(
         plan=plan,
         built=built,
@@ -185,6 +195,7 @@ def build_cell_problem(cell: Cell, problem: ProblemSpec, ctx: RunContext) -> Cel
         data_rank=cell.place(ctx.rank).data,
         balance=Balance(problem.model.moe, layers, share=share) if layers else None,
         aux_share=share,
+        routers=routers or None,
     )
 
 

@@ -90,7 +90,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     if cell.offload == "nvme":  # the engine really swaps: its files are there after the first step
         swapped = functools.cache(lambda: _swap_bytes(swap_dir(ctx)))  # the folder walked once
         ran.read_at_first_step(nvme_swap_bytes=swapped, swapped_to_nvme=lambda: swapped() > 0)
-    if task.balance is not None:  # a mixture of experts: the tokens each expert took in the first step
+    if task.routes:  # a mixture of experts: the tokens each expert took in the first step
         ran.read_at_first_step(router_tokens=task.router_tokens)
     start = load_deepspeed(engine, run_dir=ctx.run_dir, resume=cell.resume) if cell.resume else 0
 

@@ -103,6 +103,8 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         average_tokens_across_devices=args.average_tokens_across_devices,
         update_rule="AdamW",
     )
+    if task.routes:  # a mixture of experts: the tokens each expert took in the first step
+        ran.read_at_first_step(router_tokens=task.router_tokens)
     recording = Recording(task=task, recorder=recorder, ran=ran, cell=cell, rank=ctx.rank, trainer=trainer)
     trainer.add_callback(recording)
     hooks = recording.watch(model)

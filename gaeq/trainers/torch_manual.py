@@ -91,7 +91,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         grad_scaler=scaler.is_enabled(),
         update_rule=type(optimizer).__name__,
     )
-    if task.balance is not None:  # a mixture of experts: the tokens each expert took in the first step
+    if task.routes:  # a mixture of experts: the tokens each expert took in the first step
         ran.read_at_first_step(router_tokens=task.router_tokens)
     start = load_torch(model, optimizer, scheduler, run_dir=ctx.run_dir, resume=cell.resume) if cell.resume else 0
 

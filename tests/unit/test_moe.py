@@ -106,17 +106,37 @@ MIXTRAL = {
 }
 
 
-def test_the_pinned_trainer_adds_mixtrals_balance_loss_to_every_micro_batch_whole(write_matrix, tmp_path):
+QWEN3_MOE = {
+    "hf": "Qwen3MoeForCausalLM",
+    "config": {
+        "hidden_size": 16,
+        "intermediate_size": 16,
+        "moe_intermediate_size": 16,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 8,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "output_router_logits": True,
+        "router_aux_loss_coef": 0.02,
+    },
+}
+
+
+@pytest.mark.parametrize("model", [MIXTRAL, QWEN3_MOE], ids=["mixtral", "qwen3_moe"])
+def test_the_pinned_trainer_adds_the_balance_loss_to_every_micro_batch_whole(write_matrix, tmp_path, model):
     """transformers' Trainer skips ÷ GA for a model that takes num_items_in_batch — which divides the
-    language-modelling loss only: Mixtral's router balance term goes in whole at every micro-batch, the
-    very computation of the planted moe_aux_loss_not_divided_by_ga (gaeq's loop weighs it by its share)."""
+    language-modelling loss only: a mixture of experts' router balance term goes in whole at every
+    micro-batch, the very computation of the planted moe_aux_loss_not_divided_by_ga (gaeq's loop weighs
+    it by its share). Mixtral and Qwen3-MoE alike; both loops count each router's tokens for `ran`."""
     cells = [
         {"trainer": "hf", "micro_batch_size": 4, "expect": "diverge"},
         {"trainer": "torch", "micro_batch_size": 4, "bug": "moe_aux_loss_not_divided_by_ga"},
     ]
     spec = small_spec(axes=None, cells=cells)
     spec["problem"].update(
-        model=MIXTRAL,
+        model=model,
         data={"kind": "tokens", "vocab_size": 16, "seq_len": 8, "min_len": 9},
         loss="hf",
         steps=3,
@@ -131,3 +151,8 @@ def test_the_pinned_trainer_adds_mixtrals_balance_loss_to_every_micro_batch_whol
     traces = TraceStore(tmp_path)
     for a, b in zip(traces.get(trainer.id), traces.get(planted.id)):  # step by step, the same optimisation
         assert abs(a.loss - b.loss) < 1e-5 and abs(a.grad_norm / b.grad_norm - 1) < 1e-4
+    # the first step's routing: GA 4 forwards of 4 × 8 tokens, each token to its top-2 of 4 experts — the same
+    # tokens and weights in both loops, so the same experts
+    assert trainer.ran["router_tokens"] == planted.ran["router_tokens"]
+    assert [sum(layer) for layer in trainer.ran["router_tokens"]] == [4 * 4 * 8 * 2]
+    assert len(trainer.ran["router_tokens"][0]) == 4
