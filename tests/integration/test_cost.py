@@ -11,7 +11,7 @@ from gaeq.matrix import load_matrix
 from gaeq.problem.models import MLP
 from gaeq.problem.spec import MLPSpec
 from gaeq.results.trace import read_trace
-from tests.helpers import REPO_ROOT, cells_by_id, ga_spec, gaeq_run
+from tests.helpers import REPO_ROOT, cells_by_id, ga_spec, gaeq_run_here
 
 pytestmark = pytest.mark.integration
 
@@ -73,7 +73,7 @@ def test_isolate_runs_one_group_per_cell_and_changes_no_number(write_matrix, tmp
         noise_floor=False,  # cells of the default run only: their traces are the point, not verdicts
     )
     isolated = tmp_path / "isolated"
-    proc, report_isolated, _ = gaeq_run(write_matrix(spec), isolated, extra=["--isolate"])
+    proc, report_isolated, _ = gaeq_run_here(write_matrix(spec), isolated, extra=["--isolate"])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert sorted(c["id"] for c in report_isolated["cells"]) == [
         "deepspeed-z1-w2-mb4-ga4",
