@@ -41,7 +41,8 @@ class Cost:
         if not trace:
             return cls()
         seconds = sum(r.seconds for r in trace)
-        samples = len(trace) * (trace[0].samples // (trace[0].step + 1))
+        # cumulative counts (an epoch's short last step holds fewer); the first step's own: exact from step 0
+        samples = trace[-1].samples - trace[0].samples + trace[0].samples // (trace[0].step + 1)
         return cls(
             samples_per_s=samples / seconds if seconds > 0 else None,
             step_seconds=seconds / len(trace),
