@@ -17,7 +17,7 @@ from gaeq.results.compare import Tolerance, Verdict, compare_traces, tolerance_f
 from gaeq.results.floor import NoiseFloor
 from gaeq.results.outcome import CellOutcome
 from gaeq.results.snapshots import compare_snapshots, read_snapshots
-from gaeq.results.trace import TraceStore, cell_dir
+from gaeq.results.trace import StepRecord, TraceStore, cell_dir
 from gaeq.script.verdict import read_probe, script_checks
 
 VERDICTS = tuple(Verdict)
@@ -231,7 +231,23 @@ def _judge_cell(
     reason = "baseline" if cell.id == base_id else comparison.reason
     if comparison.verdict == Verdict.DIVERGE:
         reason += _dropout_note((outcome.ran or {}).get("dropout"), script=TRAINERS[cell.trainer].script)
+        reason += _short_step_note(traces.get(cell.id), comparison.first_divergent_step, cell.train_batch_size)
     return comparison.verdict, reason, comparison
+
+
+def _short_step_note(trace: list[StepRecord], step: int | None, batch: int) -> str:
+    """Why a cell first diverges at a step that held fewer samples than a global batch (an epoch's
+    short last step, epoch_end: short_step): what that step held, read from the trace's counts."""
+    at = {r.step: r for r in trace}
+    if step not in at or step - 1 not in at:
+        return ""
+    held = at[step].samples - at[step - 1].samples
+    if held >= batch:
+        return ""
+    return (
+        f" — step {step} held {held} samples, not {batch} (an epoch's short last step): a loop that still ÷ GA "
+        f"there is off by {held}/{batch}"
+    )
 
 
 def _dropout_note(dropout: Mapping[str, float] | None, *, script: bool = False) -> str:
