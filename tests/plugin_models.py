@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+
+import torch.distributed as dist
 from torch import nn
 
 
@@ -16,3 +19,11 @@ def not_a_module(**_):
 def normed(*, in_features: int = 8, out_features: int = 2, width: int = 24, norm: str = "layer") -> nn.Module:
     layers = {"layer": nn.LayerNorm(width), "none": nn.Identity()}
     return nn.Sequential(nn.Linear(in_features, width), layers[norm], nn.Tanh(), nn.Linear(width, out_features))
+
+
+def with_a_helper(**kwargs) -> nn.Module:
+    """two_layer, built by a rank that starts a helper process of its own (as a JIT compile does): the
+    parent, which checks the problem without a process group, starts none."""
+    if dist.is_initialized():
+        subprocess.Popen(["sleep", "600"])  # noqa: S603,S607 - a stand-in that outlives nothing on its own
+    return two_layer(**kwargs)

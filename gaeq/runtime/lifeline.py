@@ -35,20 +35,21 @@ def mark_parent() -> None:
     os.environ[PARENT_ENV] = str(os.getpid())
 
 
-def bind_to_parent() -> None:
+def bind_to_parent() -> bool:
     """In a process gaeq started, directly or not: exit as soon as the `gaeq` process is gone.
+    Returns whether it watches (not without ``GAEQ_PARENT_PID``, nor where the OS has no pidfd).
 
     A process group leader (a rank: it has its own group) takes its group with it — the rank and
-    anything it started (a JIT compiler); anything else (the fork server) exits, and the ranks it
-    forked, whose death signal is tied to it, follow."""
+    anything it started (a JIT compiler); anything else (the fork server) exits."""
     pid = os.environ.get(PARENT_ENV)
     if not pid or int(pid) == os.getpid() or not hasattr(os, "pidfd_open"):
-        return
+        return False
     try:
         fd = os.pidfd_open(int(pid))
     except ProcessLookupError:
         _die()  # gone before we got here
     threading.Thread(target=_wait_then_die, args=(fd,), name="gaeq-lifeline", daemon=True).start()
+    return True
 
 
 def _wait_then_die(fd: int) -> None:

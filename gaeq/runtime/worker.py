@@ -219,9 +219,12 @@ def _detach_from_terminal() -> None:
     # parent can kill a rank together with anything it started (e.g. a JIT compiler).
     os.setpgrp()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # Die with the parent (the fork server, or gaeq), and with gaeq itself, whatever kills it.
-    lifeline.arm_death_signal()
-    lifeline.bind_to_parent()
+    # Die with gaeq itself, whatever kills it, taking the process group — the rank and what it started
+    # (a JIT compiler) — with it. A death signal tied to the fork server only where gaeq cannot be
+    # watched: when gaeq is killed the server exits too, and a rank SIGKILLed for that first would
+    # leave what it started running.
+    if not lifeline.bind_to_parent():
+        lifeline.arm_death_signal()
 
 
 def redirect_fds(path: Path) -> None:

@@ -117,7 +117,7 @@ def test_two_runs_at_once_do_not_collide_and_fp32_traces_are_bitwise_identical(w
 
 
 @contextmanager
-def endless_run(write_matrix, tmp_path, *, trainer="deepspeed", world_size=2, signals=None):
+def endless_run(write_matrix, tmp_path, *, trainer="deepspeed", world_size=2, signals=None, model=None):
     """`gaeq run` on one cell that trains until stopped (a DeepSpeed world-2 cell unless told
     otherwise), owned by the test: yields (proc, trace being written) once it trains, and stops
     it with everything it started when the block ends, however it ends."""
@@ -126,6 +126,8 @@ def endless_run(write_matrix, tmp_path, *, trainer="deepspeed", world_size=2, si
         cell["zero_stage"] = 1
     spec = small_spec(axes={k: [v] for k, v in cell.items()}, baseline=cell)
     spec["problem"]["steps"] = 100_000
+    if model is not None:
+        spec["problem"]["model"] = model
     out = tmp_path / "run"
     cmd = gaeq_command("run", "--matrix", str(write_matrix(spec)), "--out", str(out))
     with running(cmd, signals=signals, stderr=subprocess.STDOUT) as proc:
@@ -180,9 +182,13 @@ def test_a_run_under_nohup_keeps_both_ignored_and_a_failing_test_leaves_nothing_
 
 def test_a_killed_gaeq_takes_every_process_with_it_and_the_next_run_frees_its_shared_memory(write_matrix, tmp_path):
     """kill -9 on `gaeq` (an OOM killer, a scheduler) during a DeepSpeed world-2 cell: the fork
-    server and both ranks watch gaeq itself and are gone within seconds; the shared memory they
-    leave (a killed gaeq frees nothing) is freed by the next `gaeq run`, which says so."""
-    with endless_run(write_matrix, tmp_path) as (proc, partial):
+    server and both ranks watch gaeq itself and are gone within seconds, each rank with the helper
+    process it started (a JIT compile's stand-in); the shared memory they leave (a killed gaeq frees
+    nothing) is freed by the next `gaeq run`, which says so."""
+    helper = {"import": "tests.plugin_models:with_a_helper", "args": {"in_features": 8, "out_features": 2}}
+    with endless_run(write_matrix, tmp_path, model=helper) as (proc, partial):
+        helpers = [pid for pid in leftovers(proc.tag, grace=0) if Path(f"/proc/{pid}/comm").read_text() == "sleep\n"]
+        assert len(helpers) == 2  # one per rank
         markers = [
             m for m in Path("/dev/shm").glob(f"gaeq_group_{os.getuid()}_*") if m.read_text().split()[0] == str(proc.pid)
         ]
