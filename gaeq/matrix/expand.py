@@ -12,7 +12,7 @@ import itertools
 from pydantic import ValidationError
 
 from gaeq.matrix.cell import DEEPSPEED_ONLY, SPLIT_AXES, Cell, Fault, Matrix, Resume, Role, Split, group_key
-from gaeq.matrix.resume import at_step_inside, plain_source, source_rules, target_rules
+from gaeq.matrix.resume import at_step_inside, epochs_run_on, plain_source, source_rules, target_rules
 from gaeq.matrix.rules import bug_rules, fault_rules, mixture_of_experts, script_rules, skip_reason, split_rules
 from gaeq.matrix.schema import BASE, TENSOR_METRICS, FaultSpec, MatrixError, MatrixSpec, ResumeSpec, describe
 from gaeq.problem.spec import ProblemSpec
@@ -165,6 +165,7 @@ class Expander:
         plain_source(r)
         split = self.split_of(src)
         at_step_inside(r, steps=self.problem(src.variant).steps)
+        epochs_run_on(self.problem(src.variant))
         self.ensure_baseline(dtype=split.dtype, variant=src.variant)
         source = self.cell(split)
         source_rules(source, r)

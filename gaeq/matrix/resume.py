@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from gaeq.matrix.cell import Cell
 from gaeq.matrix.schema import MatrixError, ResumeSpec, ResumeTargetSpec
+from gaeq.problem.spec import ProblemSpec
 from gaeq.registry import CHECKPOINT_TRAINERS
 
 
@@ -17,6 +18,13 @@ def plain_source(r: ResumeSpec) -> None:
 def at_step_inside(r: ResumeSpec, *, steps: int) -> None:
     if not 0 < r.at_step < steps:
         raise MatrixError(f"resume at_step {r.at_step} must lie between 1 and steps - 1 = {steps - 1}")
+
+
+def epochs_run_on(problem: ProblemSpec) -> None:
+    """A resumed cell's label is checked from the step it starts at: a problem whose epochs end in
+    short steps (fewer micro-steps) is not resumed yet."""
+    if problem.epoch_end != "run_on":
+        raise MatrixError("resume experiments with epoch_end short_step: not offered (a resumed cell may start short)")
 
 
 def source_rules(source: Cell, r: ResumeSpec) -> None:

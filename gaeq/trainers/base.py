@@ -173,14 +173,7 @@ def build_cell_problem(cell: Cell, problem: ProblemSpec, ctx: RunContext) -> Cel
     if cell.world_size != (dist.get_world_size() if dist.is_initialized() else 1):
         raise RuntimeError(f"cell {cell.id} needs world_size {cell.world_size}, process group has another")
     torch.manual_seed(problem.seed)  # the global RNG (dropout_rng: global) starts alike in every cell
-    plan = BatchPlan(
-        train_batch_size=cell.train_batch_size,
-        micro_batch_size=cell.micro_batch_size,
-        data_parallel=cell.data_parallel,
-        num_samples=problem.num_samples,
-        short_steps=problem.epoch_end == "short_step",
-        seed=problem.seed,
-    )
+    plan = plan_of(cell, problem)
     built = build_problem(problem)
     if cell.bug == Bug.PACKED_SEQUENCES_WEIGHTED_PER_PACK:  # planted bug: each pack's mean, the packs averaged
         built = dataclasses.replace(built, loss_sum=cross_entropy_row_means, per_sample=True)
@@ -197,6 +190,23 @@ def build_cell_problem(cell: Cell, problem: ProblemSpec, ctx: RunContext) -> Cel
         aux_share=share,
         routers=routers or None,
     )
+
+
+def plan_of(cell: Cell, problem: ProblemSpec) -> BatchPlan:
+    """Which samples each of the cell's data-parallel ranks sees at each (step, micro-step)."""
+    return BatchPlan(
+        train_batch_size=cell.train_batch_size,
+        micro_batch_size=cell.micro_batch_size,
+        data_parallel=cell.data_parallel,
+        num_samples=problem.num_samples,
+        short_steps=problem.epoch_end == "short_step",
+        seed=problem.seed,
+    )
+
+
+def first_short_step(plan: BatchPlan, steps: int) -> int | None:
+    """The first of `steps` optimizer steps with fewer micro-steps than GA (an epoch's short last step)."""
+    return next((s for s in range(steps) if plan.micro_steps(s) != plan.grad_accum_steps), None)
 
 
 def balance_share(cell: Cell, plan: BatchPlan) -> float:

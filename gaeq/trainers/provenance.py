@@ -96,11 +96,22 @@ class Provenance:
         return norm.item()
 
     def step_done(self) -> None:
-        """After the first optimizer step: compare with the label (LabelMismatch names both)."""
+        """After each optimizer step. The first: compare with the label (LabelMismatch names both).
+        Later: the first step with another number of micro-steps (an epoch's short last step) is
+        measured too, and compared with the label's ``short_step_micro_steps`` where it has one."""
+        micro_steps, self._micro_steps = self._micro_steps, 0
         if self._checked:
+            if micro_steps != self.facts["micro_steps"] and "short_step_micro_steps" not in self.facts:
+                self.facts["short_step_micro_steps"] = micro_steps
+                want = self.label.get("short_step_micro_steps")
+                if want is not None and micro_steps != want:
+                    raise LabelMismatch(
+                        f"the cell did not run what its label says — short_step_micro_steps: label {want!r}, "
+                        f"ran {micro_steps!r}"
+                    )
             return
         self._checked = True
-        self.facts["micro_steps"] = self._micro_steps
+        self.facts["micro_steps"] = micro_steps
         # Not a label, a fact worth seeing: a rank runs one intra-op thread (worker.set_up_rank)
         # unless a library changed it (the thread count changes summation order).
         self.facts["intra_op_threads"] = torch.get_num_threads()
@@ -108,7 +119,7 @@ class Provenance:
         wrong = [
             f"{key}: label {want!r}, ran {self.facts.get(key)!r}"
             for key, want in self.label.items()
-            if self.facts.get(key) != want
+            if key != "short_step_micro_steps" and self.facts.get(key) != want  # (that one: when it comes)
         ]
         if wrong:
             raise LabelMismatch("the cell did not run what its label says — " + "; ".join(wrong))

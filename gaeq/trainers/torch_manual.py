@@ -24,7 +24,7 @@ from gaeq.matrix import Cell, Role
 from gaeq.problem.optim import build_optimizer, build_scheduler, gradient_clipping
 from gaeq.problem.spec import ProblemSpec
 from gaeq.trainers import tensor_parallel
-from gaeq.trainers.base import RunContext, StepRecorder, build_cell_problem, inject_fault
+from gaeq.trainers.base import RunContext, StepRecorder, build_cell_problem, first_short_step, inject_fault, plan_of
 from gaeq.trainers.checkpoint import load_torch, save_torch
 from gaeq.trainers.provenance import Provenance
 from gaeq.trainers.tensor_parallel import TensorParallel, full
@@ -32,12 +32,16 @@ from gaeq.trainers.tensor_parallel import TensorParallel, full
 
 def promised(cell: Cell, problem: ProblemSpec) -> dict[str, Any]:
     """What a torch cell's label promises (:mod:`gaeq.trainers.provenance` checks it after step 1)."""
-    return {
+    label = {
         "ddp": cell.world_size > 1 and cell.tensor_parallel == 1,
         "grad_scaler": cell.dtype == "fp16",
         # the baseline is the reference: its norm summed in float64; every other cell's as users sum it
         "grad_norm_dtype": "float64" if cell.role == Role.BASELINE else "float32",
     }
+    plan = plan_of(cell, problem)
+    if (short := first_short_step(plan, problem.steps)) is not None:  # an epoch's short last step:
+        label["short_step_micro_steps"] = plan.micro_steps(short)  # measured when it comes
+    return label
 
 
 def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:

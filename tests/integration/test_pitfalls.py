@@ -43,6 +43,7 @@ def test_every_planted_bug_is_caught_and_every_twin_matches(pitfalls_run):
         for bug in ("-bug_partial_last_window", "")
     )
     assert short[:3] == pytest.approx(twin[:3], rel=1e-6) and short[3] / twin[3] == pytest.approx(3 / 4, rel=1e-6)
+    assert cells["torch-w2-mb4-ga4@epochs"]["ran"]["short_step_micro_steps"] == 3  # measured, as its label says
     # … and the reason says what that step held (from the trace's sample counts)
     assert "step 3 held 24 samples, not 32" in cells["torch-w2-mb4-ga4-bug_partial_last_window@epochs"]["reason"]
     caught("torch-w1-mb8-ga4@batchnorm", loss=0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from gaeq.cli import app
@@ -275,3 +276,43 @@ def test_the_partial_window_bug_needs_the_run_to_reach_a_short_step(write_matrix
         write_matrix(epochs_spec({"trainer": "torch", "micro_batch_size": 4, "bug": "partial_last_window"}, steps=3))
     )
     assert matrix.cells[-1].bug == "partial_last_window"
+
+
+def test_a_short_step_is_measured_against_its_label(write_matrix, tmp_path):
+    """40 samples, B 16: steps of 16, 16, 8 — the third in 2 micro-steps of 4, not 4. `ran` says so,
+    and a label that promised otherwise would fail the cell (the control, on Provenance itself)."""
+    from gaeq.trainers.provenance import LabelMismatch, Provenance
+    from tests.helpers import run_in_process
+
+    matrix = load_matrix(write_matrix(epochs_spec({"trainer": "torch", "micro_batch_size": 4}, steps=4)))
+    outcomes = run_in_process(matrix, tmp_path)
+    ran = outcomes["torch-w1-mb4-ga4"].ran
+    assert (ran["micro_steps"], ran["short_step_micro_steps"]) == (4, 2)
+    assert "short_step_micro_steps" not in outcomes["torch-w1-mb16-ga1"].ran  # the baseline: 1 micro-batch, of 8
+
+    cell = matrix.cells[-1]
+    ran = Provenance(cell, promised={"short_step_micro_steps": 3}, world_size=1, tensor_parallel=1)
+    layer = torch.nn.Linear(8, 2)
+    for forwards in (4, 2):
+        for _ in range(forwards):
+            with ran.forward(inputs := torch.zeros(4, 8)):
+                layer(inputs)
+        if forwards == 2:
+            with pytest.raises(LabelMismatch, match="short_step_micro_steps: label 3, ran 2"):
+                ran.step_done()
+        else:
+            ran.step_done()
+
+
+def test_resume_experiments_keep_epochs_running_on(write_matrix):
+    spec = epochs_spec({"trainer": "torch", "micro_batch_size": 4})
+    spec["resume"] = [
+        {
+            "from": {"trainer": "torch", "micro_batch_size": 4},
+            "at_step": 3,
+            "universal": False,
+            "to": [{"micro_batch_size": 8}],
+        }
+    ]
+    with pytest.raises(MatrixError, match="resume experiments with epoch_end short_step: not offered"):
+        load_matrix(write_matrix(spec))
