@@ -288,7 +288,7 @@ BUGS: dict[str, PlantedBug] = {
         ),
         PlantedBug(
             name=Bug.PARTIAL_LAST_WINDOW,
-            trainers=("torch",),
+            trainers=("torch", "deepspeed", "fsdp"),
             short_step=True,
             description=(
                 "the last accumulation window of an epoch holds fewer micro-batches than GA, and the loop still "

@@ -103,6 +103,7 @@ TRAINERS: dict[str, TrainerSpec] = {
             tensor_parallel=True,
             pipeline="gaeq.trainers.deepspeed_pipeline",
             pipeline_schedules=("1f1b",),  # its TrainSchedule
+            short_steps=True,  # its boundary told every micro-step (set_gradient_accumulation_boundary)
             checkpoints=True,
             preload=("gaeq.runtime.preload_deepspeed",),
         ),
@@ -118,6 +119,7 @@ TRAINERS: dict[str, TrainerSpec] = {
             module="gaeq.trainers.fsdp",
             description="torch FSDP2 (fully_shard), gradients reduce-scattered on the boundary micro-step only",
             tensor_parallel=True,
+            short_steps=True,
             dtypes=AUTOCAST_DTYPES,
         ),
         TrainerSpec(

@@ -45,7 +45,7 @@ def check_short_steps(split: Split, problem: ProblemSpec) -> None:
     step whose samples split evenly over the data-parallel ranks."""
     if not TRAINERS[split.trainer].short_steps:
         runs = ", ".join(name for name, spec in TRAINERS.items() if spec.short_steps)
-        raise MatrixError(f"epoch_end short_step runs in the {runs} trainer, not {split.trainer} ({where(split)})")
+        raise MatrixError(f"epoch_end short_step runs in the {runs} trainers, not {split.trainer} ({where(split)})")
     if split.pipeline_parallel > 1 or getattr(problem.model, "moe", None) is not None:
         raise MatrixError(f"epoch_end short_step with a pipeline or a mixture of experts: not offered ({where(split)})")
     message = short_step_message(

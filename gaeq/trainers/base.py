@@ -49,6 +49,8 @@ class RunContext:
 class MicroBatch:
     inputs: torch.Tensor
     targets: torch.Tensor
+    step: int
+    """The optimizer step it belongs to."""
     positions: range
     """Global positions of its samples (keys of split-invariant dropout)."""
     loss_elements: int
@@ -78,7 +80,7 @@ class CellProblem:
     def model(self) -> torch.nn.Module:
         return self.built.model
 
-    def num_items(self, cell: Cell, mb: MicroBatch, *, normaliser: int) -> int:
+    def num_items(self, cell: Cell, mb: MicroBatch, *, normaliser: int) -> float:
         """What a micro-batch's loss sum is divided by: the global batch's element count
         (`normaliser`), so that every element of the global batch weighs the same whatever the
         split (÷ GA included). Counting is where the normalisation bugs are made."""
@@ -92,6 +94,8 @@ class CellProblem:
             return mb.loss_elements  # planted bug: num_items_in_batch of the micro-batch, not the global batch
         if cell.bug == Bug.EMPTY_MICRO_BATCH_COUNTED:  # planted bug: a micro-batch's mean ÷ all of the step's
             return max(mb.loss_elements, 1) * self.plan.grad_accum_steps * self.plan.data_parallel  # empties too
+        if cell.bug == Bug.PARTIAL_LAST_WINDOW:  # planted bug: ÷ GA, even where the epoch's last window is short
+            return normaliser * self.plan.grad_accum_steps / self.plan.micro_steps(mb.step)
         return normaliser
 
     def micro_loss(self, net: torch.nn.Module, mb: MicroBatch, *, num_items: int) -> torch.Tensor:
@@ -155,6 +159,7 @@ class CellProblem:
         if self.dtype in HALF_MODEL and inputs.is_floating_point():
             inputs = inputs.to(HALF_MODEL[self.dtype])  # DeepSpeed's bf16/fp16 engine holds a half model
         return MicroBatch(
+            step=step,
             inputs=inputs.to(self.device),
             targets=targets.to(self.device),
             positions=positions,
@@ -204,9 +209,12 @@ def plan_of(cell: Cell, problem: ProblemSpec) -> BatchPlan:
     )
 
 
-def first_short_step(plan: BatchPlan, steps: int) -> int | None:
-    """The first of `steps` optimizer steps with fewer micro-steps than GA (an epoch's short last step)."""
-    return next((s for s in range(steps) if plan.micro_steps(s) != plan.grad_accum_steps), None)
+def short_step_label(cell: Cell, problem: ProblemSpec) -> dict[str, int]:
+    """What a loop that runs short steps (registry `short_steps`) promises where an epoch ends in one
+    within the run: the micro-steps of the first (Provenance measures them when it comes)."""
+    plan = plan_of(cell, problem)
+    short = next((s for s in range(problem.steps) if plan.micro_steps(s) != plan.grad_accum_steps), None)
+    return {} if short is None else {"short_step_micro_steps": plan.micro_steps(short)}
 
 
 def balance_share(cell: Cell, plan: BatchPlan) -> float:

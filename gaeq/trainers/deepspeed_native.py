@@ -25,7 +25,7 @@ from gaeq.matrix import Cell
 from gaeq.problem.optim import build_scheduler, gradient_clipping
 from gaeq.problem.spec import ProblemSpec
 from gaeq.problem.tp import tp_plan
-from gaeq.trainers.base import RunContext, StepRecorder, build_cell_problem, inject_fault
+from gaeq.trainers.base import RunContext, StepRecorder, build_cell_problem, inject_fault, short_step_label
 from gaeq.trainers.checkpoint import load_deepspeed, save_deepspeed
 from gaeq.trainers.deepspeed_config import deepspeed_config
 from gaeq.trainers.library_state import forget_parallel_groups
@@ -102,10 +102,13 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         local_loss_sum = 0.0  # this rank's part of the global loss sum, float64 on the host
         skipped_before = engine.skipped_steps
         task.route_step(net, step)  # a mixture of experts balanced globally: the step's routing, counted ahead
-        for micro_step in range(plan.grad_accum_steps):
+        micro_steps = plan.micro_steps(step)  # GA; fewer at an epoch's short last step (epoch_end: short_step)
+        for micro_step in range(micro_steps):
             mb = task.micro_batch(step=step, micro_step=micro_step)
-            boundary = micro_step == plan.grad_accum_steps - 1
-            if cell.deepspeed_accumulation == "manual_with_boundary":  # DeepSpeed's remedy for a manual loop
+            boundary = micro_step == micro_steps - 1
+            if cell.deepspeed_accumulation == "manual_with_boundary" or (managed and plan.short_steps):
+                # DeepSpeed's remedy for a manual loop; with short steps, the engine counting GA would
+                # not end the short one: told where every step ends
                 engine.set_gradient_accumulation_boundary(boundary)
             # ACCUMULATION: the engine counts micro-steps and reduces gradients at its own
             # boundary; ours must be the same one (a manual loop with GA 1 in the config: every
@@ -148,6 +151,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
             lr=lr,
             seconds=time.perf_counter() - started,
             skipped=skipped,
+            samples=plan.step_positions(step).stop,
         )
         if step + 1 in cell.save_at:  # a collective: every rank saves its partitions
             save_deepspeed(engine, run_dir=ctx.run_dir, cell_id=cell.id, step=step + 1)
@@ -163,7 +167,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
 def promised(cell: Cell, problem: ProblemSpec) -> dict[str, Any]:
     """What a DeepSpeed cell's label promises — what its engine must report after set-up
     (:mod:`gaeq.trainers.provenance` checks it after step 1)."""
-    label: dict[str, Any] = {
+    label: dict[str, Any] = short_step_label(cell, problem) | {
         "zero_stage": cell.zero_stage,
         "micro_batch_size": cell.micro_batch_size,
         # a manual loop tells the engine GA 1 (its forwards per step are still GA: measured)

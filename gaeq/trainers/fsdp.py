@@ -26,7 +26,7 @@ from gaeq.matrix import Cell
 from gaeq.problem.optim import build_optimizer, build_scheduler, gradient_clipping
 from gaeq.problem.spec import ProblemSpec
 from gaeq.trainers import tensor_parallel
-from gaeq.trainers.base import RunContext, StepRecorder, build_cell_problem, inject_fault
+from gaeq.trainers.base import RunContext, StepRecorder, build_cell_problem, inject_fault, short_step_label
 from gaeq.trainers.provenance import Provenance
 from gaeq.trainers.tensor_parallel import TensorParallel, full
 
@@ -34,7 +34,11 @@ from gaeq.trainers.tensor_parallel import TensorParallel, full
 def promised(cell: Cell, problem: ProblemSpec) -> dict[str, Any]:
     """What an FSDP2 cell's label promises: the model sharded, every parameter a shard, replicated
     (HSDP) as often as the label says."""
-    return {"fsdp": True, "sharded_parameters": True, "hsdp_replicas": cell.hsdp_replicas}
+    return short_step_label(cell, problem) | {
+        "fsdp": True,
+        "sharded_parameters": True,
+        "hsdp_replicas": cell.hsdp_replicas,
+    }
 
 
 def _replicas(model: torch.nn.Module) -> int:
@@ -98,9 +102,10 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         lr = scheduler.get_last_lr()[0]
         normaliser = task.normaliser(step)  # loss elements (samples or valid tokens) in the global batch
         local_loss_sum = 0.0  # this rank's part of the global loss sum, float64 on the host
-        for micro_step in range(plan.grad_accum_steps):
+        micro_steps = plan.micro_steps(step)  # GA; fewer at an epoch's short last step (epoch_end: short_step)
+        for micro_step in range(micro_steps):
             mb = task.micro_batch(step=step, micro_step=micro_step)
-            boundary = micro_step == plan.grad_accum_steps - 1
+            boundary = micro_step == micro_steps - 1
             # ACCUMULATION: gradients are reduce-scattered only on the boundary micro-step; before
             # it, FSDP2 keeps them unsharded and sums them locally.
             model.set_requires_gradient_sync(boundary)
@@ -137,6 +142,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
             grad_norm=grad_norm,
             lr=lr,
             seconds=time.perf_counter() - started,
+            samples=plan.step_positions(step).stop,
         )
     recorder.close()
     return ran.facts

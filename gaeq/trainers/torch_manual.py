@@ -24,7 +24,7 @@ from gaeq.matrix import Cell, Role
 from gaeq.problem.optim import build_optimizer, build_scheduler, gradient_clipping
 from gaeq.problem.spec import ProblemSpec
 from gaeq.trainers import tensor_parallel
-from gaeq.trainers.base import RunContext, StepRecorder, build_cell_problem, first_short_step, inject_fault, plan_of
+from gaeq.trainers.base import RunContext, StepRecorder, build_cell_problem, inject_fault, short_step_label
 from gaeq.trainers.checkpoint import load_torch, save_torch
 from gaeq.trainers.provenance import Provenance
 from gaeq.trainers.tensor_parallel import TensorParallel, full
@@ -32,16 +32,12 @@ from gaeq.trainers.tensor_parallel import TensorParallel, full
 
 def promised(cell: Cell, problem: ProblemSpec) -> dict[str, Any]:
     """What a torch cell's label promises (:mod:`gaeq.trainers.provenance` checks it after step 1)."""
-    label = {
+    return short_step_label(cell, problem) | {
         "ddp": cell.world_size > 1 and cell.tensor_parallel == 1,
         "grad_scaler": cell.dtype == "fp16",
         # the baseline is the reference: its norm summed in float64; every other cell's as users sum it
         "grad_norm_dtype": "float64" if cell.role == Role.BASELINE else "float32",
     }
-    plan = plan_of(cell, problem)
-    if (short := first_short_step(plan, problem.steps)) is not None:  # an epoch's short last step:
-        label["short_step_micro_steps"] = plan.micro_steps(short)  # measured when it comes
-    return label
 
 
 def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
@@ -114,8 +110,6 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
             # no_sync() lets them pile up locally in .grad (with tensor parallelism: see below).
             sync = contextlib.nullcontext() if ddp is None or boundary else ddp.no_sync()
             num_items = task.num_items(cell, mb, normaliser=normaliser)  # what the loss sum is divided by
-            if cell.bug == Bug.PARTIAL_LAST_WINDOW:  # planted bug: ÷ GA, even where the epoch's last window is short
-                num_items = num_items * plan.grad_accum_steps / micro_steps
             with sync:
                 with ran.forward(mb.inputs), task.forwarding(mb):
                     micro_loss = task.micro_loss(net, mb, num_items=num_items)

@@ -38,12 +38,14 @@ def test_every_planted_bug_is_caught_and_every_twin_matches(pitfalls_run):
     caught("torch-w1-mb4-ga8-bug_packed_sequences_weighted_per_pack@packed", grad_norm=0, loss=0)
     # the epoch's short last window still ÷ GA (Lightning#19987): at the first epoch's end (step 3), its norm × 3/4
     caught("torch-w2-mb4-ga4-bug_partial_last_window@epochs", grad_norm=3, loss=4)
+    caught("deepspeed-z2-w2-mb4-ga4-bug_partial_last_window@epochs", grad_norm=3, loss=4)
     short, twin = (
         [r.grad_norm for r in read_trace(out / "cells" / f"torch-w2-mb4-ga4{bug}@epochs")]
         for bug in ("-bug_partial_last_window", "")
     )
     assert short[:3] == pytest.approx(twin[:3], rel=1e-6) and short[3] / twin[3] == pytest.approx(3 / 4, rel=1e-6)
-    assert cells["torch-w2-mb4-ga4@epochs"]["ran"]["short_step_micro_steps"] == 3  # measured, as its label says
+    for twin in ("torch-w2-mb4-ga4@epochs", "deepspeed-z2-w2-mb4-ga4@epochs"):
+        assert cells[twin]["ran"]["short_step_micro_steps"] == 3  # measured, as its label says
     # … and the reason says what that step held (from the trace's sample counts)
     assert "step 3 held 24 samples, not 32" in cells["torch-w2-mb4-ga4-bug_partial_last_window@epochs"]["reason"]
     caught("torch-w1-mb8-ga4@batchnorm", loss=0)
@@ -68,6 +70,7 @@ def test_every_planted_bug_is_caught_and_every_twin_matches(pitfalls_run):
         "torch-w1-mb1-ga32@masked",
         "torch-w1-mb4-ga8@packed",
         "torch-w2-mb4-ga4@epochs",
+        "deepspeed-z2-w2-mb4-ga4@epochs",
         "torch-w1-mb8-ga4@layernorm",
         "deepspeed-z1-w2-mb4-ga4@layernorm",
         "torch-w1-mb8-ga4@dropout_indexed",

@@ -244,8 +244,8 @@ def epochs_spec(*cells: dict, num_samples: int | None = 40, steps: int = 12, **p
     ("spec", "message"),
     [
         (
-            epochs_spec({"trainer": "deepspeed", "micro_batch_size": 4}),
-            "epoch_end short_step runs in the torch trainer, not deepspeed",
+            epochs_spec({"trainer": "accelerate", "micro_batch_size": 4}),
+            "epoch_end short_step runs in the torch, deepspeed, fsdp trainers, not accelerate",
         ),
         (epochs_spec({"trainer": "torch", "world_size": 2, "micro_batch_size": 8}), "40 mod train_batch_size 16 = 8"),
         (epochs_spec({"trainer": "torch", "micro_batch_size": 4}, num_samples=None), "set data.num_samples"),
