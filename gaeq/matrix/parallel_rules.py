@@ -10,7 +10,8 @@ from gaeq.problem.spec import ProblemSpec, short_step_message
 from gaeq.registry import PIPELINE_TRAINERS, TENSOR_PARALLEL_TRAINERS, TRAINERS
 
 
-def where(split: Split) -> str:
+def where_of(split: Split) -> str:
+    """The cell a rule names in its message."""
     return f"the {split.trainer} cell w{split.world_size} mb{split.micro_batch_size}"
 
 
@@ -31,7 +32,7 @@ def check_moe(split: Split) -> None:
             f"a mixture of experts' balance loss runs in the {', '.join(MOE_TRAINERS)} trainers, not {split.trainer}"
         )
     if split.tensor_parallel > 1 or split.pipeline_parallel > 1:
-        raise MatrixError(f"a mixture of experts with tensor or pipeline parallelism: not offered ({where(split)})")
+        raise MatrixError(f"a mixture of experts with tensor or pipeline parallelism: not offered ({where_of(split)})")
 
 
 def reaches_short_step(problem: ProblemSpec) -> bool:
@@ -45,9 +46,11 @@ def check_short_steps(split: Split, problem: ProblemSpec) -> None:
     step whose samples split evenly over the data-parallel ranks."""
     if not TRAINERS[split.trainer].short_steps:
         runs = ", ".join(name for name, spec in TRAINERS.items() if spec.short_steps)
-        raise MatrixError(f"epoch_end short_step runs in the {runs} trainers, not {split.trainer} ({where(split)})")
+        raise MatrixError(f"epoch_end short_step runs in the {runs} trainers, not {split.trainer} ({where_of(split)})")
     if split.pipeline_parallel > 1 or getattr(problem.model, "moe", None) is not None:
-        raise MatrixError(f"epoch_end short_step with a pipeline or a mixture of experts: not offered ({where(split)})")
+        raise MatrixError(
+            f"epoch_end short_step with a pipeline or a mixture of experts: not offered ({where_of(split)})"
+        )
     message = short_step_message(
         num_samples=problem.num_samples,
         train_batch_size=problem.train_batch_size,
@@ -55,7 +58,7 @@ def check_short_steps(split: Split, problem: ProblemSpec) -> None:
         data_parallel=split.world_size // split.tensor_parallel,
     )
     if message:
-        raise MatrixError(f"{message} ({where(split)})")
+        raise MatrixError(f"{message} ({where_of(split)})")
 
 
 def check_hsdp(split: Split) -> None:

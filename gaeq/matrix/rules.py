@@ -17,7 +17,7 @@ from gaeq.matrix.parallel_rules import (
     grad_accum_of,
     mixture_of_experts,
     reaches_short_step,
-    where,
+    where_of,
 )
 from gaeq.matrix.schema import TENSOR_METRICS, FaultSpec, MatrixError, MatrixSpec
 from gaeq.problem.spec import ProblemSpec
@@ -43,7 +43,7 @@ def split_rules(split: Split, problem: ProblemSpec, spec: MatrixSpec) -> Split:
         if tracked := [m for m in TENSOR_METRICS if m in spec.track]:
             raise MatrixError(
                 f"pipeline cells are compared by loss and grad norm; tracking {'/'.join(tracked)} (each stage's "
-                f"tensors gathered at the boundary) is not offered for them yet ({where(split)})"
+                f"tensors gathered at the boundary) is not offered for them yet ({where_of(split)})"
             )
     ds_bf16_needs_zero(split)
     library_installed(split)
@@ -62,18 +62,18 @@ def deepspeed_axes(split: Split) -> Split:
     """zero_stage and offload are DeepSpeed settings; a DeepSpeed cell without a stage is ZeRO-0."""
     deepspeed = split.trainer in DEEPSPEED_TRAINERS
     if not deepspeed and split.zero_stage is not None:
-        raise MatrixError(f"zero_stage is a DeepSpeed setting; {where(split)} sets it")
+        raise MatrixError(f"zero_stage is a DeepSpeed setting; {where_of(split)} sets it")
     if deepspeed and split.zero_stage is None:
         split = dataclasses.replace(split, zero_stage=0)
     if not deepspeed and split.offload != "none":
-        raise MatrixError(f"offload is a DeepSpeed setting; {where(split)} sets it")
+        raise MatrixError(f"offload is a DeepSpeed setting; {where_of(split)} sets it")
     return split
 
 
 def pipeline_axes(split: Split) -> Split:
     """pipeline_schedule is a pipeline setting; a pipeline cell without one runs 1F1B."""
     if split.pipeline_parallel == 1 and split.pipeline_schedule is not None:
-        raise MatrixError(f"pipeline_schedule is a pipeline setting; {where(split)} has no pipeline_parallel")
+        raise MatrixError(f"pipeline_schedule is a pipeline setting; {where_of(split)} has no pipeline_parallel")
     if split.pipeline_parallel > 1 and split.pipeline_schedule is None:
         split = dataclasses.replace(split, pipeline_schedule=DEFAULT_PIPELINE_SCHEDULE)
     return split
@@ -84,20 +84,20 @@ def manual_accumulation(split: Split, problem: ProblemSpec, spec: MatrixSpec) ->
     if split.deepspeed_accumulation == "managed":
         return
     if split.trainer != "deepspeed":
-        raise MatrixError(f"deepspeed_accumulation is the deepspeed trainer's loop; {where(split)} sets it")
+        raise MatrixError(f"deepspeed_accumulation is the deepspeed trainer's loop; {where_of(split)} sets it")
     if split.pipeline_parallel > 1:
-        raise MatrixError(f"a pipeline's engine runs its own micro-batches: no manual accumulation ({where(split)})")
+        raise MatrixError(f"a pipeline's engine runs its own micro-batches: no manual accumulation ({where_of(split)})")
     if split.tensor_parallel > 1:
-        raise MatrixError(f"deepspeed_accumulation with tensor_parallel: not offered ({where(split)})")
+        raise MatrixError(f"deepspeed_accumulation with tensor_parallel: not offered ({where_of(split)})")
     if split.deepspeed_accumulation == "manual_unmanaged" and split.zero_stage == 0 and "grads" in spec.track:
         raise MatrixError(
             f"unmanaged accumulation at ZeRO-0 reduces the gradients inside step(): tracking grads, read before it, "
-            f"is not offered ({where(split)})"
+            f"is not offered ({where_of(split)})"
         )
     if problem.deepspeed_config is not None:
         raise MatrixError(
             f"deepspeed_accumulation {split.deepspeed_accumulation} writes GA 1 into gaeq's own config; a "
-            f"deepspeed_config's cells keep its accumulation ({where(split)})"
+            f"deepspeed_config's cells keep its accumulation ({where_of(split)})"
         )
 
 
@@ -152,11 +152,11 @@ def script_rules(split: Split, problem: ProblemSpec, *, args: tuple[str, ...]) -
     """A script matrix's cells run its script, and only they take script arguments."""
     script = TRAINERS[split.trainer].script
     if problem.script is not None and not script:
-        raise MatrixError(f"a script matrix runs its script in every cell; {where(split)} names another trainer")
+        raise MatrixError(f"a script matrix runs its script in every cell; {where_of(split)} names another trainer")
     if problem.script is None and script:
         raise MatrixError("trainer script runs a script matrix (script: at the matrix's top level)")
     if args and not script:
-        raise MatrixError(f"args are a script cell's; {where(split)} trains gaeq's own loop")
+        raise MatrixError(f"args are a script cell's; {where_of(split)} trains gaeq's own loop")
     for arg in args:
         try:
             check(arg)
