@@ -47,7 +47,7 @@ def check_short_steps(split: Split, problem: ProblemSpec) -> None:
     if not TRAINERS[split.trainer].short_steps:
         runs = ", ".join(name for name, spec in TRAINERS.items() if spec.short_steps)
         raise MatrixError(f"epoch_end short_step runs in the {runs} trainers, not {split.trainer} ({where_of(split)})")
-    if split.pipeline_parallel > 1 or getattr(problem.model, "moe", None) is not None:
+    if split.pipeline_parallel > 1 or mixture_of_experts(problem):  # (its balance term: a share of GA micro-batches)
         raise MatrixError(
             f"epoch_end short_step with a pipeline or a mixture of experts: not offered ({where_of(split)})"
         )
