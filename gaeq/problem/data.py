@@ -82,6 +82,14 @@ class BatchPlan:
         may be short too, on one data-parallel rank)."""
         return -(-len(self.step_positions(step)) // (self.micro_batch_size * self.data_parallel))
 
+    def first_short_step(self) -> int | None:
+        """The first step with fewer micro-steps than GA — the first epoch's last, every epoch being
+        laid out alike — or None (no short steps, or a last step short by less than a round of micro-batches)."""
+        if not self.short_steps:
+            return None
+        last = -(-self.num_samples // self.train_batch_size) - 1
+        return last if self.micro_steps(last) != self.grad_accum_steps else None
+
     def positions(self, *, step: int, micro_step: int, rank: int) -> range:
         """Global positions of the micro-batch that data-parallel `rank` processes at (`step`, `micro_step`)."""
         if not 0 <= micro_step < self.micro_steps(step):

@@ -148,13 +148,13 @@ class RouterTokens:
     """The tokens each expert of each layer of a transformers mixture of experts took (the top
     ``num_experts_per_tok`` of its router's logits), counted by a forward hook on every router: the
     modules of the class transformers records ``router_logits`` from (``_can_record_outputs``). For
-    ``ran``, in every loop — the Trainer's included."""
+    ``ran``, in every loop — the Trainer's included. False where the model has no routers (any other model)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         recorder = (getattr(model, "_can_record_outputs", None) or {}).get("router_logits")
         routers = [m for m in model.modules() if recorder is not None and isinstance(m, recorder.target_class)]
         self.index = getattr(recorder, "index", 0)
-        self.top_k = getattr(model.config, "num_experts_per_tok", 1)
+        self.top_k = getattr(getattr(model, "config", None), "num_experts_per_tok", 1)
         self.counts: list[torch.Tensor | None] = [None] * len(routers)
         self.hooks = [router.register_forward_hook(self._count(i)) for i, router in enumerate(routers)]
 

@@ -58,7 +58,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     net, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     # clip_grad_norm_ returns the pre-clipping norm; max_norm=inf measures without clipping.
     max_norm = gradient_clipping(problem) or math.inf
-    recorder = StepRecorder(cell=cell, ctx=ctx, steps=problem.steps)
+    recorder = StepRecorder(cell=cell, ctx=ctx, steps=problem.steps, plan=task.plan)
     recorder.count_collectives(net if isinstance(net, DDP) else None)
     ran = Provenance(
         cell,

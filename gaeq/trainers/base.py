@@ -184,7 +184,6 @@ def build_cell_problem(cell: Cell, problem: ProblemSpec, ctx: RunContext) -> Cel
         built = dataclasses.replace(built, loss_sum=cross_entropy_row_means, per_sample=True)
     layers = moe_layers(built.model)
     share = balance_share(cell, plan)
-    routers = RouterTokens(built.model) if getattr(built.model, "config", None) is not None else None
     return CellProblem(
         plan=plan,
         built=built,
@@ -193,7 +192,7 @@ def build_cell_problem(cell: Cell, problem: ProblemSpec, ctx: RunContext) -> Cel
         data_rank=cell.place(ctx.rank).data,
         balance=Balance(problem.model.moe, layers, share=share) if layers else None,
         aux_share=share,
-        routers=routers or None,
+        routers=RouterTokens(built.model) or None,  # a transformers mixture of experts' routers, if any
     )
 
 
@@ -213,8 +212,8 @@ def short_step_label(cell: Cell, problem: ProblemSpec) -> dict[str, int]:
     """What a loop that runs short steps (registry `short_steps`) promises where an epoch ends in one
     within the run: the micro-steps of the first (Provenance measures them when it comes)."""
     plan = plan_of(cell, problem)
-    short = next((s for s in range(problem.steps) if plan.micro_steps(s) != plan.grad_accum_steps), None)
-    return {} if short is None else {"short_step_micro_steps": plan.micro_steps(short)}
+    short = plan.first_short_step()
+    return {} if short is None or short >= problem.steps else {"short_step_micro_steps": plan.micro_steps(short)}
 
 
 def balance_share(cell: Cell, plan: BatchPlan) -> float:
@@ -246,8 +245,10 @@ class StepRecorder:
     """Every rank calls :meth:`record` (it sums the loss over ranks) and gathers the snapshots it
     :meth:`wants` (gathering is a collective under ZeRO); rank 0 writes the trace and snapshots."""
 
-    def __init__(self, *, cell: Cell, ctx: RunContext, steps: int) -> None:
+    def __init__(self, *, cell: Cell, ctx: RunContext, steps: int, plan: BatchPlan) -> None:
         self.cell = cell
+        self.plan = plan
+        """The samples of each step (an epoch's short last step holds fewer)."""
         self.ctx = ctx
         self.steps = steps
         self.writer = TraceWriter(ctx.cell_dir) if ctx.rank == 0 else None
@@ -291,9 +292,7 @@ class StepRecorder:
         lr: float,
         seconds: float,
         skipped: bool = False,
-        samples: int | None = None,
     ) -> None:
-        """`samples`: trained through this step (None: step + 1 full global batches)."""
         # float64 end to end: the comparison must not be limited by the logging precision.
         comm_bytes = self.comm.take()
         p2p_bytes, computing, span = self.pipeline.take()
@@ -320,7 +319,7 @@ class StepRecorder:
                 loss=loss_sum / normaliser,
                 grad_norm=float(grad_norm),
                 lr=float(lr),
-                samples=(step + 1) * self.cell.train_batch_size if samples is None else samples,
+                samples=self.plan.step_positions(step).stop,  # trained through this step
                 seconds=seconds,
                 skipped=skipped,
                 comm_bytes=comm_bytes,

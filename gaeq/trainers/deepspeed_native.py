@@ -62,7 +62,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     )
     net = engine
     managed = cell.deepspeed_accumulation == "managed"  # else GA 1 in the config, and our loop counts
-    recorder = StepRecorder(cell=cell, ctx=ctx, steps=problem.steps)
+    recorder = StepRecorder(cell=cell, ctx=ctx, steps=problem.steps, plan=task.plan)
     recorder.count_collectives(engine)
     model_dtype, grad_accum_dtype = engine.get_data_types()
     ran = Provenance(
@@ -151,7 +151,6 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
             lr=lr,
             seconds=time.perf_counter() - started,
             skipped=skipped,
-            samples=plan.step_positions(step).stop,
         )
         if step + 1 in cell.save_at:  # a collective: every rank saves its partitions
             save_deepspeed(engine, run_dir=ctx.run_dir, cell_id=cell.id, step=step + 1)

@@ -90,7 +90,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         engine._INSTRUCTION_MAP = {**engine._INSTRUCTION_MAP, schedule.BackwardPass: _backward_not_divided}
     if cell.bug == Bug.PIPE_RESCALED_EVERY_STAGE:  # planted bug (DeepSpeed#8152): every stage ÷ GA again
         engine._backward_prologue_per_tensor = types.MethodType(DeepSpeedEngine._backward_prologue_per_tensor, engine)
-    recorder = StepRecorder(cell=cell, ctx=ctx, steps=problem.steps)
+    recorder = StepRecorder(cell=cell, ctx=ctx, steps=problem.steps, plan=task.plan)
     recorder.count_collectives(engine)
     ran_schedules = _measure_stage(engine, recorder)
     ran = Provenance(

@@ -81,7 +81,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         clip_grad_norm_ = functools.partial(tensor_parallel.clip_grad_norm_, per_shard=True)
     if cell.bug == Bug.HSDP_GRAD_NORM_OVER_REPLICAS:  # planted bug: shards' squares summed over every rank
         clip_grad_norm_ = functools.partial(tensor_parallel.clip_grad_norm_, per_shard=True, over=dist.group.WORLD)
-    recorder = StepRecorder(cell=cell, ctx=ctx, steps=problem.steps)
+    recorder = StepRecorder(cell=cell, ctx=ctx, steps=problem.steps, plan=task.plan)
     recorder.count_collectives(model if ctx.world_size > 1 else None)
     recorder.count_collectives(tp)
     ran = Provenance(
@@ -142,7 +142,6 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
             grad_norm=grad_norm,
             lr=lr,
             seconds=time.perf_counter() - started,
-            samples=plan.step_positions(step).stop,
         )
     recorder.close()
     return ran.facts

@@ -92,7 +92,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         trainer.accelerator.backward = lambda loss, **kwargs: backward(loss, **{**kwargs, "scale_wrt_gas": True})
     if cell.bug == Bug.HF_LOSS_PER_MICRO_BATCH:
         trainer.model_accepts_loss_kwargs = False  # planted bug: no num_items_in_batch — each micro-batch's mean ÷ GA
-    recorder = StepRecorder(cell=cell, ctx=ctx, steps=problem.steps)
+    recorder = StepRecorder(cell=cell, ctx=ctx, steps=problem.steps, plan=task.plan)
     ran = Provenance(
         cell,
         promised=promised(cell, problem),

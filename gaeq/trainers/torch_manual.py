@@ -79,7 +79,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     if cell.bug == Bug.UNMIRRORED_DEFAULT_CLIPPING:  # planted bug: no key in the file, so "no clipping"
         max_norm = problem.mirror.gradient_clipping or math.inf
     last_param = list(model.parameters())[-1]
-    recorder = StepRecorder(cell=cell, ctx=ctx, steps=problem.steps)
+    recorder = StepRecorder(cell=cell, ctx=ctx, steps=problem.steps, plan=task.plan)
     recorder.count_collectives(ddp or tp)
     ran = Provenance(
         cell,
@@ -162,7 +162,6 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
             lr=lr,
             seconds=time.perf_counter() - started,
             skipped=skipped,
-            samples=plan.step_positions(step).stop,
         )
         if step + 1 in cell.save_at:
             save_torch(model, optimizer, scheduler, run_dir=ctx.run_dir, cell_id=cell.id, step=step + 1, rank=ctx.rank)

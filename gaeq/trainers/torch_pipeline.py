@@ -93,7 +93,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     optimizer = build_optimizer(params, problem)
     scheduler = build_scheduler(optimizer, problem)
     max_norm = gradient_clipping(problem) or math.inf
-    recorder = StepRecorder(cell=cell, ctx=ctx, steps=problem.steps)
+    recorder = StepRecorder(cell=cell, ctx=ctx, steps=problem.steps, plan=task.plan)
     recorder.count_collectives(split)
     _measure_stages(stages, recorder)
     ran = Provenance(

@@ -127,6 +127,7 @@ def test_a_short_step_ends_each_epoch_and_every_split_sees_its_samples_once():
         plan = BatchPlan(
             train_batch_size=32, micro_batch_size=micro, data_parallel=world, num_samples=120, short_steps=True, seed=1
         )
+        assert plan.first_short_step() == (None if plan.micro_steps(3) == plan.grad_accum_steps else 3)
         for epoch in range(2):
             seen = []
             for step in range(4 * epoch, 4 * epoch + 4):
