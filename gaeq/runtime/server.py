@@ -2,7 +2,7 @@
 
 Importing torch (and DeepSpeed, accelerate, transformers) takes seconds; a rank forked from a server
 that imported them once starts in a moment. Which modules a run needs comes from its cells'
-trainers (gaeq/registry.py) and models.
+trainers (gaeq/registry.py) and models, and from what a user's script lists (`script.imports`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ SCRIPT_PRELOADS = {
     "accelerate": ("gaeq.runtime.preload_accelerate",),
     "transformers": ("gaeq.runtime.preload_accelerate", PRELOAD_HF),  # the Trainer imports accelerate
 }
-"""What the fork server imports for a user's script that imports a library (ScriptSpec.libraries)."""
+"""What the fork server imports for a user's script that imports one of these libraries (ScriptSpec.libraries):
+gaeq's own preload of it. Any other module a script lists is imported as is, after gaeq's."""
 PRELOAD_ORDER = tuple(dict.fromkeys([PRELOAD, *(m for spec in TRAINERS.values() for m in spec.preload), PRELOAD_HF]))
 """Every module a fork server may import, in the order it imports them."""
 
@@ -49,13 +50,18 @@ def preload_modules(cells: Sequence[Cell], problems: Mapping[str, ProblemSpec]) 
     what each cell's trainer needs (gaeq/registry.py: DeepSpeed, accelerate, transformers),
     transformers for a transformers model and what a user's script imports, only when a cell needs
     them (the server's imports are on the critical path of every run: the first group cannot start
-    before they are done)."""
+    before they are done). gaeq's own come first, in PRELOAD_ORDER (preload.py sets the environment
+    DeepSpeed reads at import); then a script's other modules, in the order it lists them."""
     wanted = {PRELOAD, *(module for c in cells for module in TRAINERS[c.trainer].preload)}
     if any(isinstance(problems[c.variant].model, HFModelSpec) for c in cells):
         wanted.add(PRELOAD_HF)
     scripts = [problems[c.variant].script for c in cells if problems[c.variant].script is not None]
-    wanted.update(module for script in scripts for library in script.libraries() for module in SCRIPT_PRELOADS[library])
-    return [module for module in PRELOAD_ORDER if module in wanted]
+    listed = [
+        module for script in scripts for name in script.libraries() for module in SCRIPT_PRELOADS.get(name, (name,))
+    ]
+    wanted.update(listed)
+    ours = [module for module in PRELOAD_ORDER if module in wanted]
+    return ours + [module for module in dict.fromkeys(listed) if module not in PRELOAD_ORDER]
 
 
 def rank_context(*, isolate: bool, preload: Sequence[str]):

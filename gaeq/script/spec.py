@@ -3,7 +3,10 @@ torch here: the matrix's schema reads it)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import importlib.machinery
+import importlib.util
+import sys
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -23,7 +26,9 @@ class ScriptSpec(BaseModel):
     args: list[str] = Field(
         [],
         description="Its arguments; {name} or an integer expression of names anywhere inside one is filled per "
-        f"cell ({', '.join(NAMES)}), e.g. --batch_size={{micro_batch_size}}.",
+        f"cell ({', '.join(NAMES)}), e.g. --batch_size={{micro_batch_size}}. Other braces pass through as written "
+        "(JSON such as --accelerator_config '{\"split_batches\": true}', a regex's {3}); an unknown name in a "
+        "placeholder is bad input, and {{micro_batch_size}} is the literal text {micro_batch_size}.",
     )
     deepspeed_config: dict[str, Any] | None = Field(
         None,
@@ -32,10 +37,12 @@ class ScriptSpec(BaseModel):
     )
     cwd: str | None = Field(None, description="The folder it runs in (default: the script's own folder).")
     env: dict[str, str] = Field({}, description="Extra environment for every rank.")
-    imports: list[Literal["deepspeed", "accelerate", "transformers"]] | None = Field(
+    imports: list[str] | None = Field(
         None,
-        description="Libraries the script imports that gaeq's fork server imports once, before it forks the "
-        "ranks (a rank then starts without paying for them). Default: deepspeed with the deepspeed launcher or a "
+        description="Modules the script imports (any installed module or submodule, e.g. transformers, datasets, "
+        "peft, numpy) that gaeq's fork server imports once, before it forks the ranks (a rank then starts without "
+        "paying for them): deepspeed, accelerate and transformers through gaeq's own preloads, any other after "
+        "them, as named. Each must be installed here. Default: deepspeed with the deepspeed launcher or a "
         "deepspeed_config, accelerate with the accelerate launcher.",
     )
 
@@ -49,6 +56,19 @@ class ScriptSpec(BaseModel):
         }
         return tuple(name for name, wanted in said.items() if wanted)
 
+    @field_validator("imports")
+    @classmethod
+    def _installed(cls, imports: list[str] | None) -> list[str] | None:
+        """The fork server skips a module it cannot import (multiprocessing.forkserver drops the
+        ImportError in silence): a misspelt or missing name is said here, at load, or nothing would."""
+        for name in imports or ():
+            if not _findable(name):
+                raise ValueError(
+                    f"{name!r} is not installed here (no module of that name): the fork server imports what you "
+                    "list before it forks your ranks"
+                )
+        return imports
+
     @field_validator("args")
     @classmethod
     def _placeholders(cls, args: list[str]) -> list[str]:
@@ -58,3 +78,23 @@ class ScriptSpec(BaseModel):
             except PlaceholderError as exc:
                 raise ValueError(str(exc)) from None
         return args
+
+
+def _findable(name: str) -> bool:
+    """Is `name` a module the fork server could import? Found as the import system finds it, without
+    importing it: importlib.util.find_spec imports a dotted name's parent package, so it is asked only
+    where that parent is imported already (gaeq's parent process stays free of torch until the fork
+    server has started); below that, each package's folders are searched as `import` would."""
+    parts = name.split(".")
+    if not all(part.isidentifier() for part in parts):
+        return False
+    known = next(d for d in range(len(parts), 0, -1) if d == 1 or ".".join(parts[: d - 1]) in sys.modules)
+    try:
+        spec = importlib.util.find_spec(".".join(parts[:known]))
+    except (ImportError, ValueError):  # a parent that is no package; a module in sys.modules without a spec
+        return False
+    for depth in range(known + 1, len(parts) + 1):
+        if spec is None or spec.submodule_search_locations is None:
+            return False
+        spec = importlib.machinery.PathFinder.find_spec(".".join(parts[:depth]), list(spec.submodule_search_locations))
+    return spec is not None

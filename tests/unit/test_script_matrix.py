@@ -75,11 +75,35 @@ def test_each_rank_gets_what_the_users_launcher_gives_its_workers(tmp_path, laun
         ({"script": {"path": str(SCRIPT), "launcher": "mpirun"}}, "'torchrun', 'deepspeed' or 'accelerate'"),
         ({"cells": [{"trainer": "torch", "micro_batch_size": 4}]}, "runs its script in every cell"),
         ({"cells": [{"micro_batch_size": 4, "args": ["{nope}"]}]}, "args: {nope}: unknown name"),
+        ({"script": {"path": str(SCRIPT), "imports": ["numpy", "datasetz"]}}, "'datasetz' is not installed here"),
+        ({"script": {"path": str(SCRIPT), "imports": ["json.nope"]}}, "'json.nope' is not installed here"),
     ],
 )
 def test_what_a_script_matrix_cannot_be_is_one_line(tmp_path, change, message):
     with pytest.raises(MatrixError, match=message.replace("{", r"\{").replace("}", r"\}")):
         script_matrix(tmp_path, **change)
+
+
+def test_the_trainers_json_flags_reach_the_script_as_written(tmp_path):
+    args = ["--accelerator_config", '{"split_batches": true}', "--batch_size", "{micro_batch_size}"]
+    m = script_matrix(tmp_path, script={"path": str(SCRIPT), "args": args})
+    cell = next(c for c in m.cells if c.id == "script-w2-mb4-ga2")
+    filled = ["--accelerator_config", '{"split_batches": true}', "--batch_size", "4"]
+    assert script_args(cell, m.problem, out=tmp_path / "c") == filled
+
+
+def test_a_script_lists_any_installed_module_for_the_fork_server_after_gaeqs_own(tmp_path):
+    from gaeq.runtime.server import PRELOAD, preload_modules
+
+    script = {"path": str(SCRIPT), "launcher": "accelerate", "imports": ["numpy", "json", "accelerate", "numpy"]}
+    m = script_matrix(tmp_path, script=script)
+    modules = preload_modules(m.cells, {c.variant: m.problem for c in m.cells})
+    assert modules == [PRELOAD, "gaeq.runtime.preload_accelerate", "numpy", "json"]
+    # without imports: what the launcher says (accelerate), nothing of the user's
+    default = script_matrix(tmp_path, script={"path": str(SCRIPT), "launcher": "accelerate"})
+    assert preload_modules(default.cells, {c.variant: default.problem for c in default.cells})[-1] == (
+        "gaeq.runtime.preload_accelerate"
+    )
 
 
 def test_script_args_belong_to_script_cells(write_matrix):
