@@ -8,16 +8,26 @@ __version__ = "0.1.0"
 _API = ("load", "run", "open_run", "RunResult", "MatrixError")
 
 
-def probe(*, model=None, engine=None) -> None:
-    """In a script gaeq checks (gaeq.script): say which module is the one being trained — the model,
-    or the DeepSpeed engine wrapping it — when its first training forward is not (a teacher's, an
-    EMA copy's). Its parameters are then the ones fingerprinted, projected and whose norm is read.
+def probe(*, model=None, engine=None, pad_id=None) -> None:
+    """In a script gaeq checks (gaeq.script), tell it what it cannot see for itself:
+
+    - `model` (or `engine`, the DeepSpeed engine wrapping it): the module being trained, when the
+      first module called with gradients on that has trainable parameters is another (a teacher's);
+      its inputs are the samples, its parameters the ones fingerprinted, projected and whose norm is read;
+    - `pad_id`: the value your collation pads the model's inputs with, when it passes no attention
+      mask and pads without ``torch.nn.utils.rnn.pad_sequence`` — padding is removed before a
+      sample is fingerprinted (gaeq.script.samples), so the data can be checked.
+
     A no-op when the script runs outside gaeq."""
     import sys
 
     probing = sys.modules.get("gaeq.script.probe")  # loaded only inside a probed rank
-    if probing is not None and probing.ACTIVE is not None:
+    if probing is None or probing.ACTIVE is None:
+        return
+    if engine is not None or model is not None:
         probing.ACTIVE.model = engine if engine is not None else model
+    if pad_id is not None:
+        probing.ACTIVE.samples.pad_values.add(pad_id)
 
 
 def __getattr__(name: str):

@@ -46,14 +46,19 @@ class Cost:
         return cls(
             samples_per_s=samples / seconds if seconds > 0 else None,
             step_seconds=seconds / len(trace),
-            peak_mem_bytes=max(r.peak_mem_bytes for r in trace),
-            comm_bytes_per_step=sum(r.comm_bytes for r in trace) / len(trace),
+            peak_mem_bytes=_unless_unmeasured(max, [r.peak_mem_bytes for r in trace]),
+            comm_bytes_per_step=_unless_unmeasured(lambda v: sum(v) / len(v), [r.comm_bytes for r in trace]),
             model_state_bytes=max(r.model_state_bytes for r in trace) or None,
             p2p_bytes_per_step=sum(r.p2p_bytes for r in trace) / len(trace) or None,
             bubble=statistics.fmean(bubbles)
             if (bubbles := [r.bubble for r in trace[1:] if r.bubble is not None])
             else None,
         )
+
+
+def _unless_unmeasured(reduce, values: list):
+    """`reduce(values)`, or None when a step did not measure it (never a 0 that was not measured)."""
+    return None if any(v is None for v in values) else reduce(values)
 
 
 class Part(Generic[T]):
@@ -123,6 +128,7 @@ class CellReport:
     first_divergent_step = Part[int]("comparison")
     caught_by = Part[str]("comparison")
     divergence_steps = Part[dict]("comparison")
+    not_checked = Part[dict]("comparison")
     margin = Part[float]("comparison")
 
     # How its run ended.
@@ -175,7 +181,7 @@ JSON_FIELDS = (
     "zero_stage",
     *("offload", "dtype", "variant", "bug", "expect", "role", "verdict"),
     *("max_abs_loss_diff", "max_rel_grad_norm_diff", "max_abs_grad_diff", "max_abs_param_diff"),
-    *("first_divergent_step", "caught_by", "divergence_steps", "margin", "reason", "seconds"),
+    *("first_divergent_step", "caught_by", "divergence_steps", "not_checked", "margin", "reason", "seconds"),
     *("samples_per_s", "step_seconds", "peak_mem_bytes", "comm_bytes_per_step", "model_state_bytes"),
     *("p2p_bytes_per_step", "bubble", "bubble_theory", "ran"),
 )

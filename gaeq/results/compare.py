@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from gaeq.names import Name
 from gaeq.results.floor import NoiseFloor, envelope, nanmax, rel_diff
@@ -96,6 +96,8 @@ class Comparison:
     reason: str
     margin: float = 0.0
     """The largest share of its tolerance a loss or grad norm difference used (≥ 1: diverged)."""
+    not_checked: dict[str, str] = field(default_factory=dict)
+    """Checks that were not made, and why (a script's data when its padding cannot be told from data)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,13 +131,16 @@ def compare_traces(
     first_step: int = 0,
     floor: NoiseFloor | None = None,
     checks: Mapping[str, tuple[int, str] | None] | None = None,
+    not_checked: Mapping[str, str] | None = None,
+    notes: Mapping[str, str] | None = None,
 ) -> Comparison:
     """Compare step by step from `first_step` (a resumed cell's first step) on — and, given
     `tensors`, parameter by parameter; the verdict names the first divergence. The loss and grad
     norm tolerances at each step are the constants of `tol`, widened by the `floor` measured in the
     run (:func:`tolerances_at`). `checks`: what else was compared and its first divergence, if any
-    (a script's data, init and events). Raises ValueError if `other` does not cover exactly the
-    baseline's steps from `first_step`."""
+    (a script's data, init and events); `not_checked`: what was not compared, and why (said in the
+    reason); `notes`: metric → what explains it, added to the reason when it is the metric caught.
+    Raises ValueError if `other` does not cover exactly the baseline's steps from `first_step`."""
     base = [r for r in base if r.step >= first_step]
     if [r.step for r in other] != [r.step for r in base]:
         raise ValueError(f"trace has {len(other)} steps, the baseline has {len(base)} from step {first_step}")
@@ -175,9 +180,11 @@ def compare_traces(
     first |= {k: v for k, v in (checks or {}).items() if v is not None}  # a script's data, init, events
     compared = [m for m in METRICS if m in tracked or m in ("lr", "skipped") or m in (checks or {})]
     caught_by = min(first, key=lambda m: (first[m][0], METRICS.index(m))) if first else None
-    reason = "" if caught_by is None else first[caught_by][1]
+    reason = "" if caught_by is None else first[caught_by][1] + (notes or {}).get(caught_by, "")
     if caught_by in (*TENSOR_KINDS, *(checks or {})) and "loss" in tracked and "loss" not in first:
         reason += " (the loss still matches)"
+    unchecked = "; ".join(f"{metric} not checked: {why}" for metric, why in (not_checked or {}).items())
+    reason = " — ".join(part for part in (reason, unchecked) if part)
     return Comparison(
         verdict=Verdict.MATCH if caught_by is None else Verdict.DIVERGE,
         max_abs_loss_diff=max_loss,
@@ -189,6 +196,7 @@ def compare_traces(
         divergence_steps={m: first[m][0] if m in first else None for m in compared},
         reason=reason,
         margin=margin,
+        not_checked=dict(not_checked or {}),
     )
 
 

@@ -215,7 +215,14 @@ def _judge_cell(
             base_probe, probe = (read_probe(cell_dir(traces.run_dir, i)) for i in (base_id, cell.id))
             twin_probe = read_probe(cell_dir(traces.run_dir, twin)) if twin and twin != cell.id else None
             if base_probe and probe:
-                checks = script_checks(base_probe, probe, split=cell, twin=twin_probe, rtol=tolerance.tensor_rtol)
+                checks = script_checks(
+                    base_probe,
+                    probe,
+                    split=cell,
+                    twin=twin_probe,
+                    rtol=tolerance.tensor_rtol,
+                    lr_rtol=tolerance.lr_rtol,
+                )
         comparison = compare_traces(
             traces.get(base_id),
             traces.get(cell.id),
@@ -224,7 +231,9 @@ def _judge_cell(
             tensors=tensors,
             first_step=cell.first_step,
             floor=floor,
-            checks=checks,
+            checks=checks.first if checks else None,
+            not_checked=checks.not_checked if checks else None,
+            notes=checks.notes if checks else None,
         )
     except (OSError, ValueError, TypeError) as exc:
         return Verdict.ERROR, f"unreadable or incomplete results: {exc}", None

@@ -99,8 +99,9 @@ def write_tensorboard(run_dir: Path, report: Report, traces: TraceStore) -> Path
                 writer.add_scalar(GRAD_NORM, r.grad_norm, r.step)
                 writer.add_scalar(LR, r.lr, r.step)
                 writer.add_scalar(STEP_SECONDS, r.seconds, r.step)
-                writer.add_scalar(COMM_BYTES, r.comm_bytes, r.step)
-                writer.add_scalar(PEAK_MEM, r.peak_mem_bytes, r.step)
+                for tag, value in ((COMM_BYTES, r.comm_bytes), (PEAK_MEM, r.peak_mem_bytes)):
+                    if value is not None:  # not measured: no point, rather than a false 0
+                        writer.add_scalar(tag, value, r.step)
             if base is not None and {r.step for r in trace} <= {r.step for r in base}:
                 tol, floor = report.tolerances[cell.dtype], report.floors.get(cell.cell.group)
                 by_step = {r.step: r for r in base}

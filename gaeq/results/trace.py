@@ -37,10 +37,11 @@ class StepRecord:
     """Wall time of this optimizer step (all its micro-steps)."""
     skipped: bool = False
     """The update was skipped: an fp16 gradient overflowed (the loss scale is lowered instead)."""
-    comm_bytes: int = 0
-    """Bytes rank 0 put through collectives during this step (nccl-tests sizes, gaeq.trainers.cost)."""
-    peak_mem_bytes: int = 0
-    """Rank 0's peak memory so far in this cell (RSS on CPU, max allocated on CUDA)."""
+    comm_bytes: int | None = 0
+    """Bytes rank 0 put through collectives during this step (nccl-tests sizes, gaeq.trainers.cost);
+    None: not measured (a script whose training wrapper gaeq does not know)."""
+    peak_mem_bytes: int | None = 0
+    """Rank 0's peak memory so far in this cell (RSS on CPU, max allocated on CUDA); None: not measured."""
     model_state_bytes: int = 0
     """Rank 0's parameters, gradients and optimizer state, in bytes, while accumulating (measured at
     one step of the cell, gaeq.trainers.base.StepRecorder.measure_model_state; 0 at the others)."""

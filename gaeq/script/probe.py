@@ -6,12 +6,20 @@ writes, per optimizer step, what was really optimised and on which data.
   DeepSpeed's and accelerate's ``backward``, which end there: DeepSpeed's ÷ GA included), summed over
   the step's micro-steps and averaged over ranks as DDP averages gradients — a missing ÷ GA shows
   as × GA even when the logged loss looks right;
-- **the grad norm before clipping**, in float64, from the outermost module's gradients at the first
-  ``clip_grad_norm_`` of the step (or at the optimizer step when nothing clips) — a DeepSpeed engine's
-  own (``get_global_grad_norm``: it clips inside its step, and ZeRO ≥ 1 keeps no ``.grad``);
-- **events**: backward, clip, zero_grad, scheduler and optimizer-step calls per optimizer step;
-- **the data**: a fingerprint of every row the outermost module's training forward receives (its
-  tensor arguments' rows hashed together), gathered over ranks — each step's multiset of samples;
+- **the grad norm at the boundary, before clipping**, in float64: at the first ``clip_grad_norm_``
+  after the step's last backward (whatever the script clipped before it), or at the optimizer step
+  when nothing clips after it — a DeepSpeed engine's own (``get_global_grad_norm``: it clips inside
+  its step, and ZeRO ≥ 1 keeps no ``.grad``);
+- **events**: the calls the script makes per optimizer step — backward, clip, zero_grad, scheduler,
+  optimizer step; a library wrapper that steps the scheduler it wraps several times (accelerate's
+  prepared scheduler, once per process) is one call, and how far the schedule advanced is recorded
+  beside it;
+- **the data**: each row the model being trained receives — the first module called with gradients
+  on that has trainable parameters (a loss module has none), or the one ``gaeq.probe(model=…)`` names
+  — fingerprinted without its padding (gaeq.script.samples), gathered over ranks: each step's
+  multiset of samples;
+- **the cost**: rank 0's peak memory and the bytes its training wrapper (DDP, a DeepSpeed engine,
+  FSDP2) put through collectives, per step (gaeq.trainers.cost, as gaeq's own trainers count them);
 - **the weights**: a fingerprint of the initial parameters and, after each step, a fixed random
   projection of them (an update sketch).
 
@@ -22,7 +30,6 @@ and ``probe.json``; after the asked number of steps every rank leaves (the scrip
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import os
 import sys
@@ -36,11 +43,11 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from gaeq.script.contract import ENV, PROBE_FILE
+from gaeq.script.samples import SampleIdentity
+from gaeq.script.weights import UpdateSketch, fingerprint
 
 ACTIVE: Probe | None = None
 """The probe of this process, once installed (what ``gaeq.probe(model=…)`` tells)."""
-SKETCH_ENTRIES = 256
-"""Entries of each parameter the update sketch projects (fixed positions and weights per parameter)."""
 
 
 class Probe:
@@ -48,15 +55,23 @@ class Probe:
         self.out, self.steps = out, steps
         self.step = 0
         self.model: torch.nn.Module | None = None
-        """The outermost module of the first training forward (DDP's wrapper, if there is one)."""
+        """The module being trained: the first called with gradients on that has trainable parameters
+        (DDP's wrapper or DeepSpeed's engine, if there is one), or the one gaeq.probe(model=…) names."""
         self.initial: str | None = None
         self.dropout: dict[str, float] = {}
         """The model's dropout modules active in its first training forward: name → p."""
         self.record: list[dict[str, Any]] = []
-        self._depth = 0
+        self.samples = SampleIdentity()
+        self._calls: list[bool] = []
+        """Per module call in progress: whether it is a training call of the model (its inputs are read)."""
         self._seen = False
-        self._outer: torch.nn.Module | None = None
-        self._sketch: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._sketch = UpdateSketch()
+        self._scheduling = 0
+        """Scheduler steps in progress (a scheduler stepping others inside its own step is one call)."""
+        self._wrapper_call: Any = None
+        """The frame of the library wrapper's step that stepped the scheduler last (one call of the script's)."""
+        self._memory: Any = None
+        self._comm: Any = None
         self._new_step()
 
     @classmethod
@@ -67,9 +82,13 @@ class Probe:
     def _new_step(self) -> None:
         self.losses: list[float] = []
         self.rows: list[int] = []
-        self.samples: list[str] = []
+        self.fingerprints: list[str] = []
+        self.lengths: list[int | None] = []
+        self.exact = True
         self.events: Counter[str] = Counter()
         self.grad_norm: float | None = None
+        self._norm_after_backward: float | None = None
+        """The norm at the first clip since the last backward (the boundary's, when no backward follows)."""
         self.lr: float | None = None
         self.started = time.perf_counter()
 
@@ -85,6 +104,7 @@ class Probe:
             if isinstance(tensors, torch.Tensor) and tensors.numel() == 1:
                 self.losses.append(float(tensors.detach().double()))
             self.events["backward"] += 1
+            self._norm_after_backward = None  # the gradient changes: a clip after this one reads the new norm
             return backward(tensors, *args, **kwargs)
 
         torch.autograd.backward = probed_backward  # Tensor.backward calls it too
@@ -95,8 +115,8 @@ class Probe:
         def probed_clip(parameters, *args, **kwargs):
             parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
             self.events["clip"] += 1
-            if self.grad_norm is None:
-                self.grad_norm = _norm([p.grad for p in parameters if p.grad is not None])
+            if self._norm_after_backward is None:  # before it clips: a clip per micro-step reads each one's
+                self._norm_after_backward = _norm([p.grad for p in parameters if p.grad is not None])
             return clip(parameters, *args, **kwargs)
 
         torch.nn.utils.clip_grad_norm_ = probed_clip
@@ -115,47 +135,91 @@ class Probe:
 
         @functools.wraps(scheduler_step)
         def probed_scheduler_step(scheduler, *args, **kwargs):
-            self.events["scheduler"] += 1
-            return scheduler_step(scheduler, *args, **kwargs)
+            if not self._scheduling:
+                self.events["schedule_advanced"] += 1
+                if self._called_by_script(scheduler, sys._getframe(1)):
+                    self.events["scheduler"] += 1
+            self._scheduling += 1
+            try:
+                return scheduler_step(scheduler, *args, **kwargs)
+            finally:
+                self._scheduling -= 1
 
         torch.optim.lr_scheduler.LRScheduler.step = probed_scheduler_step
+
+        pad_sequence = torch.nn.utils.rnn.pad_sequence
+
+        @functools.wraps(pad_sequence)
+        def probed_pad_sequence(sequences, batch_first=False, padding_value=0.0, *args, **kwargs):
+            self.samples.pad_values.add(padding_value)  # the collation's padding: removed before hashing
+            return pad_sequence(sequences, batch_first, padding_value, *args, **kwargs)
+
+        torch.nn.utils.rnn.pad_sequence = probed_pad_sequence
 
         torch.nn.modules.module.register_module_forward_pre_hook(self._before_forward)
         torch.nn.modules.module.register_module_forward_hook(self._after_forward, with_kwargs=True, always_call=True)
         register_optimizer_step_pre_hook(self._before_step)
         register_optimizer_step_post_hook(self._after_step)
 
+    def _called_by_script(self, scheduler, caller) -> bool:
+        """Whether this scheduler step is a call of the script's: not a library wrapper's repeat of
+        one call (accelerate's prepared scheduler steps the one it wraps once per process)."""
+        owner = caller.f_locals.get("self")
+        if owner is None or owner is scheduler or getattr(owner, "scheduler", None) is not scheduler:
+            return True
+        if caller is self._wrapper_call:
+            return False  # the same call of the wrapper, stepping again
+        self._wrapper_call = caller
+        self.events[f"wrapper:{type(owner).__module__}.{type(owner).__qualname__}"] = 1
+        return True
+
     def _before_forward(self, module, args) -> None:
-        if self._depth == 0:
-            self._outer = module
-        self._depth += 1
+        if any(self._calls):  # inside the model: its own modules
+            self._calls.append(False)
+            return
+        if self.model is None and torch.is_grad_enabled() and _trainable(module):
+            self.model = module
+            self._attach_cost(module)
+        self._calls.append(module is self.model and torch.is_grad_enabled())
 
     def _after_forward(self, module, args, kwargs, output) -> None:
-        self._depth -= 1
-        if self._depth or module is not self._outer or not torch.is_grad_enabled():
-            return  # an inner module, or an evaluation forward
-        if self.model is None:
-            self.model = module
+        if not self._calls.pop():
+            return  # another module than the model (a loss, a metric, a teacher), or an evaluation forward
         if not self._seen:  # the first training forward: the model's dropout, as it trains
             self._seen = True
             self.dropout = active_dropout(self.model)
-        tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.ndim > 0]
-        if not tensors:
+        batch = self.samples.read(module, args, kwargs)
+        if batch is None:
             return
-        rows = tensors[0].shape[0]
-        same = [t.detach().cpu().contiguous() for t in tensors if t.shape[0] == rows]
-        self.rows.append(rows)
-        for i in range(rows):
-            digest = hashlib.blake2b(digest_size=8)
-            for t in same:
-                digest.update(t[i].numpy().tobytes())
-            self.samples.append(digest.hexdigest())
+        self.rows.append(len(batch.fingerprints))
+        self.fingerprints.extend(batch.fingerprints)
+        self.lengths.append(batch.length)
+        self.exact &= batch.exact
+
+    def _attach_cost(self, model: torch.nn.Module) -> None:
+        """Count what the model's training wrapper sends (before its first backward: DDP takes a comm
+        hook only then), and this process's peak memory from now on."""
+        from gaeq.trainers.cost import CommCounter, PeakMemory
+
+        self._memory = PeakMemory(next(model.parameters()).device)
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            self._comm = CommCounter()  # a single process sends nothing
+            return
+        counter = CommCounter()
+        try:
+            counter.attach(model)
+        except RuntimeError:  # DDP with a comm hook of the script's own: one hook per model
+            return
+        if counter.attached:
+            self._comm = counter
 
     def _before_step(self, optimizer, args, kwargs) -> None:
         params = self._parameters(optimizer)
         if self.initial is None:
-            self.initial = _fingerprint(params)
-        if self.grad_norm is None:  # nothing clipped: the norm the optimizer is about to use
+            self.initial = fingerprint(params)
+        # the boundary's norm before clipping: the first clip's after the last backward, else now
+        self.grad_norm = self._norm_after_backward
+        if self.grad_norm is None:
             self.grad_norm = _norm([p.grad for p in params if p.grad is not None])
         self.lr = float(optimizer.param_groups[0]["lr"])
 
@@ -168,12 +232,16 @@ class Probe:
         mine = {
             "losses": self.losses,
             "rows": self.rows,
-            "samples": self.samples,
+            "samples": self.fingerprints,
+            "lengths": self.lengths,
+            "exact": self.exact,
             "events": dict(self.events),
         }
+        comm = self._comm.take() if self._comm is not None else None  # before the probe's own gather
         ranks = _gather(mine)
         if _rank() == 0:
-            self._write(ranks, sketch=self._project(self._parameters(optimizer)))
+            peak = self._memory.peak_bytes() if self._memory is not None else None
+            self._write(ranks, sketch=self._sketch(self._parameters(optimizer)), comm=comm, peak=peak)
         self.step += 1
         self._new_step()
         if self.step == self.steps:
@@ -187,7 +255,9 @@ class Probe:
 
     # --- what is written ------------------------------------------------------------------------
 
-    def _write(self, ranks: list[dict[str, Any]], *, sketch: tuple[float, float]) -> None:
+    def _write(
+        self, ranks: list[dict[str, Any]], *, sketch: tuple[float, float], comm: int | None, peak: int | None
+    ) -> None:
         world = len(ranks)
         objective = sum(sum(r["losses"]) for r in ranks) / world  # DDP averages the ranks' gradients
         samples = sorted(s for r in ranks for s in r["samples"])
@@ -204,22 +274,13 @@ class Probe:
                 "backward": [r["events"].get("backward", 0) for r in ranks],
                 "events": ranks[0]["events"],
                 "samples": samples,
+                "lengths": sorted({n for r in ranks for n in r["lengths"] if n is not None}),
+                "exact": all(r["exact"] for r in ranks),
+                "comm_bytes": comm,
+                "peak_mem_bytes": peak,
                 "seconds": time.perf_counter() - self.started,
             }
         )
-
-    def _project(self, params: list[torch.Tensor]) -> tuple[float, float]:
-        """A fixed random projection of the parameters, and its scale (the sum of the terms' sizes, what
-        a difference is relative to): the same positions and weights in every run of the same model, so
-        two runs' sketches differ only where their updates do."""
-        if self._sketch is None:
-            self._sketch = []
-            for i, p in enumerate(params):
-                g = torch.Generator().manual_seed(1_000_003 * (i + 1) + p.numel())
-                where = torch.randint(0, p.numel(), (min(SKETCH_ENTRIES, p.numel()),), generator=g)
-                self._sketch.append((where, torch.randn(len(where), generator=g, dtype=torch.float64)))
-        terms = [p.detach().reshape(-1)[w].double() * v for p, (w, v) in zip(params, self._sketch)]
-        return float(sum(t.sum() for t in terms)), float(sum(t.abs().sum() for t in terms))
 
     def finish(self) -> None:
         """The asked steps are recorded: rank 0 publishes the trace, every rank leaves together."""
@@ -254,6 +315,8 @@ class Probe:
                     lr=r["lr"],
                     samples=samples,
                     seconds=r["seconds"],
+                    comm_bytes=r["comm_bytes"],
+                    peak_mem_bytes=r["peak_mem_bytes"],
                 )
             )
         writer.close()
@@ -280,15 +343,16 @@ def _engine_norm(model: torch.nn.Module | None) -> float | None:
     return None if norm is None else float(norm)
 
 
+def _trainable(module: torch.nn.Module) -> bool:
+    """Whether `module` has a parameter that trains (a loss or a metric has none; a frozen teacher's do not)."""
+    return any(p.requires_grad for p in module.parameters())
+
+
 def _norm(grads: list[torch.Tensor]) -> float:
-    return float(sum(g.detach().double().pow(2).sum() for g in grads) ** 0.5) if grads else float("nan")
-
-
-def _fingerprint(params: list[torch.Tensor]) -> str:
-    digest = hashlib.blake2b(digest_size=8)
-    for p in params:
-        digest.update(p.detach().cpu().contiguous().float().numpy().tobytes())
-    return digest.hexdigest()
+    """The L2 norm of `grads`, each summed in float64 where it lives (no float64 copy of a gradient)."""
+    if not grads:
+        return float("nan")
+    return float(sum(float(torch.linalg.vector_norm(g.detach(), dtype=torch.float64)) ** 2 for g in grads) ** 0.5)
 
 
 def _rank() -> int:

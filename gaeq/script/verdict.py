@@ -1,12 +1,18 @@
 """What a script cell's probe saw, against its baseline's, before any number is compared: the same
 samples in every optimizer step, the same initial weights, the same calls per optimizer step. Each
 check gives its first divergence (step, reason); the trace comparison takes them as metrics
-(gaeq.results.compare.METRICS: data, then init, then events, then the numbers)."""
+(gaeq.results.compare.METRICS: data, then init, then events, then the numbers).
+
+A check is made only where its evidence is sound, never on a guess: the data check is not made when
+a difference in fingerprints could be padding gaeq cannot tell from data (:func:`_unreadable`), and
+a scheduler called another number of times is a divergence only where the lr it sets differs too
+(a schedule sized for it — stepped per micro-step over GA × the steps — gives the same lr)."""
 
 from __future__ import annotations
 
 import json
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +25,18 @@ EVENTS = {
     "scheduler": "scheduler.step()",
 }
 """The calls counted per optimizer step (backward calls are the split's: GA per rank, checked first)."""
+JUDGED_BY_LR = ("scheduler",)
+"""Calls whose count matters only through the lr they set."""
+
+
+@dataclass(frozen=True)
+class ScriptChecks:
+    first: dict[str, tuple[int, str] | None]
+    """Each check's first divergence (step, why), None where it found none."""
+    not_checked: dict[str, str] = field(default_factory=dict)
+    """Checks not made, and why (the verdict then comes from the numbers)."""
+    notes: dict[str, str] = field(default_factory=dict)
+    """metric → what the probe saw that explains it, added to the reason when that metric is the one caught."""
 
 
 def read_probe(cell_dir: Path) -> dict | None:
@@ -27,18 +45,30 @@ def read_probe(cell_dir: Path) -> dict | None:
 
 
 def script_checks(
-    base: dict, cell: dict, *, split: Any = None, twin: dict | None = None, rtol: float = 1e-5
-) -> dict[str, tuple[int, str] | None]:
+    base: dict,
+    cell: dict,
+    *,
+    split: Any = None,
+    twin: dict | None = None,
+    rtol: float = 1e-5,
+    lr_rtol: float = 1e-12,
+) -> ScriptChecks:
     """Each check's first divergence of `cell`'s probe from `base`'s (None: none): the split it really
     ran (against the cell `split`, when given), then data, init, events, and the update sketch —
-    within `rtol`, or 10 × what the run's noise-floor `twin` drifted, if more (at most 1000 × `rtol`)."""
+    within `rtol`, or 10 × what the run's noise-floor `twin` drifted, if more (at most 1000 × `rtol`);
+    the lr agrees to `lr_rtol`, as the trace comparison asks."""
     found: dict[str, tuple[int, str] | None] = dict.fromkeys(("split", "data", "init", "events", "update"))
+    not_checked: dict[str, str] = {}
     if split is not None and cell["steps"] and (why := ran_another_split(split, cell["steps"][0])):
         found["split"] = (0, why)
     steps = list(zip(base["steps"], cell["steps"]))
     for b, c in steps:
         if (why := _samples_differ(b["samples"], c["samples"])) is not None:
-            found["data"] = (c["step"], f"the data of step {c['step']}: {why}")
+            if (unreadable := _unreadable(b, c)) is not None:
+                not_checked["data"] = unreadable
+                del found["data"]
+            else:
+                found["data"] = (c["step"], f"the data of step {c['step']}: {why}")
             break
     if base["initial"] != cell["initial"]:
         found["init"] = (
@@ -46,10 +76,11 @@ def script_checks(
             "the initial weights differ from the baseline's: the model's init depends on the rank or the split "
             "(seed before building it, the same seed on every rank)",
         )
+    lr_differs = _lr_differs(steps, lr_rtol)
     for b, c in steps:
         for event, call in EVENTS.items():
             theirs, ours = b["events"].get(event, 0), c["events"].get(event, 0)
-            if theirs != ours:
+            if theirs != ours and (lr_differs or event not in JUDGED_BY_LR):
                 found["events"] = (
                     c["step"],
                     f"{call} called {ours}× in optimizer step {c['step']}, the baseline {theirs}× "
@@ -60,7 +91,55 @@ def script_checks(
         if found["events"] is not None:
             break
     found["update"] = _update_differs(base["steps"], cell["steps"], twin=twin, rtol=rtol)
-    return found
+    notes = {"lr": note} if lr_differs and (note := _schedule_advanced(steps)) else {}
+    return ScriptChecks(first=found, not_checked=not_checked, notes=notes)
+
+
+def _unreadable(base: dict, cell: dict) -> str | None:
+    """Why two steps' fingerprints cannot be compared (None: they can): the inputs change length
+    between micro-batches and some hold padding gaeq could not remove — the same sample then has
+    another fingerprint beside other neighbours."""
+    lengths = {*base.get("lengths", ()), *cell.get("lengths", ())}
+    if len(lengths) < 2 or (base.get("exact", True) and cell.get("exact", True)):
+        return None
+    return (
+        f"your model's inputs change length with the micro-batch ({min(lengths)} to {max(lengths)} "
+        "positions: padded to each batch's longest?) and hold no attention_mask, and gaeq knows no padding value "
+        "of theirs, so a sample's rows depend on its neighbours — pass the attention mask to the model, pad with "
+        "torch.nn.utils.rnn.pad_sequence, or name the pad id with gaeq.probe(pad_id=…) for the data to be checked"
+    )
+
+
+def _lr_differs(steps: list[tuple[dict, dict]], rtol: float) -> bool:
+    """Whether the lr of some optimizer step differs from the baseline's (as the trace comparison judges it)."""
+    for b, c in steps:
+        theirs, ours = b.get("lr"), c.get("lr")
+        if theirs is None or ours is None:
+            continue
+        allowed = rtol * abs(theirs)
+        if not abs(ours - theirs) <= allowed:
+            return True
+    return False
+
+
+def _schedule_advanced(steps: list[tuple[dict, dict]]) -> str | None:
+    """What moved the lr: the schedule advancing another number of times per optimizer step than the
+    baseline's — through a library wrapper, when one stepped it (accelerate's prepared scheduler). A
+    step's counts are the calls since the previous optimizer step: a scheduler stepped after
+    ``optimizer.step()`` counts in the next one."""
+    for b, c in steps:
+        theirs, ours = b["events"].get("schedule_advanced", 0), c["events"].get("schedule_advanced", 0)
+        if theirs != ours:
+            k = c["step"]
+            when = f"between optimizer steps {k - 1} and {k}" if k else "before optimizer step 0"
+            wrapper = next((e.split(":", 1)[1] for e in c["events"] if e.startswith("wrapper:")), None)
+            through = (
+                f": your scheduler.step() went through {wrapper}, which stepped the scheduler it wraps {ours}×"
+                if wrapper
+                else ""
+            )
+            return f" — the schedule advanced {ours}× {when}, the baseline's {theirs}×{through}"
+    return None
 
 
 def _sketch_drift(base: list[dict], cell: list[dict]) -> list[float]:

@@ -102,6 +102,8 @@ class CommCounter:
 
     def __init__(self) -> None:
         self.bytes = 0
+        self.attached = False
+        """Whether :meth:`attach` found what to count (a wrapper it knows, on more than one process)."""
         self._paused = 0
         self._patches = Patches()
 
@@ -140,6 +142,9 @@ class CommCounter:
 
             self._patch(funcol, _DTENSOR_SIZES)
             self._patch(torch.distributed, {"all_reduce": _DEEPSPEED_SIZES["all_reduce"]})
+        else:
+            return
+        self.attached = True
 
     def detach(self) -> None:
         self._patches.restore()

@@ -65,16 +65,21 @@ def corner(tmp_path, experiment: str, bug: str) -> dict:
     return cells_by_id(report)
 
 
-def test_a_users_accelerate_script_matches_and_its_scheduler_stepped_per_process_is_an_event(tmp_path):
+def test_a_users_accelerate_script_matches_and_its_scheduler_stepped_per_process_moves_the_lr(tmp_path):
     """experiments/your_accelerate_script.yaml's corner: accelerate's own loop and sharding at world 2
-    against the baseline, and a prepared scheduler left to accelerate's default (stepped once per
-    process per optimizer step) caught by the calls it makes."""
+    against the baseline, and a prepared scheduler left to accelerate's default: the script calls it
+    once per step, as the baseline does (not an event), and accelerate steps it once per process — the
+    lr runs ahead, and the reason says what advanced it."""
     cells = corner(tmp_path, "your_accelerate_script.yaml", "scheduler_per_process")
     assert cells["script-w2-mb4-ga2"]["verdict"] == "match"
     assert cells["script-w2-mb4-ga2"]["ran"]["command"].startswith("accelerate launch --multi_gpu --num_processes 2")
     control = cells["script-w2-mb4-ga2-args_bug_scheduler_per_process"]
-    assert (control["caught_by"], control["first_divergent_step"]) == ("events", 1), control["reason"]
-    assert "scheduler.step() called 2× in optimizer step 1, the baseline 1×" in control["reason"]
+    assert (control["caught_by"], control["first_divergent_step"]) == ("lr", 1), control["reason"]
+    assert control["divergence_steps"]["events"] is None
+    assert (
+        "the schedule advanced 2× between optimizer steps 0 and 1, the baseline's 1×: your scheduler.step() went "
+        "through accelerate.scheduler.AcceleratedScheduler, which stepped the scheduler it wraps 2×"
+    ) in control["reason"]
 
 
 def test_a_users_deepspeed_script_matches_and_manual_accumulation_against_ga_1_is_another_split(tmp_path):

@@ -114,27 +114,71 @@ def test_script_args_belong_to_script_cells(write_matrix):
         load_matrix(write_matrix(spec))
 
 
-def probe(samples, *, initial="aa", events=None, steps=2):
-    events = events or {"optimizer_step": 1, "clip": 1, "zero_grad": 1, "scheduler": 1}
-    return {"initial": initial, "steps": [{"step": s, "samples": samples[s], "events": events} for s in range(steps)]}
+def probe(samples, *, initial="aa", events=None, steps=2, lr=None, lengths=None, exact=True):
+    events = events or {"optimizer_step": 1, "clip": 1, "zero_grad": 1, "scheduler": 1, "schedule_advanced": 1}
+    lr = lr or [1e-3] * steps
+    return {
+        "initial": initial,
+        "steps": [
+            {"step": s, "samples": samples[s], "events": events, "lr": lr[s], "lengths": lengths or [], "exact": exact}
+            for s in range(steps)
+        ],
+    }
 
 
 def test_the_probes_are_compared_data_then_init_then_events():
     base = probe([["a", "b", "c", "d"], ["e", "f", "g", "h"]])
-    assert script_checks(base, probe([["d", "c", "b", "a"][::-1], ["e", "f", "g", "h"]])) == dict.fromkeys(
-        ("split", "data", "init", "events", "update")
-    )  # the same multiset, whatever the order
-    other = script_checks(base, probe([["a", "b", "c", "d"], ["e", "e", "g", "x"]], initial="bb"))
+    same = script_checks(base, probe([["d", "c", "b", "a"][::-1], ["e", "f", "g", "h"]]))
+    assert same.first == dict.fromkeys(("split", "data", "init", "events", "update"))  # the multiset, not the order
+    other = script_checks(base, probe([["a", "b", "c", "d"], ["e", "e", "g", "x"]], initial="bb")).first
     assert other["data"] == (1, "the data of step 1: 2 of the baseline's 4 samples missing, 2 others in their "
                              "place, 1 sample(s) seen twice — ranks drawing overlapping shards (a sampler seeded per "
                              "rank?)")  # fmt: skip
     assert other["init"][0] == 0 and "initial weights differ" in other["init"][1]
     per_micro_step = {"optimizer_step": 1, "clip": 4, "zero_grad": 1, "scheduler": 1}
-    clipped = script_checks(base, probe([["a", "b", "c", "d"], ["e", "f", "g", "h"]], events=per_micro_step))
+    clipped = script_checks(base, probe([["a", "b", "c", "d"], ["e", "f", "g", "h"]], events=per_micro_step)).first
     assert clipped["data"] is None and clipped["events"] == (
         0,
         "clip_grad_norm_ called 4× in optimizer step 0, the baseline 1× (per micro-step or per process where the "
         "baseline calls it once per step?)",
+    )
+
+
+def test_fingerprints_that_padding_could_explain_are_not_a_data_divergence():
+    """Inputs whose length changes with the micro-batch and whose padding gaeq could not remove: a
+    difference in fingerprints is not checked (and said), never reported as other data. The same
+    difference with padding removed (exact), or with one length throughout, is a divergence."""
+    samples = [["a", "b"], ["c", "d"]]
+    base = probe(samples, lengths=[23], exact=False)
+    padded = script_checks(base, probe([["a", "x"], ["c", "d"]], lengths=[17, 23], exact=False))
+    assert "data" not in padded.first and "17 to 23 positions" in padded.not_checked["data"]
+    assert "gaeq.probe(pad_id=…)" in padded.not_checked["data"]
+    exact = script_checks(probe(samples, lengths=[23]), probe([["a", "x"], ["c", "d"]], lengths=[17, 23]))
+    assert exact.first["data"][0] == 0 and not exact.not_checked
+    one_length = script_checks(base, probe([["a", "x"], ["c", "d"]], lengths=[23], exact=False))
+    assert one_length.first["data"][0] == 0  # the same padding for every row: the rows are the samples'
+
+
+def test_a_scheduler_count_is_a_divergence_only_where_the_lr_differs():
+    """A schedule stepped per micro-step and sized for it gives the baseline's lr at every step: the
+    count differs, the optimisation does not. Stepped more often without that, the lr runs ahead: the
+    calls are the cause. A wrapper that advanced the schedule more than the script called it is named
+    as what moved the lr."""
+    calls = {"optimizer_step": 1, "clip": 1, "zero_grad": 1, "scheduler": 8, "schedule_advanced": 8}
+    base = probe([["a"], ["b"]], lr=[1e-3, 2e-3])
+    sized = script_checks(base, probe([["a"], ["b"]], events=calls, lr=[1e-3, 2e-3]))
+    assert sized.first["events"] is None
+    ahead = script_checks(base, probe([["a"], ["b"]], events=calls, lr=[1e-3, 3e-3]))
+    assert ahead.first["events"] == (
+        0,
+        "scheduler.step() called 8× in optimizer step 0, the baseline 1× (per micro-step or per process where the "
+        "baseline calls it once per step?)",
+    )
+    wrapped = calls | {"scheduler": 1, "schedule_advanced": 2, "wrapper:accelerate.scheduler.AcceleratedScheduler": 1}
+    through = script_checks(base, probe([["a"], ["b"]], events=wrapped, lr=[1e-3, 3e-3]))
+    assert through.first["events"] is None and through.notes["lr"] == (
+        " — the schedule advanced 2× before optimizer step 0, the baseline's 1×: your scheduler.step() went through "
+        "accelerate.scheduler.AcceleratedScheduler, which stepped the scheduler it wraps 2×"
     )
 
 

@@ -1,0 +1,41 @@
+"""What the probe reads of a script's weights: a fingerprint of the initial parameters, and after each
+optimizer step a fixed random projection of them (the update sketch) — a difference in lr, clipping
+or the optimizer shows there when the objective still agrees."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+SKETCH_ENTRIES = 256
+"""Entries of each parameter the update sketch projects (fixed positions and weights per parameter)."""
+
+
+def fingerprint(params: list[torch.Tensor]) -> str:
+    """The parameters' values, hashed (the same in every split whose init is the same)."""
+    digest = hashlib.blake2b(digest_size=8)
+    for p in params:
+        digest.update(p.detach().cpu().contiguous().float().numpy().tobytes())
+    return digest.hexdigest()
+
+
+class UpdateSketch:
+    """A fixed random projection of the parameters, and its scale (the sum of the terms' sizes, what a
+    difference is relative to): the same positions and weights in every run of the same model, so two
+    runs' sketches differ only where their updates do. Only the projected entries are read (on a GPU,
+    256 entries of each parameter are gathered, never the parameter copied)."""
+
+    def __init__(self) -> None:
+        self._where: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def __call__(self, params: list[torch.Tensor]) -> tuple[float, float]:
+        if self._where is None:
+            self._where = []
+            for i, p in enumerate(params):
+                g = torch.Generator().manual_seed(1_000_003 * (i + 1) + p.numel())
+                where = torch.randint(0, p.numel(), (min(SKETCH_ENTRIES, p.numel()),), generator=g)
+                weights = torch.randn(len(where), generator=g, dtype=torch.float64)
+                self._where.append((where.to(p.device), weights.to(p.device)))
+        terms = [p.detach().reshape(-1)[w].double() * v for p, (w, v) in zip(params, self._where)]
+        return float(sum(t.sum() for t in terms)), float(sum(t.abs().sum() for t in terms))

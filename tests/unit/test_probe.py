@@ -1,0 +1,104 @@
+"""The probe inside a script written as people write them (gaeq.script.probe), one process each:
+a loss module called after the model, a collate that pads each batch to its longest with
+``pad_sequence``, ``clip_grad_norm_`` on every micro-step, and a library-style wrapper that steps the
+scheduler it wraps twice per call. Two splits of one batch see the same samples; the grad norm is the
+boundary's; the script's scheduler calls are counted as it makes them."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from gaeq.script.contract import ENV, PROBE_FILE
+from tests.processes import run
+
+SCRIPT = """
+import json, sys
+import torch
+import torch.nn as nn
+from torch.nn.utils.rnn import pad_sequence
+
+micro, ga = int(sys.argv[1]), int(sys.argv[2])
+torch.manual_seed(0)
+samples = [torch.randint(1, 16, (int(n),)) for n in torch.randint(2, 9, (32,))]
+
+
+def collate(batch):  # each batch padded to its own longest, with the pad id 0
+    return pad_sequence(batch, batch_first=True, padding_value=0)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.out = nn.Embedding(16, 8), nn.Linear(8, 3)
+
+    def forward(self, ids):
+        return self.out((self.emb(ids) * (ids != 0).unsqueeze(-1)).sum(1))
+
+
+class Wrapper:  # a library's scheduler wrapper: one call of the script's steps the wrapped one twice
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+
+    def step(self):
+        for _ in range(2):
+            self.scheduler.step()
+
+
+model, criterion = Net(), nn.CrossEntropyLoss()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+scheduler = Wrapper(torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s)))
+loader = torch.utils.data.DataLoader(samples, batch_size=micro, collate_fn=collate)
+norms, it = [], iter(loader)
+for step in range(2):
+    for _ in range(ga):
+        ids = next(it)
+        loss = criterion(model(ids), ids[:, 0] % 3) / ga
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)  # every micro-step: the last is the boundary's
+    norms.append(float(norm))
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad()
+json.dump(norms, open("norms.json", "w"))
+"""
+
+
+@pytest.fixture(scope="module")
+def probed(tmp_path_factory):
+    """probe.json and the script's own boundary norms, for micro-batches of 16 (GA 1) and 4 (GA 4)."""
+    seen = {}
+    for micro, ga in ((16, 1), (4, 4)):
+        where = tmp_path_factory.mktemp(f"mb{micro}")
+        (where / "train.py").write_text(SCRIPT)
+        env = os.environ | {ENV: json.dumps({"out": str(where), "steps": 3})}
+        cmd = [sys.executable, "-m", "gaeq.script.attach", "train.py", str(micro), str(ga)]
+        proc = run(cmd, timeout=120, cwd=where, env=env, stdout=-1, stderr=-1, text=True)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        seen[micro] = json.loads((where / PROBE_FILE).read_text()), json.loads((where / "norms.json").read_text())
+    return seen
+
+
+def test_the_samples_are_the_models_inputs_without_their_padding(probed):
+    """Not the loss module's inputs (logits, labels); one fingerprint per sample; the same in both splits."""
+    (whole, _), (split, _) = probed[16], probed[4]
+    for a, b in zip(whole["steps"], split["steps"]):
+        assert len(a["samples"]) == len(b["samples"]) == 16
+        assert a["samples"] == b["samples"] and a["exact"] and b["exact"]
+    assert len(set(split["steps"][0]["lengths"])) > 1  # the split's micro-batches were padded to other lengths
+
+
+def test_the_grad_norm_is_the_boundarys_whatever_the_script_clips_when(probed):
+    for probe, norms in probed.values():
+        assert [s["grad_norm"] for s in probe["steps"]] == pytest.approx(norms, rel=1e-6)
+        assert [s["events"]["clip"] for s in probe["steps"]] == [len(probe["steps"][0]["rows"][0])] * 2
+
+
+def test_a_wrappers_repeats_are_one_call_of_the_scripts_and_the_schedule_advances_are_counted(probed):
+    probe, _ = probed[4]
+    after_first = probe["steps"][1]["events"]
+    assert after_first["scheduler"] == 1 and after_first["schedule_advanced"] == 2
+    assert after_first["wrapper:__main__.Wrapper"] == 1

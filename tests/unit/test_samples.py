@@ -1,0 +1,69 @@
+"""What identifies a sample in a script's model inputs (gaeq.script.samples): the same sample has the
+same fingerprint whatever its neighbours padded it to, on either side — and where gaeq cannot tell
+padding from data, it says so instead of fingerprinting as if it could."""
+
+from __future__ import annotations
+
+import torch
+
+from gaeq.script.samples import SampleIdentity
+
+SAMPLES = [[5, 6, 7], [8, 9, 10, 11, 12], [3]]
+
+
+def padded(samples, *, to, pad=0, left=False, label_pad=-100):
+    """A collator's batch: ids, mask and labels padded to `to` positions."""
+    ids, mask, labels = [], [], []
+    for s in samples:
+        n = to - len(s)
+        ids.append([pad] * n + s if left else s + [pad] * n)
+        mask.append([0] * n + [1] * len(s) if left else [1] * len(s) + [0] * n)
+        labels.append([label_pad] * n + s if left else s + [label_pad] * n)
+    return {k: torch.tensor(v) for k, v in (("input_ids", ids), ("attention_mask", mask), ("labels", labels))}
+
+
+class LM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 2)
+
+    def forward(self, input_ids, attention_mask=None, labels=None, num_items_in_batch=None):
+        return self.emb(input_ids)
+
+
+def test_with_an_attention_mask_a_sample_is_the_same_whatever_its_padding_left_or_right():
+    reader, model = SampleIdentity(), LM()
+    alone = [reader.read(model, (), padded([s], to=len(s))).fingerprints[0] for s in SAMPLES]
+    for left in (False, True):
+        for to in (5, 9):
+            batch = reader.read(model, (), padded(SAMPLES, to=to, left=left) | {"num_items_in_batch": torch.tensor(9)})
+            assert batch.fingerprints == alone and batch.exact and batch.length == to
+    # the mask passed by position, as the model's forward names it; DDP's wrapper forwards *args
+    batch = padded(SAMPLES, to=7)
+    wrapper = torch.nn.Module()
+    wrapper.module = model
+    by_position = reader.read(wrapper, (batch["input_ids"], batch["attention_mask"]), {"labels": batch["labels"]})
+    assert by_position.fingerprints == alone
+
+
+def test_without_a_mask_the_collations_padding_value_and_the_label_ignore_index_are_removed():
+    reader, model = SampleIdentity(), LM()
+    unmasked = [{k: v for k, v in padded(SAMPLES, to=to, pad=1).items() if k != "attention_mask"} for to in (5, 8)]
+    unknown = [reader.read(model, (), batch) for batch in unmasked]
+    assert not unknown[0].exact and unknown[0].fingerprints != unknown[1].fingerprints  # padding in the rows
+    reader.pad_values.add(1)  # what pad_sequence(..., padding_value=1) told the probe
+    known = [reader.read(model, (), batch) for batch in unmasked]
+    assert known[0].exact and known[0].fingerprints == known[1].fingerprints
+    # labels alone (the inputs fixed-length, the targets padded with -100): exact
+    labels_only = [reader.read(model, (torch.tensor([[1, 2]] * 3),), {"labels": b["labels"][:, :2]}) for b in unmasked]
+    assert labels_only[0].exact
+
+
+def test_inputs_without_positions_are_rows_hashed_whole():
+    reader = SampleIdentity()
+    images = torch.arange(2 * 3 * 4 * 4, dtype=torch.float32).reshape(2, 3, 4, 4)
+    net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(48, 2))
+    batch = reader.read(net, (images,), {})
+    assert batch.length is None and batch.exact and len(set(batch.fingerprints)) == 2
+    assert reader.read(net, (images[1:],), {}).fingerprints == batch.fingerprints[1:]
+    assert reader.read(net, (), {"num_items_in_batch": torch.tensor([4])}) is None
