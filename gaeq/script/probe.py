@@ -83,6 +83,8 @@ class Probe:
         self.losses: list[float] = []
         self.rows: list[int] = []
         self.fingerprints: list[str] = []
+        self.keys: list[str] = []
+        self.inputs: list[str] = []
         self.lengths: list[int | None] = []
         self.exact = True
         self.events: Counter[str] = Counter()
@@ -193,6 +195,8 @@ class Probe:
             return
         self.rows.append(len(batch.fingerprints))
         self.fingerprints.extend(batch.fingerprints)
+        self.keys.extend(batch.keys)
+        self.inputs = self.inputs or batch.names
         self.lengths.append(batch.length)
         self.exact &= batch.exact
 
@@ -233,6 +237,8 @@ class Probe:
             "losses": self.losses,
             "rows": self.rows,
             "samples": self.fingerprints,
+            "keys": self.keys,
+            "inputs": self.inputs,
             "lengths": self.lengths,
             "exact": self.exact,
             "events": dict(self.events),
@@ -274,6 +280,8 @@ class Probe:
                 "backward": [r["events"].get("backward", 0) for r in ranks],
                 "events": ranks[0]["events"],
                 "samples": samples,
+                "keys": sorted(k for r in ranks for k in r["keys"]),
+                "inputs": ranks[0]["inputs"],
                 "lengths": sorted({n for r in ranks for n in r["lengths"] if n is not None}),
                 "exact": all(r["exact"] for r in ranks),
                 "comm_bytes": comm,

@@ -43,6 +43,11 @@ class MicroBatch:
 
     fingerprints: list[str]
     """One per row, padding removed where gaeq can tell it."""
+    keys: list[str]
+    """One per row: its first input alone (the token ids, the image), to tell a sample that is missing
+    from one that is there with other values in its other inputs (labels, masks)."""
+    names: list[str]
+    """The inputs hashed, in order (the first is the key)."""
     length: int | None
     """Positions per row as the model received them (None: no input laid out by position)."""
     exact: bool
@@ -87,13 +92,11 @@ class SampleIdentity:
                     cut.append(list(t.cpu()))
                     exact = False
         whole = [list(t.cpu()) for _, t in by_row]
-        fingerprints = []
-        for i in range(rows):
-            digest = hashlib.blake2b(digest_size=8)
-            for per_row in (*cut, *whole):
-                digest.update(per_row[i].contiguous().numpy().tobytes())
-            fingerprints.append(digest.hexdigest())
-        return MicroBatch(fingerprints=fingerprints, length=length, exact=exact)
+        read = [*cut, *whole]
+        fingerprints = [_hash(per_row[i] for per_row in read) for i in range(rows)]
+        keys = [_hash([read[0][i]]) for i in range(rows)]
+        names = [name for name, _ in (*positional, *by_row)]
+        return MicroBatch(fingerprints=fingerprints, keys=keys, names=names, length=length, exact=exact)
 
     def _positional(self, module: torch.nn.Module, args: tuple) -> list[tuple[str, Any]]:
         """Positional inputs named as the innermost wrapped module's forward names them (DDP's,
@@ -115,6 +118,13 @@ class SampleIdentity:
             self._names[kind] = tuple(named)
         names = self._names[kind] or ()
         return [(names[i] if i < len(names) else f"arg{i}", a) for i, a in enumerate(args)]
+
+
+def _hash(rows) -> str:
+    digest = hashlib.blake2b(digest_size=8)
+    for row in rows:
+        digest.update(row.contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
 
 def _sequence_length(inputs: list[tuple[str, torch.Tensor]], mask: torch.Tensor | None) -> int | None:

@@ -63,7 +63,7 @@ def script_checks(
         found["split"] = (0, why)
     steps = list(zip(base["steps"], cell["steps"]))
     for b, c in steps:
-        if (why := _samples_differ(b["samples"], c["samples"])) is not None:
+        if (why := _samples_differ(b, c)) is not None:
             if (unreadable := _unreadable(b, c)) is not None:
                 not_checked["data"] = unreadable
                 del found["data"]
@@ -162,10 +162,21 @@ def _update_differs(base: list[dict], cell: list[dict], *, twin: dict | None, rt
     return None
 
 
-def _samples_differ(base: list[str], cell: list[str]) -> str | None:
-    """How one step's samples differ from the baseline's (None: the same multiset)."""
+def _samples_differ(base_step: dict, cell_step: dict) -> str | None:
+    """How one step's samples differ from the baseline's (None: the same multiset) — other samples, or
+    the same samples (by their first input, the token ids) with other values in their other inputs."""
+    base, cell = base_step["samples"], cell_step["samples"]
     if base == cell:
         return None
+    keys = base_step.get("keys"), cell_step.get("keys")
+    if keys[0] and keys[0] == keys[1]:
+        first, *others = cell_step.get("inputs") or ["its first input"]
+        changed = sum((Counter(base) - Counter(cell)).values())
+        return (
+            f"the same {len(base)} samples as the baseline's (by their {first}), but {changed} with other values in "
+            f"{', '.join(others) or 'their other inputs'} — targets or masks that depend on the split, or on what "
+            "the cell changed"
+        )
     theirs, ours = Counter(base), Counter(cell)
     missing, extra = sum((theirs - ours).values()), sum((ours - theirs).values())
     twice = sum(n - 1 for n in ours.values() if n > 1)

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 
 import pytest
 
 from gaeq.script.contract import ENV, PROBE_FILE
-from tests.processes import run
+from tests.processes import new_tag, owned, spawn
 
 SCRIPT = """
 import json, sys
@@ -69,16 +70,21 @@ json.dump(norms, open("norms.json", "w"))
 
 @pytest.fixture(scope="module")
 def probed(tmp_path_factory):
-    """probe.json and the script's own boundary norms, for micro-batches of 16 (GA 1) and 4 (GA 4)."""
-    seen = {}
-    for micro, ga in ((16, 1), (4, 4)):
-        where = tmp_path_factory.mktemp(f"mb{micro}")
-        (where / "train.py").write_text(SCRIPT)
-        env = os.environ | {ENV: json.dumps({"out": str(where), "steps": 3})}
-        cmd = [sys.executable, "-m", "gaeq.script.attach", "train.py", str(micro), str(ga)]
-        proc = run(cmd, timeout=120, cwd=where, env=env, stdout=-1, stderr=-1, text=True)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        seen[micro] = json.loads((where / PROBE_FILE).read_text()), json.loads((where / "norms.json").read_text())
+    """probe.json and the script's own boundary norms, for micro-batches of 16 (GA 1) and 4 (GA 4) —
+    the two processes side by side."""
+    splits, started = {16: 1, 4: 4}, {}
+    with owned(new_tag()) as tag:
+        for micro, ga in splits.items():
+            where = tmp_path_factory.mktemp(f"mb{micro}")
+            (where / "train.py").write_text(SCRIPT)
+            env = os.environ | {ENV: json.dumps({"out": str(where), "steps": 3})}
+            cmd = [sys.executable, "-m", "gaeq.script.attach", "train.py", str(micro), str(ga)]
+            started[micro] = where, spawn(cmd, tag=tag, cwd=where, env=env, stderr=subprocess.PIPE, text=True)
+        seen = {}
+        for micro, (where, proc) in started.items():
+            _, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, err[-2000:]
+            seen[micro] = json.loads((where / PROBE_FILE).read_text()), json.loads((where / "norms.json").read_text())
     return seen
 
 

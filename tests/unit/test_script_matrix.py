@@ -159,6 +159,22 @@ def test_fingerprints_that_padding_could_explain_are_not_a_data_divergence():
     assert one_length.first["data"][0] == 0  # the same padding for every row: the rows are the samples'
 
 
+def test_the_same_samples_with_other_labels_are_told_from_other_samples():
+    """The first input (the token ids) of every sample is the baseline's, the whole rows are not: the
+    samples are there, their labels or masks differ — not "missing"."""
+    base = probe([["a", "b"], ["c", "d"]])
+    for step in base["steps"]:
+        step |= {"keys": ["k1", "k2"], "inputs": ["input_ids", "attention_mask", "labels"]}
+    cell = probe([["a", "x"], ["c", "d"]])
+    for step in cell["steps"]:
+        step |= {"keys": ["k1", "k2"], "inputs": ["input_ids", "attention_mask", "labels"]}
+    assert script_checks(base, cell).first["data"] == (
+        0,
+        "the data of step 0: the same 2 samples as the baseline's (by their input_ids), but 1 with other values in "
+        "attention_mask, labels — targets or masks that depend on the split, or on what the cell changed",
+    )
+
+
 def test_a_scheduler_count_is_a_divergence_only_where_the_lr_differs():
     """A schedule stepped per micro-step and sized for it gives the baseline's lr at every step: the
     count differs, the optimisation does not. Stepped more often without that, the lr runs ahead: the

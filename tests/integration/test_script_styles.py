@@ -1,0 +1,99 @@
+"""Scripts written in the styles people write them, not in the examples' (experiments/scripts/:
+ds_loss_module.py, trainer_padded.py, accelerate_padded.py): a loss module called after the model,
+collators that pad each batch to its longest — on the left and on the right —, ``model(**batch)``, a
+prepared scheduler that accelerate steps once per process, DeepSpeed's engine and the Trainer's own
+loop. Each experiment's split at GA 8 (world 1) and GA 2 (world 2) matches its baseline, and each
+mistake is caught at its level. (The experiments' whole files run in docs/your-setup.md.)"""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from tests.conftest import REPO
+from tests.helpers import cells_by_id, gaeq_run_here
+
+pytestmark = pytest.mark.integration
+
+CLEAN = [{"world_size": 1, "micro_batch_size": 2}, {"world_size": 2, "micro_batch_size": 4}]  # GA 8, GA 2 at B 16
+
+
+def run(tmp_path, experiment: str, cells: list[dict], *, args: list[str] = ()) -> dict:
+    """`experiment` at 3 steps and B = 16, its script and launcher as they are, with `cells` (and
+    `args` added to the script's own in every cell, the baseline's too)."""
+    spec = yaml.safe_load((REPO / "experiments" / experiment).read_text())
+    for key in ("path", "deepspeed_config"):
+        if key in spec["script"]:
+            spec["script"][key] = str(REPO / "experiments" / spec["script"][key])
+    spec["script"]["args"] += list(args)
+    spec |= {"steps": 3, "train_batch_size": 16, "noise_floor": False, "cells": cells}
+    spec.pop("axes")
+    (tmp_path / "mine.yaml").write_text(yaml.safe_dump(spec))
+    proc, report, _ = gaeq_run_here(tmp_path / "mine.yaml", tmp_path / "run")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return cells_by_id(report)
+
+
+def caught(cell: dict) -> tuple[str, int]:
+    return cell["caught_by"], cell["first_divergent_step"]
+
+
+def test_a_deepspeed_script_with_a_loss_module(tmp_path):
+    """nn.CrossEntropyLoss() after the engine: its inputs (logits, labels) are not the samples."""
+    bugs = [
+        {"world_size": 2, "micro_batch_size": 4, "args": ["--bug", "no_distributed_sampler"], "expect": "diverge"},
+        {"world_size": 1, "micro_batch_size": 4, "args": ["--bug", "criterion_sum"], "expect": "diverge"},
+    ]
+    cells = run(tmp_path, "your_ds_loss_module_script.yaml", CLEAN + bugs)
+    assert {i: c["verdict"] for i, c in cells.items() if "bug" not in i} == dict.fromkeys(
+        ("script-w1-mb16-ga1", "script-w1-mb2-ga8", "script-w2-mb4-ga2"), "match"
+    )
+    assert cells["script-w1-mb2-ga8"]["ran"]["micro_batch_rows"] == [2]  # the model's rows, not the loss module's
+    sampler = cells["script-w2-mb4-ga2-args_bug_no_distributed_sampler"]
+    assert caught(sampler) == ("data", 0) and "seen twice" in sampler["reason"]
+    assert caught(cells["script-w1-mb4-ga4-args_bug_criterion_sum"]) == ("loss", 0)
+    assert cells["script-w2-mb4-ga2"]["comm_bytes_per_step"] > 0 and cells["script-w2-mb4-ga2"]["peak_mem_bytes"] > 0
+
+
+def test_a_trainer_script_padding_each_batch_left_and_right(tmp_path):
+    """DataCollatorForSeq2Seq pads each micro-batch to its longest: a sample is the same whatever its padding."""
+    left = [cell | {"args": ["--padding_side", "left"]} for cell in CLEAN]
+    bug = {"world_size": 1, "micro_batch_size": 4, "args": ["--bug", "model_without_loss_kwargs"], "expect": "diverge"}
+    cells = run(tmp_path, "your_trainer_padded_script.yaml", [*CLEAN, *left, bug])
+    assert [c["verdict"] for i, c in cells.items() if "bug" not in i] == ["match"] * 5
+    assert all(c["not_checked"] == {} for c in cells.values())
+    assert caught(cells["script-w1-mb4-ga4-args_bug_model_without_loss_kwargs"]) == ("loss", 0)
+
+
+def test_targets_that_depend_on_the_padding_are_caught_by_the_numbers_not_the_data(tmp_path):
+    """labels = input_ids under left padding: each row shorter than its batch's longest "predicts" its
+    first token from a pad, so the targets depend on the split. Every cell runs it, the baseline too:
+    the samples are the same (the mask removes the padding), the objective is not."""
+    cells = run(
+        tmp_path,
+        "your_trainer_padded_script.yaml",
+        [{"world_size": 1, "micro_batch_size": 2, "expect": "diverge"}],
+        args=["--padding_side", "left", "--bug", "bos_is_target"],
+    )
+    split = cells["script-w1-mb2-ga8"]
+    assert split["verdict"] == "diverge" and split["caught_by"] in ("loss", "grad_norm"), split["reason"]
+    assert split["divergence_steps"]["data"] is None
+
+
+def test_an_accelerate_script_with_a_scheduler_sized_for_its_processes(tmp_path):
+    """run_clm_no_trainer's style: pad_sequence per batch, model(**batch), a prepared scheduler sized
+    × num_processes (accelerate steps it once per process: the lr is the baseline's); not sized, the
+    lr runs ahead, and the reason says what advanced it."""
+    bugs = [
+        {"world_size": 2, "micro_batch_size": 4, "args": ["--bug", "scheduler_not_sized"], "expect": "diverge"},
+        {"world_size": 1, "micro_batch_size": 4, "args": ["--bug", "mean_of_means"], "expect": "diverge"},
+    ]
+    cells = run(tmp_path, "your_accelerate_padded_script.yaml", CLEAN + bugs)
+    assert [c["verdict"] for i, c in cells.items() if "bug" not in i] == ["match"] * 3
+    assert cells["script-w2-mb4-ga2"]["divergence_steps"]["events"] is None  # one scheduler call a step
+    unsized = cells["script-w2-mb4-ga2-args_bug_scheduler_not_sized"]
+    assert (
+        caught(unsized) == ("lr", 1)
+        and "AcceleratedScheduler, which stepped the scheduler it wraps 2×" in (unsized["reason"])
+    )
+    assert caught(cells["script-w1-mb4-ga4-args_bug_mean_of_means"]) == ("loss", 0)
