@@ -27,19 +27,73 @@ def runtime_imports(tree: ast.AST) -> list[ast.stmt]:
     return found
 
 
+def module_name(path) -> str:
+    return ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+
+
+def imports_of(source: str, modules: set[str]) -> list[tuple[int, str]]:
+    """(line, gaeq module) for every gaeq module `source` imports, at module level or inside a function."""
+    found = []
+    for node in runtime_imports(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("gaeq"):
+            names = {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            names = {a.name for a in node.names if a.name.startswith("gaeq")}
+        else:
+            continue
+        found += [(node.lineno, name) for name in sorted(names) if name in modules]
+    return found
+
+
+def import_edges() -> list[tuple[str, str, int, str]]:
+    """(module, its file, line, the gaeq module it imports) for every import of gaeq that runs."""
+    paths = {module_name(path): path for path in GAEQ.rglob("*.py")}
+    return [
+        (module, str(path.relative_to(REPO)), line, dep)
+        for module, path in sorted(paths.items())
+        for line, dep in imports_of(path.read_text(), set(paths))
+        if dep != module
+    ]
+
+
 def module_imports() -> dict[str, set[str]]:
     """gaeq module → the gaeq modules it imports, at module level or inside a function."""
-    modules = {}
-    for path in GAEQ.rglob("*.py"):
-        name = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
-        deps = set()
-        for node in runtime_imports(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("gaeq"):
-                deps |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
-            elif isinstance(node, ast.Import):
-                deps |= {a.name for a in node.names if a.name.startswith("gaeq")}
-        modules[name] = deps
-    return {m: {d for d in deps if d in modules and d != m} for m, deps in modules.items()}
+    graph: dict[str, set[str]] = {module_name(path): set() for path in GAEQ.rglob("*.py")}
+    for module, _, _, dep in import_edges():
+        graph[module].add(dep)
+    return graph
+
+
+def declared_floors(doc: str) -> dict[str, tuple[int, str]]:
+    """docs/architecture.md's layer table: module or package → (floor, the floor's name). A name
+    followed by "(the package)" is its `__init__` alone (key ending in ":"); any other covers its modules."""
+    layers = doc[doc.index("## Layers") :]
+    floors = {}
+    for number, name, cell in re.findall(r"^\| (\d+) ([^|]+?) \| ([^|]+) \|", layers, flags=re.M):
+        for module, alone in re.findall(r"`(gaeq(?:\.\w+)*)`( \(the package\))?", cell):
+            floors[module + (":" if alone else "")] = (int(number), name.strip())
+    return floors
+
+
+def floor_of(module: str, floors: dict[str, tuple[int, str]]) -> tuple[int, str] | None:
+    """The floor of the package's own row, or of the longest row naming `module` or a package it is in."""
+    if module + ":" in floors:
+        return floors[module + ":"]
+    owners = [m for m in floors if module == m or module.startswith(m + ".")]
+    return floors[max(owners, key=len)] if owners else None
+
+
+def upward_imports(edges: list[tuple[str, str, int, str]], floors: dict[str, tuple[int, str]]) -> list[str]:
+    """Every import that points up a floor, and every module no row of the table covers."""
+    found = []
+    for module in sorted({e[0] for e in edges} | {e[3] for e in edges}):
+        if floor_of(module, floors) is None:
+            found.append(f"{module} has no floor in docs/architecture.md's layer table")
+    for module, path, line, dep in edges:
+        here, there = floor_of(module, floors), floor_of(dep, floors)
+        if here and there and there[0] > here[0]:
+            found.append(f"{path}:{line} imports {dep} (floor {there[0]}, {there[1]}) from floor {here[0]} ({here[1]})")
+    return found
 
 
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -73,6 +127,31 @@ def test_the_control_a_circle_is_found():
     assert ["gaeq.runtime.external", "gaeq.runtime.launch", "gaeq.runtime.external"] in circles(graph) or any(
         set(c) == {"gaeq.runtime.external", "gaeq.runtime.launch"} for c in circles(graph)
     )
+
+
+def test_imports_point_down_the_floors_of_the_architecture():
+    doc = (REPO / "docs" / "architecture.md").read_text()
+    floors = declared_floors(doc)
+    assert len({floor for floor, _ in floors.values()}) >= 7
+    assert upward_imports(import_edges(), floors) == []
+
+
+def test_the_control_an_upward_import_is_named_with_its_file_line_and_floors():
+    """A deferred import of the runtime from the problem's spec — read from source as every module
+    is — fails, and so does a module no row covers."""
+    floors = declared_floors((REPO / "docs" / "architecture.md").read_text())
+    source = "from __future__ import annotations\n\n\ndef check(spec):\n    from gaeq.runtime import launch\n"
+    modules = {module_name(path) for path in GAEQ.rglob("*.py")}
+    upward = [("gaeq.problem.spec", "gaeq/problem/spec.py", line, dep) for line, dep in imports_of(source, modules)]
+    assert upward_imports(upward, floors) == [
+        "gaeq/problem/spec.py:5 imports gaeq.runtime (floor 5, processes) from floor 1 (the problem)",
+        "gaeq/problem/spec.py:5 imports gaeq.runtime.launch (floor 5, processes) from floor 1 (the problem)",
+    ]
+    # a new package, and a new module of script/ (its package's row is its __init__ alone): each must be placed
+    stray = [(m, m.replace(".", "/") + ".py", 3, "gaeq.files") for m in ("gaeq.newfloor.thing", "gaeq.script.extra")]
+    assert upward_imports(stray, floors) == [
+        f"{m} has no floor in docs/architecture.md's layer table" for m in ("gaeq.newfloor.thing", "gaeq.script.extra")
+    ]
 
 
 def test_the_control_an_import_inside_a_function_counts_and_a_type_only_one_does_not():
@@ -158,6 +237,8 @@ def defined_names(body: list[ast.stmt]) -> set[str]:
 
 def resolves(dotted: str, modules, classes) -> bool:
     """Whether `module.name`, `Class.member` or `module.Class.member` names something in gaeq."""
+    if dotted in modules and dotted.startswith("gaeq."):  # a module by its whole name
+        return True
     parts = dotted.split(".")
     for cut in range(len(parts) - 1, 0, -1):  # the longest prefix that is a module
         if ".".join(parts[:cut]) in modules:
