@@ -26,7 +26,7 @@ from gaeq.results.compare import Verdict
 from gaeq.results.render import cells_table, cost_table, floor_lines, problem_line, verdict_table, versions_line
 from gaeq.results.report import EXIT_BAD_INPUT
 from gaeq.results.tensorboard import TB_ANSWER_URL, TB_DIR
-from gaeq.script.launchers import Launcher
+from gaeq.script.spec import Launcher
 
 app = typer.Typer(
     name="gaeq",

@@ -2,25 +2,12 @@
 the arguments it adds. gaeq starts the ranks itself (forked from its fork server, without the
 launcher's agent, which would import torch once more per cell) and gives each exactly this, so the
 script cannot tell the difference (read from the launchers' sources: torch.distributed.run,
-deepspeed.launcher.launch, accelerate.utils.launch.prepare_multi_gpu_env). No torch here: the
-matrix's schema reads the names.
-"""
+deepspeed.launcher.launch, accelerate.utils.launch.prepare_multi_gpu_env). The launchers' names are
+the matrix's (gaeq.script.spec.Launcher)."""
 
 from __future__ import annotations
 
-from enum import Enum
-
-
-class Launcher(str, Enum):
-    TORCHRUN = "torchrun"
-    """``torchrun --standalone --nproc_per_node W train.py ARGS``."""
-    DEEPSPEED = "deepspeed"
-    """``deepspeed --num_gpus W train.py ARGS``: adds ``--local_rank=N`` before the script's arguments
-    (a script for it parses that flag, as DeepSpeed's tutorials do)."""
-    ACCELERATE = "accelerate"
-    """``accelerate launch --multi_gpu --num_processes W train.py ARGS`` with no config file: torchrun's
-    workers plus accelerate's defaults in ``ACCELERATE_*`` (no mixed precision, no dynamo). On a CPU-only
-    machine ``accelerate launch`` itself starts one process (it needs mpirun for several)."""
+from gaeq.script.spec import Launcher
 
 
 def worker_env(launcher: Launcher, *, rank: int, world_size: int, port: int) -> dict[str, str]:

@@ -6,12 +6,24 @@ from __future__ import annotations
 import importlib.machinery
 import importlib.util
 import sys
+from enum import Enum
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from gaeq.script.launchers import Launcher
 from gaeq.script.placeholders import NAMES, PlaceholderError, check
+
+
+class Launcher(str, Enum):
+    TORCHRUN = "torchrun"
+    """``torchrun --standalone --nproc_per_node W train.py ARGS``."""
+    DEEPSPEED = "deepspeed"
+    """``deepspeed --num_gpus W train.py ARGS``: adds ``--local_rank=N`` before the script's arguments
+    (a script for it parses that flag, as DeepSpeed's tutorials do)."""
+    ACCELERATE = "accelerate"
+    """``accelerate launch --multi_gpu --num_processes W train.py ARGS`` with no config file: torchrun's
+    workers plus accelerate's defaults in ``ACCELERATE_*`` (no mixed precision, no dynamo). On a CPU-only
+    machine ``accelerate launch`` itself starts one process (it needs mpirun for several)."""
 
 
 class ScriptSpec(BaseModel):
@@ -21,7 +33,7 @@ class ScriptSpec(BaseModel):
     launcher: Launcher = Field(
         Launcher.TORCHRUN,
         description="How the user starts it today (torchrun, deepspeed or accelerate): every rank gets the "
-        "environment and arguments that launcher gives its workers (gaeq.script.launchers).",
+        "environment and arguments that launcher gives its workers (gaeq/script/launchers.py).",
     )
     args: list[str] = Field(
         [],

@@ -117,7 +117,8 @@ def test_a_rank_gets_what_the_real_launcher_gives_its_worker(tmp_path, launcher,
     starts one process: its multi-process start is torchrun's, in the unit test.)"""
     import sys
 
-    from gaeq.script.launchers import Launcher, worker_args, worker_env
+    from gaeq.script.launchers import worker_args, worker_env
+    from gaeq.script.spec import Launcher
     from tests.processes import new_tag, owned, spawn
 
     (tmp_path / "dump.py").write_text(DUMP)

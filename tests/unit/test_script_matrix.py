@@ -8,7 +8,8 @@ import yaml
 
 from gaeq.matrix import MatrixError, load_matrix
 from gaeq.script.launch import command_line, script_args
-from gaeq.script.launchers import Launcher, worker_args, worker_env
+from gaeq.script.launchers import worker_args, worker_env
+from gaeq.script.spec import Launcher
 from gaeq.script.verdict import ran_another_split, script_checks
 from tests.conftest import REPO
 
