@@ -1,6 +1,7 @@
 """How fast the lab itself is. One run, one machine; prints the numbers and the ratios.
 
     python benchmarks/lab_speed.py            # ~8 minutes on 2 cores (~5 with --skip-isolate)
+    python benchmarks/lab_speed.py --tiny     # every phase at its smallest, for the suite: its numbers mean nothing
 
 1. The default matrix (experiments/ga.yaml) with one process group per world size (what `gaeq run`
    does) against `--isolate` (one fresh group per cell: one launch per config). Target: ≥ 8×.
@@ -13,6 +14,10 @@
 4. The peer way of checking: one launch of a plain DeepSpeed script (benchmarks/plain_deepspeed.py,
    under DeepSpeed's launcher) per configuration, for 8 ZeRO × GA configurations at world 2, against
    one `gaeq run` of the same 8 cells (and its baseline). Target: ≥ 20× per configuration.
+
+`--tiny` runs every phase with the same code at its smallest — a matrix of the baseline alone, 5 steps
+(the schedule's warm-up), one peer configuration, one repeat — in seconds: the suite runs it
+(tests/integration/test_benchmarks.py), so that a rename breaks a test, not a measurement.
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+TINY = "tiny run (--tiny): every phase at its smallest sizes, to keep the code working — its numbers mean nothing"
+TINY_STEPS = 5
+"""The fewest steps a matrix of experiments/ga.yaml's problem may have: its schedule warms up over 5."""
 
 
 def run_matrix(matrix: Path, out: Path, *extra: str) -> float:
@@ -39,41 +47,59 @@ def run_matrix(matrix: Path, out: Path, *extra: str) -> float:
     return time.perf_counter() - started
 
 
+def tiny_matrix(matrix: Path, folder: Path) -> Path:
+    """`matrix` cut to its baseline alone (no twin), TINY_STEPS steps: every phase's code, in seconds."""
+    import yaml
+
+    spec = yaml.safe_load(matrix.read_text())
+    spec["problem"]["steps"] = TINY_STEPS
+    spec["axes"] = {"trainer": ["torch"], "world_size": [1], "micro_batch_size": [spec["problem"]["train_batch_size"]]}
+    spec["noise_floor"] = False
+    spec.pop("cells", None), spec.pop("variants", None)
+    path = folder / "tiny.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
 PEER_CONFIGS = [(zero, micro) for micro in (4, 8) for zero in (0, 1, 2, 3)]
 """ZeRO stage × micro-batch at world 2, B = 32: GA 4 and GA 2."""
 
 
-def peer_comparison(*, steps: int) -> tuple[float, float, float, float]:
-    """Seconds: one `gaeq run` of the 8 configurations and its cells' summed in-loop training; 8
-    launches of the plain script, one each, and their summed training loops."""
+def peer_comparison(*, steps: int, configs: list[tuple[int, int]], tiny: bool) -> tuple[float, float, float, float]:
+    """Seconds: one `gaeq run` of the configurations and its cells' summed in-loop training; one
+    launch of the plain script each, and their summed training loops."""
     import yaml
 
     from gaeq.runtime.dist import free_port
+    from gaeq.runtime.shm import release_shm_buffers
 
     with tempfile.TemporaryDirectory() as tmp:
         spec = yaml.safe_load((REPO / "experiments" / "ga.yaml").read_text())
         spec["problem"]["steps"] = steps
-        spec["axes"] = {
-            "trainer": ["deepspeed"],
-            "world_size": [2],
-            "micro_batch_size": [4, 8],
-            "zero_stage": [0, 1, 2, 3],
-        }
-        spec.pop("cells", None), spec.pop("variants", None)
+        spec["cells"] = [
+            {"trainer": "deepspeed", "world_size": 2, "micro_batch_size": micro, "zero_stage": zero}
+            for zero, micro in configs
+        ]
+        spec.pop("axes", None), spec.pop("variants", None)
         matrix = Path(tmp) / "peer.yaml"
         matrix.write_text(yaml.safe_dump(spec))
         gaeq = run_matrix(matrix, Path(tmp) / "run")
         gaeq_loop = in_loop_seconds(Path(tmp) / "run")
     launches = peer_loop = 0.0
     failed: list[str] = []
-    for zero, micro in PEER_CONFIGS:
+    for zero, micro in configs:
         started = time.perf_counter()
         # A port of its own per launch: the previous launch's may still be held (TIME_WAIT).
+        port = free_port()
         proc = subprocess.run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--no_local_rank",
-                               "--master_port", str(free_port()), str(REPO / "benchmarks" / "plain_deepspeed.py"),
-                               "--zero", str(zero), "--micro", str(micro), "--steps", str(steps)], capture_output=True,
+                               "--master_port", str(port), str(REPO / "benchmarks" / "plain_deepspeed.py"),
+                               "--zero", str(zero), "--micro", str(micro), "--steps", str(steps),
+                               *(["--tiny"] if tiny else [])], capture_output=True,
                               text=True, cwd=REPO, env={**os.environ, "DS_ACCELERATOR": "cpu"})  # fmt: skip
         launches += time.perf_counter() - started
+        # DeepSpeed's CPU comm op leaves a 66 MB segment per rank in /dev/shm that nothing frees
+        # (gaeq frees its own groups'): the launch is over, so its segments go here.
+        release_shm_buffers(port=port)
         trained = re.search(r"trained in ([\d.]+) s", proc.stdout)
         if trained is None:  # it did not train: nothing of it can be compared
             sys.exit(
@@ -109,14 +135,14 @@ def bare_vs_trainer(*, steps: int, repeats: int) -> dict[str, float]:
 
     from gaeq.matrix import load_matrix
     from gaeq.problem.build import build_problem
-    from gaeq.problem.data import BatchPlan
     from gaeq.problem.loss import mse_sum
     from gaeq.problem.optim import build_optimizer, build_scheduler
     from gaeq.trainers import RunContext, trainer_for
     from gaeq.trainers import base as trainer_base
 
     torch.set_num_threads(1)
-    tmp = Path(tempfile.mkdtemp())
+    folder = tempfile.TemporaryDirectory()
+    tmp = Path(folder.name)
     spec = yaml.safe_load((REPO / "experiments" / "ga.yaml").read_text())
     spec["problem"]["steps"] = steps
     spec["axes"] = {"trainer": ["torch"], "world_size": [1], "micro_batch_size": [8]}
@@ -125,8 +151,7 @@ def bare_vs_trainer(*, steps: int, repeats: int) -> dict[str, float]:
     matrix = load_matrix(tmp / "m.yaml")
     cell = next(c for c in matrix.cells if c.micro_batch_size == 8)
     problem = matrix.problem
-    plan = BatchPlan(train_batch_size=cell.train_batch_size, micro_batch_size=8, world_size=1,
-                     num_samples=problem.num_samples, seed=problem.seed)  # fmt: skip
+    plan = trainer_base.plan_of(cell, problem)  # the samples the trainer's cell sees
     ga = plan.grad_accum_steps
 
     def generate():
@@ -177,7 +202,7 @@ def bare_vs_trainer(*, steps: int, repeats: int) -> dict[str, float]:
         cell_dir = tmp / f"rec-{time.perf_counter_ns()}"
         cell_dir.mkdir()
         ctx = RunContext(rank=0, world_size=1, device=torch.device("cpu"), cell_dir=cell_dir, run_dir=tmp)
-        recorder = trainer_base.StepRecorder(cell=cell, ctx=ctx, steps=calls)
+        recorder = trainer_base.StepRecorder(cell=cell, ctx=ctx, steps=calls, plan=plan)
         started = time.perf_counter()
         for step in range(calls):
             recorder.record(step=step, local_loss_sum=1.0, normaliser=32, grad_norm=1.0, lr=1e-3, seconds=1e-3)
@@ -192,12 +217,13 @@ def bare_vs_trainer(*, steps: int, repeats: int) -> dict[str, float]:
         "trainer": trainer,
         "recording": recording,
     }
-    for fn in measures.values():
-        fn()  # warm-up
-    results: dict[str, list[float]] = {name: [] for name in measures}
-    for _ in range(repeats):  # interleaved, so that drift hits every measure alike
-        for name, fn in measures.items():
-            results[name].append(fn())
+    with folder:
+        for fn in measures.values():
+            fn()  # warm-up
+        results: dict[str, list[float]] = {name: [] for name in measures}
+        for _ in range(repeats):  # interleaved, so that drift hits every measure alike
+            for name, fn in measures.items():
+                results[name].append(fn())
     return {name: statistics.median(values) for name, values in results.items()}
 
 
@@ -207,21 +233,33 @@ def main() -> None:
     parser.add_argument(
         "--skip-isolate", action="store_true", help="Only the in-process measurements and one reuse run."
     )
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=None, help=f"The trainer's steps: 100 ({TINY_STEPS} with --tiny).")
+    parser.add_argument("--repeats", type=int, default=None, help="The trainer's repeats: 7 (1 with --tiny).")
     parser.add_argument(
         "--skip-peer", action="store_true", help="Leave out the one-launch-per-configuration comparison (~2 min)."
     )
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="Every phase at its smallest (the matrix's baseline alone, 5 steps, one peer configuration, one "
+        "repeat): seconds, for the suite — its numbers mean nothing.",
+    )
     args = parser.parse_args()
+    if args.tiny:
+        print(TINY, flush=True)
+    steps = args.steps or (TINY_STEPS if args.tiny else 100)
+    repeats = args.repeats or (1 if args.tiny else 7)
+    peer_steps, peer_configs = (TINY_STEPS, PEER_CONFIGS[:1]) if args.tiny else (50, PEER_CONFIGS)
 
     with tempfile.TemporaryDirectory() as tmp:
-        reuse = run_matrix(args.matrix, Path(tmp) / "reuse")
+        matrix = tiny_matrix(args.matrix, Path(tmp)) if args.tiny else args.matrix
+        reuse = run_matrix(matrix, Path(tmp) / "reuse")
         loop = in_loop_seconds(Path(tmp) / "reuse")
         print(
             f"default matrix, process groups reused (lanes side by side): {reuse:.1f} s wall; "
             f"summed in-loop training {loop:.1f} s → wall / in-loop = {reuse / loop:.2f} (target ≤ 1.3)"
         )
-        one = run_matrix(args.matrix, Path(tmp) / "one-lane", "--lanes", "1")
+        one = run_matrix(matrix, Path(tmp) / "one-lane", "--lanes", "1")
         one_loop = in_loop_seconds(Path(tmp) / "one-lane")
         print(f"the same with --lanes 1 (groups one after another): {one:.1f} s wall; in-loop {one_loop:.1f} s "
               f"→ wall / in-loop = {one / one_loop:.2f}")  # fmt: skip
@@ -239,18 +277,18 @@ def main() -> None:
             "that order)"
         )
         if not args.skip_isolate:
-            isolate = run_matrix(args.matrix, Path(tmp) / "isolate", "--isolate")
+            isolate = run_matrix(matrix, Path(tmp) / "isolate", "--isolate")
             print(
                 f"default matrix, --isolate: {isolate:.1f} s wall → isolate / reuse = {isolate / reuse:.1f}× (target "
                 "≥ 8×)"
             )
 
     if not args.skip_peer:
-        gaeq, gaeq_loop, launches, peer_loop = peer_comparison(steps=50)
-        n = len(PEER_CONFIGS)
+        gaeq, gaeq_loop, launches, peer_loop = peer_comparison(steps=peer_steps, configs=peer_configs, tiny=args.tiny)
+        n = len(peer_configs)
         print(
-            f"peer check, {n} ZeRO × GA configurations at world 2, 50 steps: one launch each of a plain DeepSpeed "
-            f"script {launches:.1f} s ({launches / n:.1f} s a configuration) vs one gaeq run {gaeq:.1f} s "
+            f"peer check, {n} ZeRO × GA configurations at world 2, {peer_steps} steps: one launch each of a plain "
+            f"DeepSpeed script {launches:.1f} s ({launches / n:.1f} s a configuration) vs one gaeq run {gaeq:.1f} s "
             f"({gaeq / n:.2f} s a configuration) → {launches / gaeq:.1f}× per configuration (target ≥ 20×)"
         )
         print(
@@ -259,7 +297,7 @@ def main() -> None:
             f"that were nothing but its training would be {launches / gaeq_loop:.1f}× faster per configuration"
         )
 
-    t = bare_vs_trainer(steps=args.steps, repeats=args.repeats)
+    t = bare_vs_trainer(steps=steps, repeats=repeats)
     ms = {k: v * 1e3 for k, v in t.items()}
     overhead = t["recording"] / t["bare"]
     print(

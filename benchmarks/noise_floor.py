@@ -2,23 +2,60 @@
 
     gaeq run --matrix experiments/scale.yaml --out runs/scale
     python benchmarks/noise_floor.py runs/scale            # prints the table, writes docs/noise_floor.png
+    python benchmarks/noise_floor.py --tiny     # trains a tiny scale-like run itself; the figure to a temp path
 
 For each group of the run (a model size × configuration × dtype): the parameters, how far the
 baseline's twin drifted by rounding alone (its max |Δloss| and max rel Δ‖g‖: the floor), the
 largest margin of a correct split (its largest share of its tolerance: < 1 is a match), and the
 smallest margin of a planted control (> 1 is caught). A verdict holds at a size when the first
 stays below 1 and the second above it.
+
+`--tiny` first trains experiments/scale.yaml cut to its two smallest models (the 3 k MLP and the 43 k
+GPT), world 1, 2 steps, into a temporary folder, then prints the same table and draws the same figure
+from it — to a temporary path, never docs/noise_floor.png. Its numbers mean nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
+import tempfile
 from collections import defaultdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+TINY = "tiny run (--tiny): the smallest sizes, to keep the code working — its numbers mean nothing"
+TINY_VARIANTS = ("base", "gpt_43k")
+"""--tiny: the ladder's smallest MLP and GPT (a group named by its dtype alone, and one by dtype@variant)."""
+
+
+def train_tiny(folder: Path) -> Path:
+    """experiments/scale.yaml cut to TINY_VARIANTS, its world-1 torch cells (splits in fp32 and bf16,
+    the controls), 2 steps: a run with every kind of group the ladder reads, in seconds."""
+    import yaml
+
+    spec = yaml.safe_load((REPO / "experiments" / "scale.yaml").read_text())
+    spec["problem"]["steps"] = 2
+    spec["variants"] = {name: v for name, v in spec["variants"].items() if name in TINY_VARIANTS}
+    spec["axes"] = {"trainer": ["torch"], "world_size": [1], "micro_batch_size": [2], "variant": list(TINY_VARIANTS)}
+    spec["cells"] = [
+        c
+        for c in spec["cells"]
+        if c["trainer"] == "torch" and c.get("world_size", 1) == 1 and c["variant"] in TINY_VARIANTS
+    ]
+    (folder / "scale.yaml").write_text(yaml.safe_dump(spec))
+    run_dir = folder / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "gaeq", "run", "--matrix", str(folder / "scale.yaml"), "--out", str(run_dir)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    if proc.returncode != 0:
+        sys.exit(f"gaeq run failed ({proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+    return run_dir
 
 
 def parameters(run_dir: Path) -> dict[str, int]:
@@ -105,10 +142,26 @@ def figure(rows: list[dict], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("run_dir", type=Path)
-    parser.add_argument("--figure", type=Path, default=REPO / "docs" / "noise_floor.png")
+    parser.add_argument("run_dir", type=Path, nargs="?", help="A finished run of experiments/scale.yaml.")
+    parser.add_argument("--figure", type=Path, default=None, help="Default docs/noise_floor.png (--tiny: a temp path).")
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="Train a tiny scale-like run first (2 variants, 2 steps) and read it: for the suite, numbers meaningless.",
+    )
     args = parser.parse_args()
-    rows = ladder(args.run_dir)
+    if args.tiny == (args.run_dir is not None):
+        parser.error("give a run directory, or --tiny (which trains its own)")
+    if args.tiny:
+        print(TINY, flush=True)
+        with tempfile.TemporaryDirectory(prefix="gaeq-noise-floor-") as folder:
+            table_and_figure(train_tiny(Path(folder)), args.figure or Path(folder) / "noise_floor.png")
+    else:
+        table_and_figure(args.run_dir, args.figure or REPO / "docs" / "noise_floor.png")
+
+
+def table_and_figure(run_dir: Path, figure_path: Path) -> None:
+    rows = ladder(run_dir)
     print(f"{'group':<22} {'params':>10} {'floor |Δloss|':>13} {'floor rel Δ‖g‖':>14} {'max |Δloss|':>11} "
           f"{'worst split':>11} {'weakest control':>15}  false alarms / missed controls")  # fmt: skip
     for r in rows:
@@ -122,8 +175,8 @@ def main() -> None:
             f"{f(r['worst_split'], '.2f'):>11} {f(r['weakest_control'], '.3g'):>15}  {r['false_alarms']} / "
             f"{r['missed_controls']}"
         )
-    figure(rows, args.figure)
-    print(f"figure: {args.figure}")
+    figure(rows, figure_path)
+    print(f"figure: {figure_path}")
     if any(r["false_alarms"] or r["missed_controls"] for r in rows):
         sys.exit(1)
 

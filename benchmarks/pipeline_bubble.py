@@ -1,6 +1,7 @@
 """A pipeline's bubble as measured beside the schedule's theory, at two stages, as GA grows.
 
     python benchmarks/pipeline_bubble.py [--steps 6] [--n-embd 256]
+    python benchmarks/pipeline_bubble.py --tiny     # GA 2 only, 2 steps, n_embd 16: its numbers mean nothing
 
 Runs `gaeq run` on a generated matrix — a GPT of four blocks (wider than the suite's, so that a
 stage's compute is not lost in gloo's latency), B = 32 split into GA = 2, 4, 8, 16 micro-batches —
@@ -23,17 +24,19 @@ import yaml
 
 BATCH = 32
 MICRO_BATCHES = (16, 8, 4, 2)  # GA 2, 4, 8, 16 at two stages and one data-parallel replica
+TINY_MICRO_BATCHES = (16,)  # --tiny: GA 2, every schedule once
+TINY = "tiny run (--tiny): the smallest sizes, to keep the code working — its numbers mean nothing"
 
 
-def matrix(*, steps: int, n_embd: int) -> dict:
+def matrix(*, steps: int, n_embd: int, micro_batches: tuple[int, ...] = MICRO_BATCHES) -> dict:
     torch_cells = [
         {"trainer": "torch", "world_size": 2, "pipeline_parallel": 2, "pipeline_schedule": s, "micro_batch_size": m}
         for s in ("gpipe", "1f1b", "interleaved_1f1b")
-        for m in MICRO_BATCHES
+        for m in micro_batches
     ]
     deepspeed_cells = [
         {"trainer": "deepspeed", "world_size": 2, "pipeline_parallel": 2, "zero_stage": 1, "micro_batch_size": m}
-        for m in MICRO_BATCHES
+        for m in micro_batches
     ]
     return {
         "name": "pipeline_bubble",
@@ -52,12 +55,22 @@ def matrix(*, steps: int, n_embd: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--n-embd", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=None, help="Default 6 (2 with --tiny: the bubble counts from 2).")
+    parser.add_argument("--n-embd", type=int, default=None, help="Default 256 (16 with --tiny).")
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="Every schedule at GA 2, 2 steps, n_embd 16, for the suite: its numbers mean nothing.",
+    )
     args = parser.parse_args()
+    if args.tiny:
+        print(TINY, flush=True)
+    steps = args.steps or (2 if args.tiny else 6)
+    n_embd = args.n_embd or (16 if args.tiny else 256)
+    micro_batches = TINY_MICRO_BATCHES if args.tiny else MICRO_BATCHES
     with tempfile.TemporaryDirectory() as tmp:
         path, out = Path(tmp) / "bubble.yaml", Path(tmp) / "run"
-        path.write_text(yaml.safe_dump(matrix(steps=args.steps, n_embd=args.n_embd)))
+        path.write_text(yaml.safe_dump(matrix(steps=steps, n_embd=n_embd, micro_batches=micro_batches)))
         proc = subprocess.run(
             [sys.executable, "-m", "gaeq", "run", "--matrix", str(path), "--out", str(out)],
             capture_output=True,

@@ -1,6 +1,7 @@
 """A user's script checked across splits: gaeq against the launches a user would make by hand.
 
     python benchmarks/script_speed.py [--steps 6]
+    python benchmarks/script_speed.py --tiny     # one split, 2 steps, for the suite: its numbers mean nothing
 
 Eight splits of experiments/scripts/ddp_manual.py at a global batch of 32 (world 1: micro 4, 8, 16,
 32; world 2: micro 2, 4, 8, 16): once through `gaeq run` (the script unchanged, every rank probed,
@@ -22,10 +23,13 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "experiments" / "scripts" / "ddp_manual.py"
 SPLITS = [(1, 4), (1, 8), (1, 16), (1, 32), (2, 2), (2, 4), (2, 8), (2, 16)]
+TINY_SPLITS = [(2, 16)]
+"""--tiny: one split (world 2, so that gaeq compares it with the baseline it adds)."""
 BATCH = 32
+TINY = "tiny run (--tiny): the smallest sizes, to keep the code working — its numbers mean nothing"
 
 
-def through_gaeq(steps: int, out: Path) -> float:
+def through_gaeq(steps: int, out: Path, splits: list[tuple[int, int]]) -> float:
     spec = {
         "name": "script_speed",
         "script": {
@@ -42,7 +46,7 @@ def through_gaeq(steps: int, out: Path) -> float:
         "steps": steps,
         "train_batch_size": BATCH,
         "noise_floor": False,  # the eight splits only (the baseline is one of them)
-        "cells": [{"world_size": w, "micro_batch_size": m} for w, m in SPLITS],
+        "cells": [{"world_size": w, "micro_batch_size": m} for w, m in splits],
     }
     matrix = out / "speed.yaml"
     matrix.write_text(yaml.safe_dump(spec))
@@ -58,9 +62,9 @@ def through_gaeq(steps: int, out: Path) -> float:
     return seconds
 
 
-def plain_launches(steps: int) -> list[float]:
+def plain_launches(steps: int, splits: list[tuple[int, int]]) -> list[float]:
     times = []
-    for world, micro in SPLITS:
+    for world, micro in splits:
         ga = BATCH // (world * micro)
         cmd = [
             sys.executable,
@@ -80,16 +84,24 @@ def plain_launches(steps: int) -> list[float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=None, help="Default 6 (2 with --tiny).")
+    parser.add_argument(
+        "--tiny", action="store_true", help="One split of 2 steps, for the suite: its numbers mean nothing."
+    )
     args = parser.parse_args()
+    if args.tiny:
+        print(TINY, flush=True)
+    steps = args.steps or (2 if args.tiny else 6)
+    splits = TINY_SPLITS if args.tiny else SPLITS
+    n = len(splits)
     with tempfile.TemporaryDirectory(prefix="gaeq-script-speed-") as folder:
-        gaeq = through_gaeq(args.steps, Path(folder))
-    plain = plain_launches(args.steps)
+        gaeq = through_gaeq(steps, Path(folder), splits)
+    plain = plain_launches(steps, splits)
     per_launch = sum(plain) / len(plain)
-    print(f"8 splits through gaeq run: {gaeq:.1f} s ({gaeq / len(SPLITS):.2f} s a split, probed and judged)")
-    print(f"8 plain torchrun launches: {sum(plain):.1f} s ({per_launch:.2f} s a launch, nothing compared)")
+    print(f"{n} splits through gaeq run: {gaeq:.1f} s ({gaeq / n:.2f} s a split, probed and judged)")
+    print(f"{n} plain torchrun launches: {sum(plain):.1f} s ({per_launch:.2f} s a launch, nothing compared)")
     print(
-        f"gaeq's 8 splits = {gaeq / per_launch:.1f} plain launches (target: fewer than 3 — "
+        f"gaeq's {n} splits = {gaeq / per_launch:.1f} plain launches (target: fewer than 3 — "
         f"{'met' if gaeq < 3 * per_launch else 'missed'})"
     )
 

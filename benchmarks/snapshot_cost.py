@@ -1,6 +1,7 @@
 """What tracking params/grads costs per optimizer step, in-process (torch trainer, world 1).
 
     python benchmarks/snapshot_cost.py [--repeats 5]
+    python benchmarks/snapshot_cost.py --tiny     # 1 repeat of 2 steps, for the suite: its numbers mean nothing
 
 Prints the median seconds per optimizer step with and without `track: [params, grads]` for the
 default MLP and GPT problems, and the overhead. Untracked runs pay nothing: no tensor is copied.
@@ -19,6 +20,8 @@ import yaml
 
 from gaeq.matrix import load_matrix
 from gaeq.trainers import RunContext, trainer_for
+
+TINY = "tiny run (--tiny): the smallest sizes, to keep the code working — its numbers mean nothing"
 
 PROBLEMS = {
     "mlp": {"model": {"kind": "mlp", "hidden": 64}, "data": {"kind": "regression"}, "loss": "mse"},
@@ -48,9 +51,16 @@ def seconds_per_step(problem: dict, track: list[str], *, steps: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--repeats", type=int, default=None, help="Default 5 (1 with --tiny).")
+    parser.add_argument("--steps", type=int, default=None, help="Default 40 (2 with --tiny).")
+    parser.add_argument(
+        "--tiny", action="store_true", help="One repeat of 2 steps, for the suite: its numbers mean nothing."
+    )
     args = parser.parse_args()
+    if args.tiny:
+        print(TINY, flush=True)
+    repeats = args.repeats or (1 if args.tiny else 5)
+    steps = args.steps or (2 if args.tiny else 40)
     torch.set_num_threads(1)
     for name, problem in PROBLEMS.items():
         timings = {}
@@ -59,7 +69,7 @@ def main() -> None:
             ("params+grads", ["loss", "grad_norm", "params", "grads"]),
         ):
             seconds_per_step(problem, track, steps=3)  # warm-up
-            runs = [seconds_per_step(problem, track, steps=args.steps) for _ in range(args.repeats)]
+            runs = [seconds_per_step(problem, track, steps=steps) for _ in range(repeats)]
             timings[label] = statistics.median(runs)
         overhead = timings["params+grads"] / timings["untracked"] - 1
         print(
