@@ -5,13 +5,17 @@
 
 Eight splits of experiments/scripts/ddp_manual.py at a global batch of 32 (world 1: micro 4, 8, 16,
 32; world 2: micro 2, 4, 8, 16): once through `gaeq run` (the script unchanged, every rank probed,
-compared with the baseline), once as eight plain `torchrun` launches of the script. Prints both wall
-times and the issue's target: eight splits through gaeq in less wall time than three plain launches.
+compared with the baseline), once as eight plain `torchrun` launches of the script, each with one thread
+per rank as gaeq's ranks have. Prints both wall times and the target: eight splits through gaeq in less
+wall time than three plain launches. Then the probe's overhead per step, for the script's model at
+10.8 M parameters (world 1, micro-batch 32): its step under gaeq against a plain run's, and the probe's
+own seconds as it measures them (`probe_seconds` in probe.json).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import tempfile
@@ -26,6 +30,11 @@ SPLITS = [(1, 4), (1, 8), (1, 16), (1, 32), (2, 2), (2, 4), (2, 8), (2, 16)]
 TINY_SPLITS = [(2, 16)]
 """--tiny: one split (world 2, so that gaeq compares it with the baseline it adds)."""
 BATCH = 32
+WIDE = ["--d_model", "640", "--hidden", "8192"]
+"""ddp_manual.py's model at 10.8 M parameters, for the probe's overhead (--tiny: its default width)."""
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+"""What every rank of gaeq's runs with (and torchrun gives two workers): plain launches alike, so that
+like is compared with like (torchrun leaves a single worker torch's default, a thread per core)."""
 TINY = "tiny run (--tiny): the smallest sizes, to keep the code working — its numbers mean nothing"
 
 
@@ -77,9 +86,50 @@ def plain_launches(steps: int, splits: list[tuple[int, int]]) -> list[float]:
         ]
         cmd += ["--batch_size", str(micro), "--grad_accum", str(ga), "--max_steps", str(steps)]
         started = time.perf_counter()
-        subprocess.run(cmd, check=True, capture_output=True, cwd=SCRIPT.parent)
+        subprocess.run(cmd, check=True, capture_output=True, cwd=SCRIPT.parent, env={**os.environ, **ONE_THREAD})
         times.append(time.perf_counter() - started)
     return times
+
+
+def probe_overhead(steps: int, out: Path, width: list[str]) -> tuple[float, float, float, int]:
+    """The probe's cost per step at world 1, micro-batch 32: (step seconds under gaeq — the trace's, steps
+    after the first —, a plain run's step seconds — (t(2n) − t(n)) / n, its start-up cancelled —, the probe's
+    own seconds per step as it measured them, the model's parameters)."""
+    import json
+
+    args = ["--batch_size", "32", "--grad_accum", "1", *width]
+    spec = {
+        "name": "probe_overhead",
+        "script": {"path": str(SCRIPT), "args": [*args, "--max_steps", "{steps}"]},
+        "steps": steps,
+        "train_batch_size": BATCH,
+        "noise_floor": False,
+        "baseline": {"world_size": 1, "micro_batch_size": BATCH},  # the one cell: the baseline
+        "cells": [{"world_size": 1, "micro_batch_size": BATCH}],
+    }
+    (out / "overhead.yaml").write_text(yaml.safe_dump(spec))
+    cmd = [sys.executable, "-m", "gaeq", "run", "--matrix", str(out / "overhead.yaml"), "--out", str(out / "overhead")]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"gaeq run failed ({proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    cell = out / "overhead" / "cells" / "script-w1-mb32-ga1"
+    probed = json.loads((cell / "probe.json").read_text())["steps"][1:]
+    gaeq_step = sum(r["seconds"] for r in probed) / len(probed)
+    probe_step = sum(r["probe_seconds"] for r in probed) / len(probed)
+    plain = []
+    for n in (steps, 2 * steps):
+        started = time.perf_counter()
+        subprocess.run([sys.executable, str(SCRIPT), *args, "--max_steps", str(n)], check=True, capture_output=True,
+                       cwd=SCRIPT.parent, env={**os.environ, **ONE_THREAD})  # fmt: skip
+        plain.append(time.perf_counter() - started)
+    parameters = _parameters(width)
+    return gaeq_step, (plain[1] - plain[0]) / steps, probe_step, parameters
+
+
+def _parameters(width: list[str]) -> int:
+    d, hidden = int(width[1]), int(width[3])
+    vocab = 32  # ddp_manual.py's
+    return 2 * vocab * d + (2 * d + 1) * hidden + (hidden + 1) * vocab
 
 
 def main() -> None:
@@ -96,6 +146,8 @@ def main() -> None:
     n = len(splits)
     with tempfile.TemporaryDirectory(prefix="gaeq-script-speed-") as folder:
         gaeq = through_gaeq(steps, Path(folder), splits)
+        width = ["--d_model", "32", "--hidden", "256"] if args.tiny else WIDE
+        gaeq_step, plain_step, probe_step, parameters = probe_overhead(steps + 1, Path(folder), width)
     plain = plain_launches(steps, splits)
     per_launch = sum(plain) / len(plain)
     print(f"{n} splits through gaeq run: {gaeq:.1f} s ({gaeq / n:.2f} s a split, probed and judged)")
@@ -103,6 +155,11 @@ def main() -> None:
     print(
         f"gaeq's {n} splits = {gaeq / per_launch:.1f} plain launches (target: fewer than 3 — "
         f"{'met' if gaeq < 3 * per_launch else 'missed'})"
+    )
+    print(
+        f"probe overhead at {parameters / 1e6:.1f} M parameters (world 1, micro-batch 32, one thread): a step "
+        f"{gaeq_step * 1e3:.1f} ms under gaeq, {plain_step * 1e3:.1f} ms plain → {gaeq_step / plain_step - 1:+.1%}; "
+        f"the probe's own work {probe_step * 1e3:.2f} ms a step = {probe_step / gaeq_step:.1%} of it"
     )
 
 

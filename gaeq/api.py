@@ -181,12 +181,15 @@ def run(
     from gaeq.runtime.events import Event, EventKind, ignore
     from gaeq.runtime.launch import run_all
     from gaeq.runtime.server import warm_up
+    from gaeq.script.launchers import launch_mismatch
 
     check_launch(launcher=launcher, isolate=isolate, lanes=lanes)
     # Everything that can be checked without a process comes first: a bad matrix file never starts
     # one. (Plugins are imported and problems built after the fork server has been started, so that
     # its imports overlap with theirs; a plugin that fails stops the server with the run.)
     m = load(matrix, check=False)
+    if m.problem.script is not None and (why := launch_mismatch(m.problem.script.launcher, launcher)):
+        raise MatrixError(why)
     kept = _finished_cells(m, out) if resume else _no_run_in(out)
     check_world_sizes(m, gpus=False)  # without torch: its import would delay the fork server below
     lifeline.mark_parent()  # every process started from here on dies with this one

@@ -23,6 +23,8 @@ parser.add_argument("--max_steps", type=int, default=20, help="optimizer steps")
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--lr", type=float, default=3e-3)
 parser.add_argument("--clip", type=float, default=1.0, help="max grad norm; 0 = off")
+parser.add_argument("--d_model", type=int, default=32, help="embedding width")
+parser.add_argument("--hidden", type=int, default=256, help="MLP width (640 and 8192: 10.8 M parameters)")
 parser.add_argument(
     "--bug",
     default="none",
@@ -97,7 +99,7 @@ class TinyLM(nn.Module):
 
 
 torch.manual_seed(args.seed)  # same init on every rank and every split
-model = TinyLM()
+model = TinyLM(args.d_model, args.hidden)
 if ddp:
     model = DDP(model)
 optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95), foreach=False)

@@ -18,9 +18,23 @@ if TYPE_CHECKING:
 
 
 def has_cuda() -> bool:
+    """Whether CUDA devices are here, asked through NVML (PYTORCH_NVML_BASED_CUDA_CHECK): the default
+    check initialises the CUDA driver, and a process forked after that — every rank of the fork server,
+    which asks before it forks — could not use CUDA. (No GPU has run this lab: see docs/your-setup.md.)"""
     import torch
 
-    return torch.cuda.is_available()
+    said = os.environ.get(NVML_CHECK)
+    os.environ[NVML_CHECK] = "1"  # for this question only: a user's script ranks inherit this environment
+    try:
+        return torch.cuda.is_available()
+    finally:
+        if said is None:
+            del os.environ[NVML_CHECK]
+        else:
+            os.environ[NVML_CHECK] = said
+
+
+NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 
 
 def backend() -> str:

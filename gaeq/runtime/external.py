@@ -45,13 +45,20 @@ def cells_for_launch(matrix: Matrix, *, world_size: int, only: Sequence[str] = (
 
 
 def launched_main(*, matrix: Matrix, run_dir: Path, only: Sequence[str] = (), init_timeout_s: float = 600.0) -> int:
-    """Run this rank's share of the matrix; 0 when every cell finished, 1 when one failed.
+    """Run this rank's share of the matrix; 0 when every cell finished, 1 when one failed. (A script
+    matrix's cells: gaeq.script.launched — this rank starts the script's rank of each.)
 
     A failing cell gets an ``error`` outcome written by the rank that failed (with its reason);
     the rank then exits non-zero, which makes the launcher stop the others.
     """
     me = dist.rank_from_env()
     cells = cells_for_launch(matrix, world_size=me.world_size, only=only)
+    if matrix.problem.script is not None:  # a user's script: each cell's ranks are scripts of their own
+        from gaeq.script.launched import run_launched_script_cells
+
+        return run_launched_script_cells(
+            cells, problem=matrix.problem, run_dir=run_dir, timeout_s=matrix.spec.timeout_s
+        )
     dist.set_accelerator_env()
     worker.set_up_rank(plugin_dirs=matrix.plugin_dirs)
     dist.join_from_env(
@@ -215,7 +222,10 @@ def _watch(
 
 
 def _fail(cell: Cell, why: str, *, log: Path, outcomes: dict, world_size: int, opts: RunOptions) -> None:
-    logs = [cell_dir(opts.run_dir, cell.id) / f"rank{r}.log" for r in range(world_size)] + [log]
+    from gaeq.script.launch import rank_log  # a script's ranks log under the script's names
+
+    where = cell_dir(opts.run_dir, cell.id)
+    logs = [where / f"rank{r}.log" for r in range(world_size)] + [rank_log(where, r) for r in range(world_size)] + [log]
     outcomes[cell.id] = fail_cell(
         cell.id, why, run_dir=opts.run_dir, logs=logs, world_size=world_size, on_event=opts.on_event
     )

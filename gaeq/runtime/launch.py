@@ -73,14 +73,16 @@ def run_cells(cells: Sequence[Cell], opts: RunOptions) -> dict[str, CellOutcome]
     The cells of one world size share process groups (lanes side by side, see :func:`plan_lanes`)
     — or, with `isolate`, each cell gets one fresh group (the way one launch per configuration
     works). With `launcher` torchrun or deepspeed, that launcher starts each world size's ranks on
-    ``gaeq worker`` (the run directory must hold the matrix as ``matrix.yaml``)."""
+    ``gaeq worker`` (the run directory must hold the matrix as ``matrix.yaml``) — a script's cells
+    too, each rank then starting the script's (gaeq.script.launched)."""
     outcomes: dict[str, CellOutcome] = {}
-    for cell in (c for c in cells if TRAINERS[c.trainer].script):  # the user's script: its own launch
+    forked = [c for c in cells if TRAINERS[c.trainer].script and opts.launcher == "local"]
+    for cell in forked:  # the user's script, its ranks forked as its launcher would start them
         from gaeq.script.launch import run_script_cell
 
         outcomes[cell.id] = run_script_cell(cell, opts.problems[cell.variant], opts)
     groups: dict[object, list[Cell]] = {}
-    for cell in (c for c in cells if not TRAINERS[c.trainer].script):
+    for cell in (c for c in cells if c not in forked):  # under a real launcher, a script's cells go as any
         groups.setdefault(cell.id if opts.isolate else cell.world_size, []).append(cell)
     for group in groups.values():
         world_size = group[0].world_size

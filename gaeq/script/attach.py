@@ -51,6 +51,7 @@ def forked_rank(script: str, args: list[str], env: dict[str, str], cwd: str, log
     lifeline.bind_to_parent()
     os.chdir(cwd)
     redirect_fds(log)
+    as_started_fresh()
     code = 0
     try:
         run(script, args)
@@ -62,6 +63,25 @@ def forked_rank(script: str, args: list[str], env: dict[str, str], cwd: str, log
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def as_started_fresh() -> None:
+    """What the fork server set up before the fork, as a fresh interpreter in the rank's environment
+    has it: torch's intra-op threads as OMP_NUM_THREADS says (else one per core this process may run
+    on: torch's own default) — the server's pool was sized before the rank's variables were set —
+    and torch's, `random`'s and numpy's global generators seeded anew from the OS, as each fresh
+    interpreter seeds its own (forked, every rank and every cell would draw the server's numbers:
+    an unseeded script would look seeded, the same on every rank)."""
+    import random
+
+    import torch
+
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else len(os.sched_getaffinity(0)))
+    torch.seed()
+    random.seed()
+    if (numpy := sys.modules.get("numpy")) is not None:
+        numpy.random.seed()
 
 
 if __name__ == "__main__":

@@ -59,10 +59,11 @@ def rank_log(out: Path, rank: int) -> Path:
     return out / (LOG_FILE if rank == 0 else f"script-rank{rank}.log")
 
 
-def run_script_cell(cell: Cell, problem: ProblemSpec, opts: RunOptions) -> CellOutcome:
-    """Start the cell's ranks, wait for them (at most the matrix's timeout_s; a rank that fails stops
-    the others), and say how the cell ended."""
-    out = cell_dir(opts.run_dir, cell.id)
+def prepare(cell: Cell, problem: ProblemSpec, *, run_dir: Path) -> tuple[Path, list[str], dict[str, str]]:
+    """The cell's directory (with the user's DeepSpeed config for its split, if any), the script's
+    arguments, and what every rank's environment adds to the launcher's: the script's own variables
+    and what the probe is to record (each launch path adds where the ranks meet)."""
+    out = cell_dir(run_dir, cell.id)
     out.mkdir(parents=True, exist_ok=True)
     if problem.script.deepspeed_config is not None:  # the user's config with the cell's batch triple
         config = problem.script.deepspeed_config | {
@@ -71,13 +72,16 @@ def run_script_cell(cell: Cell, problem: ProblemSpec, opts: RunOptions) -> CellO
             "gradient_accumulation_steps": cell.grad_accum_steps,
         }
         atomic_write(out / DEEPSPEED_CONFIG_FILE, json.dumps(config, indent=1))
-    args, port, launcher = script_args(cell, problem, out=out), free_port(), problem.script.launcher
-    env = {
-        **os.environ,
-        "PYTHONUNBUFFERED": "1",
-        **problem.script.env,
-        ENV: json.dumps({"out": str(out), "steps": problem.steps}),
-    }
+    env = {"PYTHONUNBUFFERED": "1", **problem.script.env, ENV: json.dumps({"out": str(out), "steps": problem.steps})}
+    return out, script_args(cell, problem, out=out), env
+
+
+def run_script_cell(cell: Cell, problem: ProblemSpec, opts: RunOptions) -> CellOutcome:
+    """Start the cell's ranks, wait for them (at most the matrix's timeout_s; a rank that fails stops
+    the others), and say how the cell ended."""
+    out, args, env = prepare(cell, problem, run_dir=opts.run_dir)
+    port, launcher = free_port(), problem.script.launcher
+    env = {**os.environ, **env}
     opts.on_event(Event(kind=EventKind.START, world_size=cell.world_size, cell_id=cell.id))
     started = time.perf_counter()
     # Each rank forks from gaeq's fork server, which has imported torch once (a fresh interpreter per
@@ -108,36 +112,58 @@ def run_script_cell(cell: Cell, problem: ProblemSpec, opts: RunOptions) -> CellO
         finally:
             for proc in procs:
                 _stop(proc)
-    seconds = time.perf_counter() - started
-    probe = out / PROBE_FILE
-    facts = json.loads(probe.read_text()) if probe.is_file() else None  # what the probe saw, if it started
-    why = _why_not_done(problem, out=out, facts=facts, code=code, timeout_s=opts.timeout_s)
-    if why is not None:
+    ran = {"launched_by": f"gaeq's fork server, as {launcher.value} starts its workers"}
+    outcome = conclude(cell, problem, out=out, args=args, code=code, seconds=time.perf_counter() - started,
+                       timeout_s=opts.timeout_s, ran=ran)  # fmt: skip
+    if outcome.status != "done":
         return fail_cell(
             cell.id,
-            why,
+            outcome.reason,
             run_dir=opts.run_dir,
             logs=[rank_log(out, r) for r in range(cell.world_size)],
-            seconds=seconds,
+            seconds=outcome.seconds,
             world_size=cell.world_size,
             on_event=opts.on_event,
         )
-    first = facts["steps"][0]  # what the probe saw in the first optimizer step, never the cell's label
+    write_outcome(out, outcome)
+    opts.on_event(Event(kind=EventKind.END, world_size=cell.world_size, cell_id=cell.id, outcome=outcome))
+    return outcome
+
+
+def conclude(
+    cell: Cell,
+    problem: ProblemSpec,
+    *,
+    out: Path,
+    args: list[str],
+    code: int | None,
+    seconds: float,
+    timeout_s: float,
+    ran: dict,
+) -> CellOutcome:
+    """How the cell ended, from what its ranks left (the probe's record, rank 0's trace) and their
+    exit `code` (None: they ran past `timeout_s`): done, with what the probe saw in the first
+    optimizer step — never the cell's label — or an error saying why (not yet written)."""
+    probe = out / PROBE_FILE
+    facts = json.loads(probe.read_text()) if probe.is_file() else None  # what the probe saw, if it started
+    why = _why_not_done(problem, out=out, facts=facts, code=code, timeout_s=timeout_s)
+    if why is not None:
+        return CellOutcome(status="error", reason=why, seconds=seconds)
+    first = facts["steps"][0]
+    launcher = problem.script.launcher
     ran = {
         "world_size": first["world_size"],
         "micro_batch_rows": sorted({rows for rank in first["rows"] for rows in rank}),
         "micro_steps": sorted(set(first["backward"])),
         "command": command(launcher, world_size=cell.world_size, script=problem.script.path, args=args),
+        **ran,
+        "versions": facts.get("versions", {}),
     }
-    ran |= {"versions": facts.get("versions", {})}
     if facts.get("dropout"):  # the verdict names it when the cell diverges (report._dropout_note)
         ran["dropout"] = facts["dropout"]
     if code != 0:
         ran["exit"] = f"exited with code {code} after its last recorded step (a crash at exit: noted, not an error)"
-    outcome = CellOutcome(status="done", seconds=seconds, ran=ran)
-    write_outcome(out, outcome)
-    opts.on_event(Event(kind=EventKind.END, world_size=cell.world_size, cell_id=cell.id, outcome=outcome))
-    return outcome
+    return CellOutcome(status="done", seconds=seconds, ran=ran)
 
 
 def _wait(procs: list, *, timeout_s: float) -> int | None:

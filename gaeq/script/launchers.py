@@ -77,3 +77,20 @@ def command(launcher: Launcher, *, world_size: int, script: str, args: list[str]
         Launcher.ACCELERATE: ["accelerate", "launch", "--multi_gpu", "--num_processes", str(world_size)],
     }[launcher]
     return " ".join([*start, script, *args])
+
+
+STARTED_BY = {Launcher.TORCHRUN: "torchrun", Launcher.ACCELERATE: "torchrun", Launcher.DEEPSPEED: "deepspeed"}
+"""The launcher `gaeq run --launcher` starts a script under, by the launcher the script names:
+``accelerate launch --multi_gpu`` is torchrun's start with accelerate's defaults added (and on a
+CPU-only machine starts one process whatever it is told)."""
+
+
+def launch_mismatch(script_launcher: Launcher, launcher: str) -> str | None:
+    """Why ``gaeq run --launcher`` cannot start a script as its user starts it (None: it can)."""
+    if launcher == "local" or STARTED_BY[script_launcher] == launcher:
+        return None
+    return (
+        f"--launcher {launcher}: your script is started by {script_launcher.value} (script.launcher); gaeq starts it "
+        f"under {STARTED_BY[script_launcher]} (--launcher {STARTED_BY[script_launcher]}) or forks its ranks as "
+        f"{script_launcher.value} would (--launcher local)"
+    )

@@ -44,7 +44,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from gaeq.script.contract import ENV, PROBE_FILE
 from gaeq.script.samples import SampleIdentity
-from gaeq.script.weights import UpdateSketch, fingerprint
+from gaeq.script.weights import UpdateSketch, engine_norm, fingerprint, grad_norm
 
 ACTIVE: Probe | None = None
 """The probe of this process, once installed (what ``gaeq.probe(model=…)`` tells)."""
@@ -92,6 +92,8 @@ class Probe:
         self._norm_after_backward: float | None = None
         """The norm at the first clip since the last backward (the boundary's, when no backward follows)."""
         self.lr: float | None = None
+        self.spent = 0.0
+        """Seconds the probe's own work took in this step (hashing, norms, gathering, writing)."""
         self.started = time.perf_counter()
 
     # --- the hooks ------------------------------------------------------------------------------
@@ -104,7 +106,9 @@ class Probe:
         @functools.wraps(backward)
         def probed_backward(tensors, *args, **kwargs):
             if isinstance(tensors, torch.Tensor) and tensors.numel() == 1:
+                started = time.perf_counter()
                 self.losses.append(float(tensors.detach().double()))
+                self.spent += time.perf_counter() - started
             self.events["backward"] += 1
             self._norm_after_backward = None  # the gradient changes: a clip after this one reads the new norm
             return backward(tensors, *args, **kwargs)
@@ -118,7 +122,9 @@ class Probe:
             parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
             self.events["clip"] += 1
             if self._norm_after_backward is None:  # before it clips: a clip per micro-step reads each one's
-                self._norm_after_backward = _norm([p.grad for p in parameters if p.grad is not None])
+                started = time.perf_counter()
+                self._norm_after_backward = grad_norm([p.grad for p in parameters if p.grad is not None])
+                self.spent += time.perf_counter() - started
             return clip(parameters, *args, **kwargs)
 
         torch.nn.utils.clip_grad_norm_ = probed_clip
@@ -187,10 +193,12 @@ class Probe:
     def _after_forward(self, module, args, kwargs, output) -> None:
         if not self._calls.pop():
             return  # another module than the model (a loss, a metric, a teacher), or an evaluation forward
+        started = time.perf_counter()
         if not self._seen:  # the first training forward: the model's dropout, as it trains
             self._seen = True
             self.dropout = active_dropout(self.model)
         batch = self.samples.read(module, args, kwargs)
+        self.spent += time.perf_counter() - started
         if batch is None:
             return
         self.rows.append(len(batch.fingerprints))
@@ -218,20 +226,23 @@ class Probe:
             self._comm = counter
 
     def _before_step(self, optimizer, args, kwargs) -> None:
+        started = time.perf_counter()
         params = self._parameters(optimizer)
         if self.initial is None:
             self.initial = fingerprint(params)
         # the boundary's norm before clipping: the first clip's after the last backward, else now
         self.grad_norm = self._norm_after_backward
         if self.grad_norm is None:
-            self.grad_norm = _norm([p.grad for p in params if p.grad is not None])
+            self.grad_norm = grad_norm([p.grad for p in params if p.grad is not None])
         self.lr = float(optimizer.param_groups[0]["lr"])
+        self.spent += time.perf_counter() - started
 
     def _after_step(self, optimizer, args, kwargs) -> None:
+        entered = time.perf_counter()
         self.events["optimizer_step"] += 1
         # A DeepSpeed engine (the outermost module) clips inside its step and, at ZeRO ≥ 1, keeps no
         # gradient in .grad: the norm it computed before clipping is the one to compare.
-        if (norm := _engine_norm(self.model)) is not None:
+        if (norm := engine_norm(self.model)) is not None:
             self.grad_norm = norm
         mine = {
             "losses": self.losses,
@@ -247,7 +258,9 @@ class Probe:
         ranks = _gather(mine)
         if _rank() == 0:
             peak = self._memory.peak_bytes() if self._memory is not None else None
-            self._write(ranks, sketch=self._sketch(self._parameters(optimizer)), comm=comm, peak=peak)
+            sketch = self._sketch(self._parameters(optimizer))
+            self.spent += time.perf_counter() - entered
+            self._write(ranks, sketch=sketch, comm=comm, peak=peak)
         self.step += 1
         self._new_step()
         if self.step == self.steps:
@@ -287,6 +300,7 @@ class Probe:
                 "comm_bytes": comm,
                 "peak_mem_bytes": peak,
                 "seconds": time.perf_counter() - self.started,
+                "probe_seconds": self.spent,
             }
         )
 
@@ -340,27 +354,9 @@ def active_dropout(model: torch.nn.Module) -> dict[str, float]:
     }
 
 
-def _engine_norm(model: torch.nn.Module | None) -> float | None:
-    """A DeepSpeed engine's global grad norm of this step, before clipping: its ZeRO optimizer's
-    (computed before it steps the optimizer whose hook asks), else the engine's own (ZeRO-0)."""
-    zero = getattr(getattr(model, "optimizer", None), "_global_grad_norm", None)
-    if zero is not None:
-        return float(zero)
-    engine = getattr(model, "get_global_grad_norm", None)
-    norm = engine() if callable(engine) else None
-    return None if norm is None else float(norm)
-
-
 def _trainable(module: torch.nn.Module) -> bool:
     """Whether `module` has a parameter that trains (a loss or a metric has none; a frozen teacher's do not)."""
     return any(p.requires_grad for p in module.parameters())
-
-
-def _norm(grads: list[torch.Tensor]) -> float:
-    """The L2 norm of `grads`, each summed in float64 where it lives (no float64 copy of a gradient)."""
-    if not grads:
-        return float("nan")
-    return float(sum(float(torch.linalg.vector_norm(g.detach(), dtype=torch.float64)) ** 2 for g in grads) ** 0.5)
 
 
 def _rank() -> int:

@@ -1,6 +1,8 @@
-"""What the probe reads of a script's weights: a fingerprint of the initial parameters, and after each
-optimizer step a fixed random projection of them (the update sketch) — a difference in lr, clipping
-or the optimizer shows there when the objective still agrees."""
+"""What the probe reads of a script's weights and gradients: a fingerprint of the initial parameters;
+the grad norm at the boundary, summed in float64 (or a DeepSpeed engine's own); and after each
+optimizer step a fixed random projection of the parameters (the update sketch) — a difference in lr,
+clipping or the optimizer shows there when the objective still agrees. Nothing here assumes a CPU:
+only the projected entries and float64 sums of bounded chunks are made where a tensor lives."""
 
 from __future__ import annotations
 
@@ -39,3 +41,30 @@ class UpdateSketch:
                 self._where.append((where.to(p.device), weights.to(p.device)))
         terms = [p.detach().reshape(-1)[w].double() * v for p, (w, v) in zip(params, self._where)]
         return float(sum(t.sum() for t in terms)), float(sum(t.abs().sum() for t in terms))
+
+
+NORM_CHUNK = 1 << 20
+"""Elements of a gradient summed at a time in float64: a bounded copy (8 MB), never one of the whole
+gradient — on a GPU, the float64 copy of a large model's gradients would not fit beside them."""
+
+
+def grad_norm(grads: list[torch.Tensor]) -> float:
+    """The L2 norm of `grads`, their squares summed in float64 where they live, a chunk at a time."""
+    if not grads:
+        return float("nan")
+    total = 0.0
+    for g in grads:
+        for chunk in g.detach().reshape(-1).split(NORM_CHUNK):
+            total += float(chunk.double().square().sum())
+    return total**0.5
+
+
+def engine_norm(model: torch.nn.Module | None) -> float | None:
+    """A DeepSpeed engine's global grad norm of this step, before clipping: its ZeRO optimizer's
+    (computed before it steps the optimizer whose hook asks), else the engine's own (ZeRO-0)."""
+    zero = getattr(getattr(model, "optimizer", None), "_global_grad_norm", None)
+    if zero is not None:
+        return float(zero)
+    engine = getattr(model, "get_global_grad_norm", None)
+    norm = engine() if callable(engine) else None
+    return None if norm is None else float(norm)

@@ -37,7 +37,12 @@ PHASES = {
     "plain_deepspeed.py": ("step 0 loss", "step 1 loss", "trained in"),
     "snapshot_cost.py": ("mlp: untracked", "gpt: untracked"),
     "noise_floor.py": ("false alarms / missed controls", "\nfp32 ", "\nbf16@gpt_43k ", "figure: /"),
-    "script_speed.py": ("splits through gaeq run", "plain torchrun launches", "plain launches (target: fewer than 3"),
+    "script_speed.py": (
+        "splits through gaeq run",
+        "plain torchrun launches",
+        "plain launches (target: fewer than 3",
+        "probe overhead at",
+    ),
     "pipeline_bubble.py": (
         "bubble  theory  p2p KB/step",
         "torch-w2-pp2-gpipe-",

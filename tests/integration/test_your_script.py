@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import cells_by_id
+from tests.processes import leftovers
 
 pytestmark = pytest.mark.integration
 
@@ -82,12 +83,20 @@ def test_a_users_accelerate_script_matches_and_its_scheduler_stepped_per_process
     ) in control["reason"]
 
 
-def test_a_users_deepspeed_script_matches_and_manual_accumulation_against_ga_1_is_another_split(tmp_path):
+@pytest.fixture(scope="module")
+def deepspeed_corner(tmp_path_factory):
+    """experiments/your_deepspeed_script.yaml's corner, forked by gaeq (its cells and run directory):
+    the reference of the same cells under DeepSpeed's real launcher."""
+    folder = tmp_path_factory.mktemp("deepspeed_corner")
+    return corner(folder, "your_deepspeed_script.yaml", "ga_one_in_config"), folder / "run"
+
+
+def test_a_users_deepspeed_script_matches_and_manual_accumulation_against_ga_1_is_another_split(deepspeed_corner):
     """experiments/your_deepspeed_script.yaml's corner, under DeepSpeed's launcher (its --local_rank):
     the engine's own accumulation at world 2 against the baseline, and the script accumulating by hand
     against a config that says GA 1 (open-instruct#1498) — every engine.backward a boundary, caught as
     the split it really ran before any number is compared."""
-    cells = corner(tmp_path, "your_deepspeed_script.yaml", "ga_one_in_config")
+    cells, _ = deepspeed_corner
     clean = cells["script-w2-mb4-ga2"]
     assert clean["verdict"] == "match" and clean["ran"]["command"].startswith("deepspeed --num_gpus 2")
     assert (clean["ran"]["world_size"], clean["ran"]["micro_steps"]) == (2, [2])
@@ -96,49 +105,166 @@ def test_a_users_deepspeed_script_matches_and_manual_accumulation_against_ga_1_i
     assert "your script ignored {grad_accum_steps}: 1 backward call(s) in its first optimizer step" in control["reason"]
 
 
+def without_bugs(run_dir, to) -> None:
+    """`run_dir`'s matrix, its controls left out, written to `to`: the same cell ids."""
+    import yaml
+
+    spec = yaml.safe_load((run_dir / "matrix.yaml").read_text())
+    spec["cells"] = [c for c in spec.get("cells") or [] if "--bug" not in c.get("args", [])]
+    to.write_text(yaml.safe_dump(spec))
+
+
+def test_a_scripts_cells_under_deepspeeds_real_launcher_leave_the_forked_traces_bitwise(deepspeed_corner, tmp_path):
+    """`gaeq run --launcher deepspeed`: DeepSpeed's launcher starts each world size on `gaeq worker`, and
+    each rank starts the script's rank of each cell (world 1, the baseline; world 2) — traces bitwise
+    those of the ranks gaeq forked, the same verdicts, the same ran. A launcher that cannot start the
+    script as its user does is bad input, before any process starts."""
+    from tests.helpers import gaeq_run
+    from tests.integration.test_launchers import training_traces, verdicts
+
+    _, forked = deepspeed_corner
+    without_bugs(forked, tmp_path / "m.yaml")
+    proc, report, tag = gaeq_run(tmp_path / "m.yaml", tmp_path / "run", extra=["--launcher", "deepspeed"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert leftovers(tag) == []
+    launched, reference = training_traces(tmp_path / "run"), training_traces(forked)
+    assert sorted(launched) == ["script-w1-mb16-ga1", "script-w2-mb4-ga2"]
+    assert launched == {k: reference[k] for k in launched}
+    assert verdicts(tmp_path / "run") == {k: verdicts(forked)[k] for k in launched}
+    ran = {c["id"]: c["ran"] for c in report["cells"]}["script-w2-mb4-ga2"]
+    assert (ran["world_size"], ran["micro_steps"]) == (2, [2]) and ran["launched_by"].startswith("deepspeed")
+    assert "deepspeed-w2.log" in os.listdir(tmp_path / "run" / "logs")
+    from typer.testing import CliRunner
+
+    from gaeq.cli import app
+
+    refused = CliRunner().invoke(app, ["run", "--matrix", str(tmp_path / "m.yaml"), "--launcher", "torchrun"])
+    assert refused.exit_code == 2 and "--launcher torchrun: your script is started by deepspeed" in refused.output
+
+
+def test_the_cluster_recipe_runs_a_scripts_world_size_as_two_nodes(your_script_run, tmp_path):
+    """docs/where-it-runs.md's recipe for a script matrix: the baseline under `torchrun --standalone`
+    while world 2 runs as two torchrun agents (c10d on 127.0.0.1, one rank a node), all on `gaeq worker`
+    into one shared directory, then `gaeq report`: traces bitwise the forked ranks', the same verdicts."""
+    from typer.testing import CliRunner
+
+    from gaeq.cli import app
+    from tests.integration.test_launchers import launch, nodes, training_traces, verdicts
+
+    *_, forked = your_script_run
+    shared = tmp_path / "shared"
+    without_bugs(forked, tmp_path / "m.yaml")
+    launch(
+        *nodes("torchrun", tmp_path / "m.yaml", shared, count=1),
+        *nodes("torchrun", tmp_path / "m.yaml", shared, count=2),
+    )
+    report = CliRunner().invoke(app, ["report", str(shared)])
+    assert report.exit_code == 0, report.output
+    ours, reference = training_traces(shared), training_traces(forked)
+    assert sorted(ours) == ["script-w1-mb16-ga1", "script-w2-mb4-ga2"] and ours == {k: reference[k] for k in ours}
+    assert verdicts(shared) == {k: verdicts(forked)[k] for k in ours}
+
+
 ONE_NODE_TWO_RANKS = base64.urlsafe_b64encode(json.dumps({"localhost": [0, 1]}).encode()).decode()
-DUMP = """import json, os, sys
-json.dump({"argv": sys.argv[1:], "env": dict(os.environ)}, open(f"{os.environ['RANK']}.json", "w"))
+LAUNCHERS = {
+    "torchrun": ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"],
+    # what `deepspeed --num_gpus 2` runs on one node, with the environment it was given: its node launcher
+    "deepspeed": ["-m", "deepspeed.launcher.launch", f"--world_info={ONE_NODE_TWO_RANKS}", "--master_port=0"],
+}
+DUMP = """import json, os, random, signal, sys
+import torch
+facts = {
+    "threads": torch.get_num_threads(), "interop": torch.get_num_interop_threads(),
+    "torch_draw": torch.rand(1).item(), "random_draw": random.random(),
+    "grad": torch.is_grad_enabled(), "dtype": str(torch.get_default_dtype()),
+    "deterministic": torch.are_deterministic_algorithms_enabled(),
+    "cwd": os.getcwd(), "path0": sys.path[0], "argv0": sys.argv[0], "umask": os.umask(0o22),
+    "signals": {s.name: str(signal.getsignal(s)) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)},
+}
+dump = {"argv": sys.argv[1:], "env": dict(os.environ), "facts": facts}
+json.dump(dump, open(f"{os.environ.get('DUMP', 'real')}-{os.environ['RANK']}.json", "w"))
 """
+"""What a rank was given: its arguments and environment, and what it finds in its interpreter."""
+HOW = ("real", "gaeq")
 
 
-@pytest.mark.parametrize(
-    ("launcher", "command"),
-    [
-        ("torchrun", ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]),
-        # what `deepspeed --num_gpus 2` runs on one node, with the environment it was given: its node launcher
-        ("deepspeed", ["-m", "deepspeed.launcher.launch", f"--world_info={ONE_NODE_TWO_RANKS}", "--master_port=0"]),
-    ],
-)
-def test_a_rank_gets_what_the_real_launcher_gives_its_worker(tmp_path, launcher, command):
+@pytest.fixture(scope="module")
+def ranks_given(tmp_path_factory):
+    """Each launcher's two ranks as the real launcher starts them (its own variables unset from the
+    test's environment, so that the launcher's show; OMP_NUM_THREADS=1, gaeq's one thread per rank) and
+    as gaeq forks them for a script matrix naming that launcher: launcher → {"real": [rank 0, 1], "gaeq": …}."""
+    import sys
+
+    import yaml
+
+    from gaeq.script.launchers import worker_env
+    from gaeq.script.spec import Launcher
+    from tests.helpers import gaeq_run_here
+    from tests.processes import new_tag, owned, spawn
+
+    seen = {}
+    for launcher, command in LAUNCHERS.items():
+        here = tmp_path_factory.mktemp(launcher)
+        (here / "dump.py").write_text(DUMP)
+        ours = worker_env(Launcher(launcher), rank=1, world_size=2, port=0)
+        unset = [arg for key in ours if key in os.environ for arg in ("-u", key)]
+        with owned(new_tag()) as tag:
+            cmd = ["env", *unset, "OMP_NUM_THREADS=1", sys.executable, *command, str(here / "dump.py"), "--mine"]
+            proc = spawn(cmd, tag=tag, cwd=here)
+            out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, out[-2000:] + err[-2000:]
+        split = {"world_size": 2, "micro_batch_size": 1}
+        script = {"path": "dump.py", "launcher": launcher, "args": ["--mine"], "env": {"DUMP": "gaeq"}}
+        spec = {"name": "dump", "steps": 1, "train_batch_size": 2, "noise_floor": False, "baseline": split}
+        spec |= {"axes": {k: [v] for k, v in split.items()}, "script": script}
+        (here / "dump.yaml").write_text(yaml.safe_dump(spec))
+        gaeq_run_here(here / "dump.yaml", here / "run")  # the script steps no optimizer: its cell is an error
+        seen[launcher] = {how: [json.loads((here / f"{how}-{r}.json").read_text()) for r in (0, 1)] for how in HOW}
+        seen[launcher]["before"] = dict(os.environ)
+    return seen
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_a_rank_gets_what_the_real_launcher_gives_its_worker(ranks_given, launcher):
     """The real launcher starts a script that writes down its environment and arguments: gaeq's rank of
     the same world has the same variables (values apart from where they meet) and the same arguments —
     the script cannot tell gaeq's start from the launcher's. (accelerate launch on a CPU-only machine
     starts one process: its multi-process start is torchrun's, in the unit test.)"""
-    import sys
-
     from gaeq.script.launchers import worker_args, worker_env
     from gaeq.script.spec import Launcher
-    from tests.processes import new_tag, owned, spawn
 
-    (tmp_path / "dump.py").write_text(DUMP)
     ours = worker_env(Launcher(launcher), rank=1, world_size=2, port=0)
-    unset = [arg for key in ours if key in os.environ for arg in ("-u", key)]  # so that the launcher's own show
-    with owned(new_tag()) as tag:
-        proc = spawn(["env", *unset, sys.executable, *command, "dump.py", "--mine"], tag=tag, cwd=tmp_path)
-        out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, out[-2000:] + err[-2000:]
-    seen = json.loads((tmp_path / "1.json").read_text())
-    before = {k: v for k, v in os.environ.items() if k not in ours}
+    seen = ranks_given[launcher]["real"][1]
+    before = {k: v for k, v in ranks_given[launcher]["before"].items() if k not in ours}
     added = {k: v for k, v in seen["env"].items() if before.get(k) != v and k not in ("GAEQ_TEST_TAG", "PWD")}
     agent_only = {"TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE"}  # torchrun's agent, which gaeq is not
-    one_thread = {"OMP_NUM_THREADS"} - set(added)  # gaeq's one thread per rank, where the launcher sets none
-    assert set(added) - agent_only == set(ours) - one_thread
+    assert set(added) - agent_only == set(ours)
     where = {"MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"}
     assert {k: added[k] for k in set(added) - agent_only - where} == {
         k: ours[k] for k in set(added) - agent_only - where
     }
     assert seen["argv"] == [*worker_args(Launcher(launcher), rank=1), "--mine"]
+    forked = ranks_given[launcher]["gaeq"][1]
+    assert forked["argv"] == seen["argv"] and {k: forked["env"][k] for k in set(ours) - where} == {
+        k: seen["env"][k] for k in set(ours) - where
+    }
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_a_forked_rank_is_the_launchers_rank(ranks_given, launcher):
+    """What a script finds in its rank — threads, its generators' first draws, torch's global modes, its
+    folder and argv[0], umask, signal handlers — under the real launcher and in gaeq's forked ranks: the
+    same, but for the draws, which differ between ranks and between launches as each fresh interpreter
+    seeds its own (forked as they were, every rank drew the fork server's numbers, and ran its threads)."""
+    draws = ("torch_draw", "random_draw")
+    given = ranks_given[launcher]
+    for how in HOW:
+        facts = [r["facts"] for r in given[how]]
+        assert facts[0]["threads"] == 1, (how, facts[0])
+        assert all(facts[0][draw] != facts[1][draw] for draw in draws), how  # each rank its own seed
+        real = [{k: v for k, v in r["facts"].items() if k not in draws} for r in given["real"]]
+        assert [{k: v for k, v in f.items() if k not in draws} for f in facts] == real, how
+    assert given["real"][0]["facts"]["torch_draw"] != given["gaeq"][0]["facts"]["torch_draw"]  # each launch its own
 
 
 HANGS = """import os, subprocess, sys, time

@@ -253,13 +253,13 @@ def test_a_deepspeed_engines_norm_is_its_zero_optimizers_then_its_own():
     step hook fires, else the engine's own; a plain module has neither."""
     from types import SimpleNamespace
 
-    from gaeq.script.probe import _engine_norm
+    from gaeq.script.weights import engine_norm
 
-    assert _engine_norm(SimpleNamespace(optimizer=SimpleNamespace(_global_grad_norm=0.5))) == 0.5
+    assert engine_norm(SimpleNamespace(optimizer=SimpleNamespace(_global_grad_norm=0.5))) == 0.5
     engine = SimpleNamespace(optimizer=SimpleNamespace(), get_global_grad_norm=lambda: 0.25)
-    assert _engine_norm(engine) == 0.25
-    assert _engine_norm(SimpleNamespace(get_global_grad_norm=lambda: None)) is None
-    assert _engine_norm(None) is None
+    assert engine_norm(engine) == 0.25
+    assert engine_norm(SimpleNamespace(get_global_grad_norm=lambda: None)) is None
+    assert engine_norm(None) is None
 
 
 def _rank_exiting(code: int, after: float) -> None:
