@@ -188,7 +188,7 @@ def run(
     # one. (Plugins are imported and problems built after the fork server has been started, so that
     # its imports overlap with theirs; a plugin that fails stops the server with the run.)
     m = load(matrix, check=False)
-    if m.problem.script is not None and (why := launch_mismatch(m.problem.script.launcher, launcher)):
+    if m.problem.script is not None and (why := launch_mismatch(m.problem.script.launcher, launcher, lanes=lanes)):
         raise MatrixError(why)
     kept = _finished_cells(m, out) if resume else _no_run_in(out)
     check_world_sizes(m, gpus=False)  # without torch: its import would delay the fork server below

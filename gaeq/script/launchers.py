@@ -85,8 +85,12 @@ STARTED_BY = {Launcher.TORCHRUN: "torchrun", Launcher.ACCELERATE: "torchrun", La
 CPU-only machine starts one process whatever it is told)."""
 
 
-def launch_mismatch(script_launcher: Launcher, launcher: str) -> str | None:
-    """Why ``gaeq run --launcher`` cannot start a script as its user starts it (None: it can)."""
+def launch_mismatch(script_launcher: Launcher, launcher: str, *, lanes: int | None = None) -> str | None:
+    """Why ``gaeq run``'s launch options cannot apply to a script matrix (None: they can): a launcher
+    that cannot start the script as its user starts it, or lanes (a script's cells run one at a time,
+    each cell its own ranks)."""
+    if lanes is not None:
+        return f"--lanes {lanes}: a script's cells run one at a time, each its own ranks (lanes are gaeq's own cells')"
     if launcher == "local" or STARTED_BY[script_launcher] == launcher:
         return None
     return (

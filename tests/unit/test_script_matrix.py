@@ -390,3 +390,25 @@ def test_gaeq_probe_tells_the_probe_which_module_trains_and_is_a_no_op_outside_g
     listening._before_forward(teacher, ())  # the first training forward is the teacher's...
     listening._after_forward(teacher, (torch.ones(1, 2),), {}, None)
     assert listening.model is student  # ...but the model told is the one probed
+
+
+def test_a_launch_option_that_cannot_apply_to_a_script_is_bad_input(tmp_path):
+    """`--launcher` names the launcher that starts the script's ranks: the one its user starts it with
+    (accelerate's is torchrun's start); `--lanes` is gaeq's own cells' (a script's run one at a time).
+    Refused before any process starts, in one line."""
+    from typer.testing import CliRunner
+
+    from gaeq.cli import app
+    from gaeq.script.launchers import launch_mismatch
+
+    assert (
+        launch_mismatch(Launcher.ACCELERATE, "torchrun") is None and launch_mismatch(Launcher.TORCHRUN, "local") is None
+    )
+    assert "your script is started by torchrun" in launch_mismatch(Launcher.TORCHRUN, "deepspeed")
+    script_matrix(tmp_path)
+    for option, said in ((["--launcher", "deepspeed"], "(--launcher torchrun)"), (["--lanes", "2"], "one at a time")):
+        result = CliRunner().invoke(
+            app, ["run", "--matrix", str(tmp_path / "mine.yaml"), "--out", str(tmp_path / "r"), *option]
+        )
+        assert result.exit_code == 2 and said in result.output and "Traceback" not in result.output, result.output
+    assert not (tmp_path / "r").exists()
