@@ -71,10 +71,19 @@ def as_started_fresh() -> None:
     on: torch's own default) — the server's pool was sized before the rank's variables were set —
     and torch's, `random`'s and numpy's global generators seeded anew from the OS, as each fresh
     interpreter seeds its own (forked, every rank and every cell would draw the server's numbers:
-    an unseeded script would look seeded, the same on every rank)."""
+    an unseeded script would look seeded, the same on every rank); and the signals a launcher's agent
+    catches before it starts its workers at their defaults, as exec leaves a caught signal — torchrun's
+    (and accelerate's) agent catches those its TORCHELASTIC_SIGNALS_TO_HANDLE names, so its workers
+    start with them at their defaults even under `nohup`; DeepSpeed's launcher catches none before, so
+    its workers keep what the shell gave (as a forked rank keeps what gaeq was given)."""
     import random
+    import signal
 
     import torch
+
+    for name in os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "").split(","):
+        if isinstance(sig := getattr(signal, name.strip(), None), signal.Signals):
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
 
     threads = os.environ.get("OMP_NUM_THREADS", "")
     torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else len(os.sched_getaffinity(0)))

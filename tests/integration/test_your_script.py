@@ -188,6 +188,17 @@ json.dump(dump, open(f"{os.environ.get('DUMP', 'real')}-{os.environ['RANK']}.jso
 HOW = ("real", "gaeq")
 
 
+def as_inherited() -> dict:
+    """The dispositions a process started from this one inherits (what gaeq, run in it, has; what its
+    user's shell would give the launcher): a signal ignored here — the suite under `nohup`, or with
+    SIGINT ignored — stays ignored, every other is the default."""
+    import signal
+
+    from tests.processes import RELIED_ON
+
+    return {s: signal.SIG_IGN if signal.getsignal(s) == signal.SIG_IGN else signal.SIG_DFL for s in RELIED_ON}
+
+
 @pytest.fixture(scope="module")
 def ranks_given(tmp_path_factory):
     """Each launcher's two ranks as the real launcher starts them (its own variables unset from the
@@ -210,7 +221,7 @@ def ranks_given(tmp_path_factory):
         unset = [arg for key in ours if key in os.environ for arg in ("-u", key)]
         with owned(new_tag()) as tag:
             cmd = ["env", *unset, "OMP_NUM_THREADS=1", sys.executable, *command, str(here / "dump.py"), "--mine"]
-            proc = spawn(cmd, tag=tag, cwd=here)
+            proc = spawn(cmd, tag=tag, cwd=here, signals=as_inherited())  # as gaeq is started: by this process
             out, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, out[-2000:] + err[-2000:]
         split = {"world_size": 2, "micro_batch_size": 1}
