@@ -12,6 +12,10 @@ from dataclasses import dataclass
 
 from gaeq.names import Name
 
+GENERATION_STEPS = 2
+"""Optimizer steps one generation batch spans in the planted pg_normalised_over_generation (TRL's sampler
+diagram: steps_per_generation 4, GA 2)."""
+
 
 class Bug(Name):
     """A planted bug's name. Compares, hashes and prints as the name itself, so matrix files, cells
@@ -44,6 +48,9 @@ class Bug(Name):
     PARTIAL_LAST_WINDOW = "partial_last_window"
     MOE_AUX_LOSS_AVERAGED_TWICE = "moe_aux_loss_averaged_twice"
     LR_ZERO = "lr_zero"
+    PG_DIVIDED_BY_GA_TWICE = "pg_divided_by_ga_twice"
+    PG_NORMALISED_OVER_GENERATION = "pg_normalised_over_generation"
+    PG_TOKENS_PER_RANK = "pg_tokens_per_rank"
 
 
 @dataclass(frozen=True)
@@ -60,6 +67,8 @@ class PlantedBug:
     """The problem loss the bug exists in (None: any)."""
     min_world_size: int = 1
     """The bug exists only from this many ranks on (a per-process mistake needs several processes)."""
+    min_grad_accum: int = 1
+    """The bug exists only from this many micro-steps a step on (a second ÷ GA is nothing at GA 1)."""
     min_tensor_parallel: int = 1
     """The bug exists only where layers are split over this many ranks or more."""
     moe: bool = False
@@ -316,6 +325,40 @@ BUGS: dict[str, PlantedBug] = {
                 "by DDP: the router's balancing gradient ÷ world too weak"
             ),
             reported="NeMo-Automodel#1408",
+        ),
+        PlantedBug(
+            name=Bug.PG_DIVIDED_BY_GA_TWICE,
+            trainers=("torch", "deepspeed"),
+            loss="policy_gradient",
+            min_grad_accum=2,
+            description=(
+                "the policy loss normalised by the completion tokens of the whole accumulation window (÷ GA "
+                "included), then ÷ GA again by the loop (the Trainer's training_step): gradients GA× too weak"
+            ),
+            reported="ms-swift#10117 (fixed by #10116)",
+        ),
+        PlantedBug(
+            name=Bug.PG_NORMALISED_OVER_GENERATION,
+            trainers=("torch", "deepspeed"),
+            loss="policy_gradient",
+            description=(
+                f"the policy loss normalised by the completion tokens of the whole generation batch, which spans "
+                f"{GENERATION_STEPS} optimizer steps (steps_per_generation = {GENERATION_STEPS} × GA): each step's "
+                f"gradient scaled by its share of the generation's tokens (about 1/{GENERATION_STEPS}) — at any split"
+            ),
+            reported="TRL#5619 (fixed by TRL#5890/#6024: mis-scaled by GA ÷ steps_per_generation)",
+        ),
+        PlantedBug(
+            name=Bug.PG_TOKENS_PER_RANK,
+            trainers=("torch", "deepspeed"),
+            loss="policy_gradient",
+            min_world_size=2,
+            description=(
+                "the policy loss normalised by this rank's own completion tokens of the step (its accumulation "
+                "group), then averaged over ranks by DDP: the mean of rank means — a token of a rank with few "
+                "weighs more"
+            ),
+            reported="TRL#3231 (each token weighs the same only inside its device); open-instruct#1161",
         ),
         PlantedBug(
             name=Bug.LR_ZERO,

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from gaeq.matrix.schema import BASE, MatrixError, MatrixSpec, Offload, Trainer
-from gaeq.problem.spec import Dtype, ProblemSpec, indivisible_message
+from gaeq.problem.spec import Dtype, ProblemSpec
+from gaeq.problem.split import indivisible_message
 
 
 class Role(str, Enum):

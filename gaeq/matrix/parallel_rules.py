@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from gaeq.matrix.cell import Split
 from gaeq.matrix.schema import MatrixError
-from gaeq.problem.spec import ProblemSpec, short_step_message
+from gaeq.problem.spec import ProblemSpec
+from gaeq.problem.split import short_step_message
 from gaeq.registry import PIPELINE_TRAINERS, TENSOR_PARALLEL_TRAINERS, TRAINERS
 
 

@@ -175,6 +175,11 @@ def bug_rules(bug: str, split: Split, problem: ProblemSpec) -> None:
         raise MatrixError(f"bug {bug!r} exists only in a problem with a deepspeed_config")
     if split.world_size < planted.min_world_size:
         raise MatrixError(f"bug {bug!r} needs world_size ≥ {planted.min_world_size}, the cell has {split.world_size}")
+    if (grad_accum := grad_accum_of(split, problem)) is not None and grad_accum < planted.min_grad_accum:
+        raise MatrixError(
+            f"bug {bug!r} needs GA ≥ {planted.min_grad_accum}: at GA {grad_accum} it is no mistake (a control "
+            "that could not fail)"
+        )
     if split.tensor_parallel < planted.min_tensor_parallel:
         raise MatrixError(
             f"bug {bug!r} needs tensor_parallel ≥ {planted.min_tensor_parallel}, the cell has {split.tensor_parallel}"
@@ -262,6 +267,8 @@ def check_hf_trainer(problem: ProblemSpec, spec: MatrixSpec) -> None:
     why = None
     if getattr(problem.data, "kind", None) != "tokens":
         why = "it counts num_items_in_batch as the labels that are not -100: token data only"
+    elif problem.loss == "policy_gradient":
+        why = "it counts num_items_in_batch from plain labels, not a policy gradient's (targets with advantages)"
     elif problem.deepspeed_config is not None:
         why = "a deepspeed_config goes to the Trainer through TrainingArguments(deepspeed=...), not offered yet"
     elif problem.optimizer.name != "adamw":

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from gaeq.problem import hf
+from gaeq.problem.completions import CompletionData
 from gaeq.problem.data import Dataset, RegressionData, TokenData
 from gaeq.problem.loss import LOSSES
 from gaeq.problem.models import GPT, MLP
@@ -122,7 +123,7 @@ def _build_data(problem: ProblemSpec) -> Dataset:
     if isinstance(spec, RegressionSpec):
         return RegressionData(spec, seed=problem.seed)
     if isinstance(spec, TokensSpec):
-        return TokenData(spec, seed=problem.seed)
+        return (TokenData if spec.completions is None else CompletionData)(spec, seed=problem.seed)
     fn = resolve(spec, role="data")
     try:
         dataset = fn(seed=problem.seed, **spec.args)

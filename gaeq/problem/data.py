@@ -24,7 +24,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from gaeq.problem.spec import RegressionSpec, TokensSpec, indivisible_message, short_step_message
+from gaeq.problem.spec import RegressionSpec, TokensSpec
+from gaeq.problem.split import indivisible_message, short_step_message
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from gaeq.problem.completions import ADVANTAGE, LABEL
 from gaeq.problem.data import IGNORE_INDEX
 
 
@@ -26,7 +27,17 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-LOSSES = {"mse": mse_sum, "cross_entropy": cross_entropy_sum}
+def policy_gradient_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum over completion tokens of −advantage × log π(token) (targets: gaeq/problem/completions.py).
+    On-policy — one update per generation, as GRPO and DAPO run by default — PPO's clipped ratio is 1
+    and its gradient −A ∇log π: this objective's. Its value is the advantage-weighted negative
+    log-likelihood (the ratio's would be −A whatever the policy), so the loss curve moves with it."""
+    labels, advantages = targets[..., LABEL].long(), targets[..., ADVANTAGE]
+    nll = F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
+    return (nll * advantages.flatten().to(nll.dtype)).sum()
+
+
+LOSSES = {"mse": mse_sum, "cross_entropy": cross_entropy_sum, "policy_gradient": policy_gradient_sum}
 
 
 def cross_entropy_row_means(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -66,6 +66,22 @@ class RegressionSpec(Spec):
     num_samples: PositiveInt | None = _NUM_SAMPLES
 
 
+class CompletionsSpec(Spec):
+    """Token data as policy-gradient post-training sees it (GRPO, DAPO): each sample a prompt and a
+    completion generated from it, scored by a reward; only the completion's tokens are targets
+    (the generated-length mask), each weighted by its sample's advantage — the reward normalised
+    within the group of completions of one prompt. A sample's prompt, completion, reward and advantage
+    are pure functions of (seed, index), so the same whatever the split."""
+
+    prompt_len: int = Field(4, ge=1, description="Tokens of the prompt: context, never a target.")
+    group_size: int = Field(
+        4,
+        ge=2,
+        description="Completions per prompt (samples group_size·g … group_size·g + group_size − 1 share one), "
+        "their advantages (r − mean) / (std + 1e-4) over the group (GRPO's).",
+    )
+
+
 class TokensSpec(Spec):
     """Variable-length sequences of a seeded Markov chain, right-padded; padding labels are ignored.
 
@@ -88,12 +104,25 @@ class TokensSpec(Spec):
         "lengths, min_len to (seq_len + 1) // 2 tokens) laid end to end until the next does not fit, the rest "
         "padded; a target that would cross into the next document is ignored. Valid tokens differ from pack to pack.",
     )
+    completions: CompletionsSpec | None = Field(
+        None,
+        description="Each sample a prompt and its completion, scored (loss policy_gradient): CompletionsSpec. "
+        "None: every token after the first is a target.",
+    )
     num_samples: PositiveInt | None = _NUM_SAMPLES
 
     @model_validator(mode="after")
     def _check(self) -> TokensSpec:
         if self.min_len > self.seq_len + 1:
             raise ValueError(f"min_len {self.min_len} exceeds seq_len + 1 = {self.seq_len + 1}")
+        if self.completions is not None:
+            if self.packed:
+                raise ValueError("completions are one prompt and its completion a sample: not packed data")
+            if self.min_len < self.completions.prompt_len + 1:
+                raise ValueError(
+                    f"min_len {self.min_len} leaves no completion after a prompt of {self.completions.prompt_len} "
+                    f"tokens: min_len ≥ prompt_len + 1 = {self.completions.prompt_len + 1}"
+                )
         return self
 
 
@@ -252,7 +281,7 @@ DataSpec = Annotated[
     ],
     Discriminator(_kind("regression")),
 ]
-LossSpec = Union[Literal["mse", "cross_entropy", "hf"], PluginSpec]
+LossSpec = Union[Literal["mse", "cross_entropy", "hf", "policy_gradient"], PluginSpec]
 
 
 class ProblemSpec(Spec):
@@ -261,7 +290,9 @@ class ProblemSpec(Spec):
     loss: LossSpec = Field(
         "mse",
         description="mse (per sample) or cross_entropy (per valid token), normalised over the global batch; hf: "
-        "a transformers model's own loss, given the global batch's valid-token count as num_items_in_batch.",
+        "a transformers model's own loss, given the global batch's valid-token count as num_items_in_batch; "
+        "policy_gradient: −advantage × log-probability of each completion token (data.completions), normalised "
+        "over the global batch's completion tokens (DAPO's token-level mean).",
     )
     optimizer: OptimizerSpec = OptimizerSpec()
     schedule: ScheduleSpec = ScheduleSpec()
@@ -297,9 +328,15 @@ class ProblemSpec(Spec):
             raise ValueError(f"schedule.warmup_steps {self.schedule.warmup_steps} exceeds steps {self.steps}")
         pairs = {
             "mlp": ("regression", ("mse",)),
-            "gpt": ("tokens", ("cross_entropy",)),
-            "hf": ("tokens", ("cross_entropy", "hf")),
+            "gpt": ("tokens", ("cross_entropy", "policy_gradient")),
+            "hf": ("tokens", ("cross_entropy", "hf", "policy_gradient")),
         }
+        scored = getattr(self.data, "completions", None) is not None
+        if scored != (self.loss == "policy_gradient"):
+            raise ValueError(
+                "loss policy_gradient weighs completions by their advantages: it needs data.completions, and "
+                f"data.completions needs it (loss {self.loss!r}, completions {'set' if scored else 'not set'})"
+            )
         kind = getattr(self.model, "kind", None)
         if self.loss == "hf" and kind in ("mlp", "gpt"):  # a model plugin may return a transformers model
             raise ValueError(
@@ -353,24 +390,3 @@ class ProblemSpec(Spec):
     @property
     def num_samples(self) -> int | None:
         return self.data.num_samples
-
-
-def indivisible_message(*, train_batch_size: int, micro_batch_size: int, world_size: int) -> str:
-    """Why a global batch cannot be split so (the matrix's cells and the data plan say it alike)."""
-    return (
-        f"train_batch_size {train_batch_size} is not divisible by "
-        f"micro_batch_size {micro_batch_size} × world_size {world_size}"
-    )
-
-
-def short_step_message(*, num_samples: int, train_batch_size: int, micro_batch_size: int, data_parallel: int) -> str:
-    """Why an epoch's short last step (epoch_end short_step) cannot be split so; '' if it can: a rank's
-    last micro-batch may be short, but every data-parallel rank must run as many micro-steps, none empty."""
-    left = num_samples % train_batch_size
-    if data_parallel == 1 or left % (micro_batch_size * data_parallel) == 0:
-        return ""
-    return (
-        f"an epoch's last step holds num_samples {num_samples} mod train_batch_size {train_batch_size} = {left} "
-        f"samples: not divisible by micro_batch_size {micro_batch_size} × data-parallel ranks {data_parallel} "
-        "(every rank must run as many micro-steps, none of them empty)"
-    )

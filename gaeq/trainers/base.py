@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from gaeq.bugs import Bug
+from gaeq.bugs import GENERATION_STEPS, Bug
 from gaeq.matrix import Cell
 from gaeq.problem.build import BuiltProblem, build_problem
 from gaeq.problem.data import BatchPlan
@@ -96,7 +96,23 @@ class CellProblem:
             return max(mb.loss_elements, 1) * self.plan.grad_accum_steps * self.plan.data_parallel  # empties too
         if cell.bug == Bug.PARTIAL_LAST_WINDOW:  # planted bug: ÷ GA, even where the epoch's last window is short
             return normaliser * self.plan.grad_accum_steps / self.plan.micro_steps(mb.step)
+        if cell.bug == Bug.PG_DIVIDED_BY_GA_TWICE:  # planted bug: the window's tokens, then ÷ GA once more
+            return normaliser * self.plan.grad_accum_steps
+        if cell.bug == Bug.PG_NORMALISED_OVER_GENERATION:  # planted bug: the tokens of the generation batch
+            first = mb.step - mb.step % GENERATION_STEPS  # ... which spans several optimizer steps
+            return sum(self.normaliser(step) for step in range(first, first + GENERATION_STEPS))
+        if cell.bug == Bug.PG_TOKENS_PER_RANK:  # planted bug: this rank's tokens of the step, DDP's mean on top
+            return self.rank_loss_elements(mb.step) * self.plan.data_parallel
         return normaliser
+
+    def rank_loss_elements(self, step: int) -> int:
+        """Loss elements of this rank's micro-batches of `step` (its accumulation group)."""
+        positions = [
+            p
+            for k in range(self.plan.micro_steps(step))
+            for p in self.plan.positions(step=step, micro_step=k, rank=self.data_rank)
+        ]
+        return self.built.total_loss_elements(self.plan.samples_at(positions))
 
     def micro_loss(self, net: torch.nn.Module, mb: MicroBatch, *, num_items: int) -> torch.Tensor:
         """Forward the micro-batch through `net`: its loss sum ÷ `num_items` (``loss: hf``: the
