@@ -166,7 +166,7 @@ def bare_vs_trainer(*, steps: int, repeats: int) -> dict[str, float]:
         any real loop loads its data between steps, and as the trainer does."""
         built, batches = generate()
         model = built.model
-        optimizer = build_optimizer(model.parameters(), problem)
+        optimizer = build_optimizer(model.named_parameters(), problem)
         scheduler = build_scheduler(optimizer, problem)
         started = time.perf_counter()
         for step in range(steps):

@@ -51,6 +51,7 @@ class Bug(Name):
     PG_DIVIDED_BY_GA_TWICE = "pg_divided_by_ga_twice"
     PG_NORMALISED_OVER_GENERATION = "pg_normalised_over_generation"
     PG_TOKENS_PER_RANK = "pg_tokens_per_rank"
+    MUON_WITHOUT_NEWTON_SCHULZ = "muon_without_newton_schulz"
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,8 @@ class PlantedBug:
     """The bug exists only where the problem has a user's deepspeed_config."""
     loss: str | None = None
     """The problem loss the bug exists in (None: any)."""
+    optimizer: str | None = None
+    """The problem optimizer the bug exists in (None: any)."""
     min_world_size: int = 1
     """The bug exists only from this many ranks on (a per-process mistake needs several processes)."""
     min_grad_accum: int = 1
@@ -359,6 +362,16 @@ BUGS: dict[str, PlantedBug] = {
                 "weighs more"
             ),
             reported="TRL#3231 (each token weighs the same only inside its device); open-instruct#1161",
+        ),
+        PlantedBug(
+            name=Bug.MUON_WITHOUT_NEWTON_SCHULZ,
+            trainers=("torch",),
+            optimizer="muon",
+            description=(
+                "Muon's step moves each matrix by its raw gradient, as if it were already orthogonalised: no "
+                "Newton–Schulz, no momentum — Muon becomes plain SGD on the matrices (the AdamW half unchanged)"
+            ),
+            reported="DeepSpeed#8441 (ZeRO-0; fixed by #8442, in the pinned 0.19.8 — measured)",
         ),
         PlantedBug(
             name=Bug.LR_ZERO,

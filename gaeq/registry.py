@@ -41,6 +41,9 @@ class TrainerSpec:
     """Writes and resumes checkpoints: a resume experiment's source (and a plain resume's target)."""
     dtypes: tuple[str, ...] = ALL_DTYPES
     """The dtypes its cells may run (the matrix refuses the others)."""
+    muon: bool = False
+    """Builds DeepSpeed's Muon (`optimizer.name: muon`): the engine from its config, a torch loop the same
+    class over whole matrices (gaeq/problem/optim.py)."""
     package: str | None = None
     """The library it needs beyond gaeq's own dependencies (`pip install 'gaeq[hf]'`)."""
     preload: tuple[str, ...] = ()
@@ -94,6 +97,7 @@ TRAINERS: dict[str, TrainerSpec] = {
             short_steps=True,
             checkpoints=True,
             dtypes=("fp32", "bf16", "fp16"),
+            muon=True,
         ),
         TrainerSpec(
             name="deepspeed",
@@ -106,6 +110,7 @@ TRAINERS: dict[str, TrainerSpec] = {
             short_steps=True,  # its boundary told every micro-step (set_gradient_accumulation_boundary)
             checkpoints=True,
             preload=("gaeq.runtime.preload_deepspeed",),
+            muon=True,
         ),
         TrainerSpec(
             name="script",

@@ -53,13 +53,16 @@ def ga_spec(**overrides) -> dict:
 def run_in_process(matrix, run_dir):
     """Train every runnable cell of a world-size-1 matrix in this process; return their outcomes
     (a cell that raises is an `error`, as in a rank)."""
+    from gaeq.runtime.worker import eager
+
     outcomes = {}
     for cell in matrix.runnable():
         cell_dir = run_dir / "cells" / cell.id
         cell_dir.mkdir(parents=True)
         ctx = RunContext(rank=0, world_size=1, device=torch.device("cpu"), cell_dir=cell_dir, run_dir=run_dir)
         try:
-            ran = trainer_for(cell.trainer)(cell=cell, problem=matrix.problems[cell.variant], ctx=ctx)
+            with eager():  # as a rank runs it (gaeq/runtime/worker.py)
+                ran = trainer_for(cell.trainer)(cell=cell, problem=matrix.problems[cell.variant], ctx=ctx)
         except Exception as exc:  # noqa: BLE001 - reported like a failed rank
             outcomes[cell.id] = CellOutcome(status="error", seconds=0.0, reason=f"{type(exc).__name__}: {exc}")
         else:

@@ -51,6 +51,8 @@ def split_rules(split: Split, problem: ProblemSpec, spec: MatrixSpec) -> Split:
     hf_deepspeed_rules(split)
     if split.trainer in ("hf", "hf_deepspeed"):
         check_hf_trainer(problem, spec)
+    if problem.optimizer.name == "muon":
+        check_muon(split)
     ds_fp16_is_deepspeeds(split)
     trainer_runs_dtype(split)
     if problem.mirror is not None and split.trainer == "deepspeed":
@@ -137,6 +139,22 @@ def hf_deepspeed_rules(split: Split) -> None:
         )
 
 
+def check_muon(split: Split) -> None:
+    """Where DeepSpeed's Muon runs as measured: whole matrices (Newton–Schulz of a shard is another
+    update), fp32 or bf16 autocast, no offload (its CPU Adam replaces the AdamW half)."""
+    why = None
+    if not TRAINERS[split.trainer].muon:
+        why = f"the {split.trainer} trainer does not build it (torch, deepspeed do)"
+    elif split.tensor_parallel > 1 or split.pipeline_parallel > 1:
+        why = "its Newton–Schulz needs every matrix whole: not with tensor or pipeline parallelism"
+    elif split.offload != "none":
+        why = "with offload DeepSpeed's CPU Adam takes its AdamW half: not offered"
+    elif split.dtype not in ("fp32", "bf16"):
+        why = f"measured in fp32 and bf16 (autocast), not {split.dtype}"
+    if why:
+        raise MatrixError(f"optimizer muon: {why} ({where_of(split)})")
+
+
 def ds_fp16_is_deepspeeds(split: Split) -> None:
     if split.dtype == "ds_fp16" and split.trainer != "deepspeed":
         raise MatrixError("dtype ds_fp16 is DeepSpeed's fp16 mixed precision: DeepSpeed cells only (torch: fp16)")
@@ -212,6 +230,8 @@ def bug_rules(bug: str, split: Split, problem: ProblemSpec) -> None:
         )
     if planted.loss is not None and problem.loss != planted.loss:
         raise MatrixError(f"bug {bug!r} exists only with loss {planted.loss}, not {problem.loss!r}")
+    if planted.optimizer is not None and problem.optimizer.name != planted.optimizer:
+        raise MatrixError(f"bug {bug!r} exists only with optimizer {planted.optimizer}, not {problem.optimizer.name}")
     if planted.pipeline_calls > 1 and (micro_batches := grad_accum_of(split, problem)):
         from gaeq.problem.stages import schedule_problem
 

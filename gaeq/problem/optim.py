@@ -31,18 +31,52 @@ def lr_factor(schedule: ScheduleSpec, *, steps: int) -> Callable[[int], float]:
     return factor
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter], problem: ProblemSpec) -> torch.optim.Optimizer:
-    """The torch trainer's optimizer: the same class and arguments DeepSpeed builds from
-    :func:`deepspeed_optimizer` — or, with a deepspeed_config, the mirror of what DeepSpeed builds from it."""
+def build_optimizer(named: Iterable[tuple[str, torch.nn.Parameter]], problem: ProblemSpec) -> torch.optim.Optimizer:
+    """The torch trainer's optimizer over the model's named parameters: the same class and arguments
+    DeepSpeed builds from :func:`deepspeed_optimizer` — or, with a deepspeed_config, the mirror of
+    what DeepSpeed builds from it."""
+    named = list(named)
+    params = [p for _, p in named]
     if problem.mirror is not None:
         from gaeq.problem.mirror import mirrored_optimizer
 
         return mirrored_optimizer(params, problem.mirror.optimizer)
     spec = problem.optimizer
+    if spec.name == "muon":
+        return _muon(named, spec)
     kwargs = _optimizer_kwargs(spec)
     if spec.name == "adamw":
         return torch.optim.AdamW(params, **kwargs)
     return torch.optim.SGD(params, **kwargs)
+
+
+MUON_SKIPS = ("embed", "lm_head")
+"""Name parts that keep a matrix out of Muon (DeepSpeed's ``set_optimizer_flags``: embeddings and the
+output head go to the AdamW half, as every other parameter of fewer than 2 dimensions)."""
+
+
+def muon_matrix(name: str, param: torch.nn.Parameter) -> bool:
+    """Whether DeepSpeed's Muon orthogonalises this parameter's update (its ``use_muon``)."""
+    return param.ndim >= 2 and not any(part in name.lower() for part in MUON_SKIPS)
+
+
+def _muon(named: list[tuple[str, torch.nn.Parameter]], spec: OptimizerSpec) -> torch.optim.Optimizer:
+    """DeepSpeed's MuonWithAuxAdam, as its engine builds it from :func:`deepspeed_optimizer` at ZeRO-0
+    (every matrix whole: its step orthogonalises each), the AdamW half torch's — the same update code."""
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+
+    matrices = [p for n, p in named if muon_matrix(n, p)]
+    rest = [p for n, p in named if not muon_matrix(n, p)]
+    muon = {"lr": spec.lr, "momentum": spec.momentum, "weight_decay": spec.weight_decay, "ns_method": NS_METHOD}
+    adam = {"lr": spec.adam_lr or spec.lr, "betas": spec.betas, "eps": spec.eps, "weight_decay": spec.weight_decay}
+    groups = [{"params": matrices, "use_muon": True, **muon}, {"params": rest, "use_muon": False, **adam}]
+    return MuonWithAuxAdam(
+        [g for g in groups if g["params"]], adam_optimizer=torch.optim.AdamW, adam_optimizer_kwargs={"foreach": False}
+    )
+
+
+NS_METHOD = "gram"
+"""DeepSpeed's Newton–Schulz by default: on the Gram matrix, in fp16 where the accelerator has it, else fp32."""
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, problem: ProblemSpec):
@@ -75,6 +109,21 @@ def deepspeed_optimizer(spec: OptimizerSpec) -> dict[str, Any]:
     """
     if spec.name == "adamw":
         return {"type": "AdamW", "params": {**_optimizer_kwargs(spec), "torch_adam": True}}
+    if spec.name == "muon":  # its AdamW half torch's too (torch_adam), per-tensor kernels (foreach)
+        return {
+            "type": "Muon",
+            "params": {
+                "lr": spec.lr,
+                "momentum": spec.momentum,
+                "weight_decay": spec.weight_decay,
+                "ns_method": NS_METHOD,
+                "adam_lr": spec.adam_lr or spec.lr,
+                "betas": list(spec.betas),
+                "eps": spec.eps,
+                "torch_adam": True,
+                "foreach": False,
+            },
+        }
     return {"type": "SGD", "params": _optimizer_kwargs(spec)}
 
 

@@ -193,12 +193,17 @@ class GPTSpec(Spec):
 
 
 class OptimizerSpec(Spec):
-    name: Literal["adamw", "sgd"] = "adamw"
-    lr: float = Field(1e-3, gt=0, description="Peak learning rate (after warmup).")
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW only.")
-    eps: float = Field(1e-8, gt=0, description="AdamW only. Makes Adam *almost* scale-invariant.")
-    momentum: float = Field(0.0, ge=0, description="SGD only.")
+    name: Literal["adamw", "sgd", "muon"] = Field(
+        "adamw",
+        description="muon: DeepSpeed's Muon (MuonWithAuxAdam) on every trainer — each matrix's momentum "
+        "orthogonalised by Newton–Schulz, the rest (embeddings, the head, vectors) by torch's AdamW.",
+    )
+    lr: float = Field(1e-3, gt=0, description="Peak learning rate (after warmup); Muon: its matrices'.")
+    weight_decay: float = Field(0.0, ge=0, description="Muon: both halves'.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW, and Muon's AdamW half.")
+    eps: float = Field(1e-8, gt=0, description="AdamW (and Muon's half). Makes Adam *almost* scale-invariant.")
+    momentum: float = Field(0.0, ge=0, description="SGD, and Muon's momentum (DeepSpeed's default 0.95).")
+    adam_lr: float | None = Field(None, gt=0, description="Muon only: its AdamW half's peak lr (None: lr).")
 
 
 class ScheduleSpec(Spec):

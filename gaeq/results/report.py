@@ -241,7 +241,23 @@ def _judge_cell(
     if comparison.verdict == Verdict.DIVERGE:
         reason += _dropout_note((outcome.ran or {}).get("dropout"), script=TRAINERS[cell.trainer].script)
         reason += _short_step_note(traces.get(cell.id), comparison.first_divergent_step, cell.train_batch_size)
+        reason += _muon_norm_note(outcome.ran or {}, comparison)
     return comparison.verdict, reason, comparison
+
+
+def _muon_norm_note(ran: Mapping, comparison) -> str:
+    """Why DeepSpeed's Muon at ZeRO ≥ 1 diverges by its grad norm: that engine orthogonalises each
+    partition's gradient before it measures the norm (read in its source: stage_1_and_2.py's
+    get_flat_partition, stage3.py's step), so the norm it reports — and clips with — is the update's.
+    Whether the loss stayed within tolerance is the comparison's, not assumed."""
+    if "newton_schulz" not in ran or ran.get("zero_stage", 0) < 1 or comparison.caught_by != "grad_norm":
+        return ""
+    note = " — DeepSpeed's Muon at ZeRO ≥ 1 measures the norm of the orthogonalised update, not the gradient's"
+    if ran.get("gradient_clipping", 0) > 0:
+        note += ", and clips the update by it"
+    if comparison.divergence_steps.get("loss") is None:
+        note += " (the loss stayed within tolerance at every step)"
+    return note + " (DeepSpeed#8439)"
 
 
 def _short_step_note(trace: list[StepRecord], step: int | None, batch: int) -> str:

@@ -17,10 +17,12 @@ from gaeq.registry import TRAINERS
 
 PRELOAD = "gaeq.runtime.preload"
 """What every fork server imports: torch and the manual trainer."""
+PRELOAD_DEEPSPEED = "gaeq.runtime.preload_deepspeed"
+"""DeepSpeed, for its trainers (gaeq/registry.py) and wherever its Muon is the optimizer."""
 PRELOAD_HF = "gaeq.runtime.preload_hf"
 """transformers, for a cell whose model is a transformers class (whatever its trainer)."""
 SCRIPT_PRELOADS = {
-    "deepspeed": ("gaeq.runtime.preload_deepspeed",),
+    "deepspeed": (PRELOAD_DEEPSPEED,),
     "accelerate": ("gaeq.runtime.preload_accelerate",),
     "transformers": ("gaeq.runtime.preload_accelerate", PRELOAD_HF),  # the Trainer imports accelerate
 }
@@ -55,6 +57,8 @@ def preload_modules(cells: Sequence[Cell], problems: Mapping[str, ProblemSpec]) 
     wanted = {PRELOAD, *(module for c in cells for module in TRAINERS[c.trainer].preload)}
     if any(isinstance(problems[c.variant].model, HFModelSpec) for c in cells):
         wanted.add(PRELOAD_HF)
+    if any(problems[c.variant].optimizer.name == "muon" for c in cells):
+        wanted.add(PRELOAD_DEEPSPEED)  # DeepSpeed's Muon, on every trainer (gaeq/problem/optim.py)
     scripts = [problems[c.variant].script for c in cells if problems[c.variant].script is not None]
     listed = [
         module for script in scripts for name in script.libraries() for module in SCRIPT_PRELOADS.get(name, (name,))

@@ -188,13 +188,23 @@ def run_cell(
             run_dir=run_dir,
         )
         try:
-            ran = trainer_for(cell.trainer, pipeline_parallel=cell.pipeline_parallel)(
-                cell=cell, problem=problem, ctx=ctx
-            )
+            # Eager kernels, always: a library function that compiles itself (DeepSpeed's Muon update)
+            # would spend tens of seconds compiling in every cell on a CPU, and recompile per shape.
+            with eager():
+                ran = trainer_for(cell.trainer, pipeline_parallel=cell.pipeline_parallel)(
+                    cell=cell, problem=problem, ctx=ctx
+                )
         except BaseException:
             traceback.print_exc()
             raise
         return CellOutcome(status="done", seconds=time.perf_counter() - started, ran=ran)
+
+
+def eager() -> contextlib.AbstractContextManager:
+    """Every cell runs eagerly: torch.compile'd library functions too (DeepSpeed's Muon update)."""
+    import torch
+
+    return torch.compiler.set_stance("force_eager")
 
 
 def _exit(events: Any, code: int) -> None:

@@ -50,7 +50,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     plan = task.plan
     accelerator = new_accelerator(cell, plan.grad_accum_steps, cpu=ctx.device.type == "cpu")
     model = task.model.to(ctx.device)
-    optimizer = build_optimizer(model.parameters(), problem)
+    optimizer = build_optimizer(model.named_parameters(), problem)
     scheduler = build_scheduler(optimizer, problem)
     # ACCUMULATION: accelerate wraps all three: the model in DDP (world > 1; no_sync inside
     # accumulate() until the sync step), the optimizer (step and zero_grad act on sync steps only),

@@ -43,7 +43,7 @@ def deepspeed_config(
         # Average over ranks after the backward, like DDP: no pre-division, no extra factor.
         "prescale_gradients": False,
         "gradient_predivide_factor": 1.0,
-        "zero_optimization": _zero_config(cell, nvme_path, nvme_buffer_numel),
+        "zero_optimization": _zero_config(cell, nvme_path, nvme_buffer_numel, muon=problem.optimizer.name == "muon"),
         # torch.optim.SGD is not on ZeRO's list of tested optimizers; it is exact elementwise math.
         "zero_allow_untested_optimizer": True,
         # With offload DeepSpeed insists on its CPU Adam unless told otherwise: we keep torch's
@@ -124,12 +124,14 @@ def _grad_accum_dtype(cell: Cell) -> str:
     return "bf16" if cell.bug == Bug.GRAD_ACCUM_BF16 else "fp32"
 
 
-def _zero_config(cell: Cell, nvme_path: Path | None, nvme_buffer_numel: int) -> dict[str, Any]:
+def _zero_config(cell: Cell, nvme_path: Path | None, nvme_buffer_numel: int, *, muon: bool) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": cell.zero_stage}
     if cell.zero_stage == 3:
         # Partition every parameter, however small: by default ZeRO-3 keeps tensors under 1e5
         # elements whole on every rank — all of a tiny model, which would make it ZeRO-2 in disguise.
         zero["stage3_param_persistence_threshold"] = 0
+        if muon:  # its Muon refuses reduce-scatter (stage3.py): each matrix's gradient whole, to orthogonalise
+            zero["reduce_scatter"] = False
     if cell.offload == "cpu":
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
         if cell.zero_stage == 3:

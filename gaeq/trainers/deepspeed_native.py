@@ -25,6 +25,7 @@ from gaeq.matrix import Cell
 from gaeq.problem.optim import build_scheduler, gradient_clipping
 from gaeq.problem.spec import ProblemSpec
 from gaeq.problem.tp import tp_plan
+from gaeq.trainers import muon
 from gaeq.trainers.base import RunContext, StepRecorder, build_cell_problem, inject_fault, short_step_label
 from gaeq.trainers.checkpoint import load_deepspeed, save_deepspeed
 from gaeq.trainers.deepspeed_config import deepspeed_config
@@ -92,6 +93,8 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         ran.read_at_first_step(nvme_swap_bytes=swapped, swapped_to_nvme=lambda: swapped() > 0)
     if task.routes:  # a mixture of experts: the tokens each expert took in the first step
         ran.read_at_first_step(router_tokens=task.router_tokens)
+    if problem.optimizer.name == "muon":  # its Newton–Schulz calls in the first step, wherever the engine runs them
+        muon.watch(ran, matrices=sum(bool(getattr(p, "use_muon", False)) for p in engine.module.parameters()))
     start = load_deepspeed(engine, run_dir=ctx.run_dir, resume=cell.resume) if cell.resume else 0
 
     for step in range(start, problem.steps):
@@ -166,16 +169,20 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
 def promised(cell: Cell, problem: ProblemSpec) -> dict[str, Any]:
     """What a DeepSpeed cell's label promises — what its engine must report after set-up
     (:mod:`gaeq.trainers.provenance` checks it after step 1)."""
-    label: dict[str, Any] = short_step_label(cell, problem) | {
-        "zero_stage": cell.zero_stage,
-        "micro_batch_size": cell.micro_batch_size,
-        # a manual loop tells the engine GA 1 (its forwards per step are still GA: measured)
-        "grad_accum_steps": cell.grad_accum_steps if cell.deepspeed_accumulation == "managed" else 1,
-        "managed_gradient_accumulation": cell.deepspeed_accumulation != "manual_unmanaged",
-        "cpu_offload": cell.offload == "cpu",
-        "fp16_enabled": cell.dtype == "ds_fp16",
-        "bf16_enabled": cell.dtype == "ds_bf16",
-    }
+    label: dict[str, Any] = (
+        short_step_label(cell, problem)
+        | {
+            "zero_stage": cell.zero_stage,
+            "micro_batch_size": cell.micro_batch_size,
+            # a manual loop tells the engine GA 1 (its forwards per step are still GA: measured)
+            "grad_accum_steps": cell.grad_accum_steps if cell.deepspeed_accumulation == "managed" else 1,
+            "managed_gradient_accumulation": cell.deepspeed_accumulation != "manual_unmanaged",
+            "cpu_offload": cell.offload == "cpu",
+            "fp16_enabled": cell.dtype == "ds_fp16",
+            "bf16_enabled": cell.dtype == "ds_bf16",
+        }
+        | muon.label(cell, problem)
+    )
     if cell.offload == "nvme":  # its optimizer swaps, and it really wrote its swap files (measured)
         label |= {"nvme_offload_optimizer": True, "swapped_to_nvme": True}
     if problem.deepspeed_config is not None:

@@ -70,7 +70,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     for block in shard_units(model):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    optimizer = build_optimizer(model.parameters(), problem)  # over the shards (DTensors)
+    optimizer = build_optimizer(model.named_parameters(), problem)  # over the shards (DTensors)
     scheduler = build_scheduler(optimizer, problem)
     last_param = list(model.parameters())[-1]
     # clip_grad_norm_ returns the pre-clipping norm; max_norm=inf measures without clipping.

@@ -23,7 +23,7 @@ from gaeq.bugs import Bug
 from gaeq.matrix import Cell, Role
 from gaeq.problem.optim import build_optimizer, build_scheduler, gradient_clipping
 from gaeq.problem.spec import ProblemSpec
-from gaeq.trainers import tensor_parallel
+from gaeq.trainers import muon, tensor_parallel
 from gaeq.trainers.base import RunContext, StepRecorder, build_cell_problem, inject_fault, short_step_label
 from gaeq.trainers.checkpoint import load_torch, save_torch
 from gaeq.trainers.provenance import Provenance
@@ -32,12 +32,16 @@ from gaeq.trainers.tensor_parallel import TensorParallel, full
 
 def promised(cell: Cell, problem: ProblemSpec) -> dict[str, Any]:
     """What a torch cell's label promises (:mod:`gaeq.trainers.provenance` checks it after step 1)."""
-    return short_step_label(cell, problem) | {
-        "ddp": cell.world_size > 1 and cell.tensor_parallel == 1,
-        "grad_scaler": cell.dtype == "fp16",
-        # the baseline is the reference: its norm summed in float64; every other cell's as users sum it
-        "grad_norm_dtype": "float64" if cell.role == Role.BASELINE else "float32",
-    }
+    return (
+        short_step_label(cell, problem)
+        | {
+            "ddp": cell.world_size > 1 and cell.tensor_parallel == 1,
+            "grad_scaler": cell.dtype == "fp16",
+            # the baseline is the reference: its norm summed in float64; every other cell's as users sum it
+            "grad_norm_dtype": "float64" if cell.role == Role.BASELINE else "float32",
+        }
+        | muon.label(cell, problem)
+    )
 
 
 def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
@@ -53,9 +57,11 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         tp.parallelize(model)
     ddp = DDP(model) if ctx.world_size > 1 and tp is None else None
     net = ddp or model
-    optimizer = build_optimizer(model.parameters(), problem)
+    optimizer = build_optimizer(model.named_parameters(), problem)
     if cell.bug == Bug.LR_ZERO:
         optimizer.param_groups[0]["lr"] = 0.0  # planted control: the compared side never moves
+    if cell.bug == Bug.MUON_WITHOUT_NEWTON_SCHULZ:  # planted bug (DeepSpeed#8441): Muon's matrices stepped by SGD
+        muon.without_newton_schulz(optimizer)
     scheduler = build_scheduler(optimizer, problem)
     # fp16: torch's GradScaler, as an fp16 user writes it (a pass-through in every other dtype).
     # Its policy is written out, the same as ds_fp16's in deepspeed_native.py: start at 2^16,
@@ -93,6 +99,8 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     )
     if task.routes:  # a mixture of experts: the tokens each expert took in the first step
         ran.read_at_first_step(router_tokens=task.router_tokens)
+    if problem.optimizer.name == "muon":  # DeepSpeed's Muon: its Newton–Schulz calls in the first step
+        muon.watch(ran, matrices=sum(len(g["params"]) for g in optimizer.param_groups if g["use_muon"]))
     start = load_torch(model, optimizer, scheduler, run_dir=ctx.run_dir, resume=cell.resume) if cell.resume else 0
 
     for step in range(start, problem.steps):

@@ -90,7 +90,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
 
     schedule_class = SCHEDULES[cell.pipeline_schedule]
     schedule = schedule_class(stages if chunks > 1 else stages[0], n_microbatches=per_call, loss_fn=loss_fn)
-    optimizer = build_optimizer(params, problem)
+    optimizer = build_optimizer([(n, p) for m in modules for n, p in m.named_parameters()], problem)
     scheduler = build_scheduler(optimizer, problem)
     max_norm = gradient_clipping(problem) or math.inf
     recorder = StepRecorder(cell=cell, ctx=ctx, steps=problem.steps, plan=task.plan)

@@ -1,0 +1,106 @@
+"""DeepSpeed's Muon in a rank (``optimizer.name: muon``): how often its Newton–Schulz ran.
+
+Muon orthogonalises each matrix's momentum once per optimizer step. Where that happens depends on
+the engine — in ``step()`` at ZeRO-0 and in a torch loop (every rank, every matrix), in the
+reduction of each rank's partition at ZeRO-1/2, in ``step()`` at ZeRO-3 (each matrix by its owner) —
+and it is where the reported bugs live: never at ZeRO-0 (Muon became SGD, DeepSpeed#8441), once per
+micro-batch at ZeRO-3 (DeepSpeed#8443). A cell's label promises each matrix orthogonalised once per
+step, and the first step's calls, over every rank, are measured against it.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gaeq.bugs import Bug
+from gaeq.matrix import Cell
+from gaeq.problem.spec import ProblemSpec
+
+KERNELS = ("zeropower_via_gram_newtonschulz", "zeropower_via_newtonschulz5")
+"""DeepSpeed's Newton–Schulz kernels (deepspeed.runtime.zero.muon.original_muon): muon_update calls one."""
+_calls = [0]
+"""Newton–Schulz calls in this process so far (cells run one after another in a rank)."""
+
+
+ONCE, NEVER, TWICE, SOME = (
+    "each matrix once a step",
+    "never",
+    "more than once a step on a rank",
+    "fewer calls than matrices",
+)
+"""What the first step's Newton–Schulz calls, over every rank, say (``ran.newton_schulz``)."""
+
+
+def label(cell: Cell, problem: ProblemSpec) -> dict[str, Any]:
+    """What a Muon cell's label promises: each matrix orthogonalised once per step — by every rank
+    that updates it whole (a torch loop, ZeRO-0), by the ranks holding a part of it (ZeRO-1/2: a
+    matrix across two ranks' partitions is orthogonalised by both) or by its owner (ZeRO-3); never
+    twice on a rank, never by none. Nothing for another optimizer."""
+    if problem.optimizer.name != "muon":
+        return {}
+    return {"newton_schulz": NEVER if cell.bug == Bug.MUON_WITHOUT_NEWTON_SCHULZ else ONCE}
+
+
+def watch(ran, *, matrices: int) -> None:
+    """Count this cell's Newton–Schulz calls; `ran` reads them after the first step, over every rank."""
+    _count_calls()
+    start = _calls[0]
+    seen: dict[str, int] = {}
+
+    def count() -> dict[str, int]:
+        if not seen:
+            calls = torch.tensor([_calls[0] - start], dtype=torch.int64)
+            most, total = calls.clone(), calls.clone()
+            if dist.is_initialized():  # every rank reads it at the same point: the end of the first step
+                dist.all_reduce(most, op=dist.ReduceOp.MAX)
+                dist.all_reduce(total)
+            seen.update(total=total.item(), most=most.item())
+        return seen
+
+    def said() -> str:
+        total, most = count()["total"], count()["most"]
+        return NEVER if total == 0 else TWICE if most > matrices else SOME if total < matrices else ONCE
+
+    ran.read_at_first_step(
+        muon_matrices=lambda: matrices, newton_schulz=said, newton_schulz_calls=lambda: count()["total"]
+    )
+
+
+def without_newton_schulz(optimizer: torch.optim.Optimizer) -> None:
+    """DeepSpeed#8441's step: each matrix moved by its raw gradient, as if already orthogonalised (the
+    planted bug muon_without_newton_schulz; Muon becomes SGD without momentum)."""
+    from deepspeed.runtime.zero.muon import muon_optimizer
+
+    step = optimizer.step
+
+    def sgd_step(self, *args, **kwargs):
+        update, muon_optimizer.muon_update = muon_optimizer.muon_update, lambda grad, momentum, **_: grad
+        try:
+            return step(*args, **kwargs)
+        finally:
+            muon_optimizer.muon_update = update
+
+    optimizer.step = types.MethodType(sgd_step, optimizer)  # a method: the LR scheduler wraps its __func__
+
+
+def _count_calls() -> None:
+    """Wrap DeepSpeed's kernels once per process with a counter (muon_update looks them up when it runs)."""
+    from deepspeed.runtime.zero.muon import original_muon
+
+    for name in KERNELS:
+        kernel = getattr(original_muon, name)
+        if getattr(kernel, "counted_by_gaeq", False):
+            continue
+
+        @functools.wraps(kernel)
+        def counted(*args, _kernel=kernel, **kwargs):
+            _calls[0] += 1
+            return _kernel(*args, **kwargs)
+
+        counted.counted_by_gaeq = True
+        setattr(original_muon, name, counted)

@@ -1,0 +1,51 @@
+"""experiments/muon.yaml through real process groups and DeepSpeed's engine at ZeRO 0–3: the pinned
+DeepSpeed orthogonalises each matrix once a step at every stage (DeepSpeed#8441 and #8443 measured absent)
+and its ZeRO-0 matches; at ZeRO ≥ 1 it reports — and with clipping on, clips by — the orthogonalised
+update's norm (DeepSpeed#8439): the grad norm alone diverges unclipped, the loss too when clipped. The
+whole file (18 cells) runs in docs/muon.md; here its world-2 corner on fewer steps. The world-1 controls
+run in process: tests/unit/test_muon.py."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from gaeq.trainers.muon import ONCE
+from tests.conftest import REPO
+from tests.helpers import cells_by_id, gaeq_run_here
+from tests.processes import leftovers
+
+pytestmark = pytest.mark.integration
+
+CELLS = [
+    {"trainer": "deepspeed", "world_size": 2, "micro_batch_size": 2, "zero_stage": 0},
+    {"trainer": "deepspeed", "world_size": 2, "micro_batch_size": 2, "zero_stage": 1, "expect": "diverge"},
+    {"trainer": "deepspeed", "world_size": 2, "micro_batch_size": 1, "zero_stage": 3, "expect": "diverge"},
+    {"trainer": "deepspeed", "world_size": 2, "micro_batch_size": 2, "zero_stage": 2, "variant": "clipped"},
+]
+
+
+def test_deepspeeds_muon_orthogonalises_once_a_step_and_at_zero_1_to_3_measures_the_update(tmp_path):
+    spec = yaml.safe_load((REPO / "experiments" / "muon.yaml").read_text())
+    spec["cells"], spec["problem"]["steps"] = CELLS, 4
+    spec["cells"][-1]["expect"] = "diverge"
+    spec["noise_floor"] = False  # the dtype's own tolerances: 4 steps
+    matrix, out = tmp_path / "muon.yaml", tmp_path / "run"
+    matrix.write_text(yaml.safe_dump(spec))
+    proc, report, tag = gaeq_run_here(matrix, out)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    cells = cells_by_id(report)
+    for cell in cells.values():  # never skipped (#8441), never per micro-batch (#8443), at any stage
+        assert cell["ran"]["newton_schulz"] == ONCE, cell
+    assert cells["deepspeed-z0-w2-mb2-ga4"]["verdict"] == "match"
+    for cell_id in ("deepspeed-z1-w2-mb2-ga4", "deepspeed-z3-w2-mb1-ga8"):
+        cell = cells[cell_id]  # the same optimisation, another norm: 29× the gradient's, at step 0
+        assert (cell["caught_by"], cell["first_divergent_step"], cell["divergence_steps"]["loss"]) == (
+            "grad_norm",
+            0,
+            None,
+        ), cell
+        assert cell["max_rel_grad_norm_diff"] > 10 and "DeepSpeed#8439" in cell["reason"]
+    clipped = cells["deepspeed-z2-w2-mb2-ga4@clipped"]  # clipped by the update's norm: the loss leaves too
+    assert clipped["divergence_steps"]["loss"] == 1 and clipped["max_abs_loss_diff"] > 1e-2, clipped
+    assert leftovers(tag) == []
