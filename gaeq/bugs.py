@@ -52,6 +52,7 @@ class Bug(Name):
     PG_NORMALISED_OVER_GENERATION = "pg_normalised_over_generation"
     PG_TOKENS_PER_RANK = "pg_tokens_per_rank"
     MUON_WITHOUT_NEWTON_SCHULZ = "muon_without_newton_schulz"
+    SP_TOKENS_OVER_DATA_RANKS_ONLY = "sp_tokens_over_data_ranks_only"
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,8 @@ class PlantedBug:
     """The bug exists only in packed token data (data.packed)."""
     short_step: bool = False
     """The bug exists only at an epoch's short last step (epoch_end: short_step), which the run must reach."""
+    min_sequence_parallel: int = 1
+    """The bug exists only where each sample's tokens are split over this many ranks or more."""
     min_hsdp_replicas: int = 1
     """The bug exists only where a hybrid-sharded model has this many replicas or more."""
     pipeline: bool = False
@@ -372,6 +375,17 @@ BUGS: dict[str, PlantedBug] = {
                 "Newton–Schulz, no momentum — Muon becomes plain SGD on the matrices (the AdamW half unchanged)"
             ),
             reported="DeepSpeed#8441 (ZeRO-0; fixed by #8442, in the pinned 0.19.8 — measured)",
+        ),
+        PlantedBug(
+            name=Bug.SP_TOKENS_OVER_DATA_RANKS_ONLY,
+            trainers=("torch",),
+            min_sequence_parallel=2,
+            description=(
+                "with sequence parallelism, each rank divides its slice's loss by the tokens of that slice summed "
+                "over the data-parallel ranks only — the token count not summed over the sequence-parallel ones: "
+                "each slice a mean of its own, the gradient about sp× too large and slices weighed by their counts"
+            ),
+            reported="verl PR#4250, #5863 (CP token counts over DP × CP)",
         ),
         PlantedBug(
             name=Bug.LR_ZERO,

@@ -41,6 +41,9 @@ class TrainerSpec:
     """Writes and resumes checkpoints: a resume experiment's source (and a plain resume's target)."""
     dtypes: tuple[str, ...] = ALL_DTYPES
     """The dtypes its cells may run (the matrix refuses the others)."""
+    sequence_parallel: bool = False
+    """Runs cells whose samples' tokens are split over ranks (`sequence_parallel` > 1): DeepSpeed-Ulysses'
+    attention (its DistributedAttention), the rest of the model on each rank's tokens."""
     muon: bool = False
     """Builds DeepSpeed's Muon (`optimizer.name: muon`): the engine from its config, a torch loop the same
     class over whole matrices (gaeq/problem/optim.py)."""
@@ -97,6 +100,7 @@ TRAINERS: dict[str, TrainerSpec] = {
             short_steps=True,
             checkpoints=True,
             dtypes=("fp32", "bf16", "fp16"),
+            sequence_parallel=True,
             muon=True,
         ),
         TrainerSpec(
@@ -165,4 +169,5 @@ TRAINER_NAMES = tuple(TRAINERS)
 DEEPSPEED_TRAINERS = frozenset(name for name, spec in TRAINERS.items() if spec.deepspeed)
 TENSOR_PARALLEL_TRAINERS = frozenset(name for name, spec in TRAINERS.items() if spec.tensor_parallel)
 PIPELINE_TRAINERS = frozenset(name for name, spec in TRAINERS.items() if spec.pipeline)
+SEQUENCE_PARALLEL_TRAINERS = frozenset(name for name, spec in TRAINERS.items() if spec.sequence_parallel)
 CHECKPOINT_TRAINERS = tuple(name for name, spec in TRAINERS.items() if spec.checkpoints)

@@ -3,7 +3,8 @@
 Frozen dataclasses that cross process boundaries (ranks receive their cells pickled). Gradient
 accumulation is never chosen, always derived::
 
-    data_parallel    = world_size // (tensor_parallel * pipeline_parallel)   (ranks that see different samples)
+    data_parallel    = world_size // (tensor_parallel * pipeline_parallel * sequence_parallel)
+                       (ranks that see different samples)
     grad_accum_steps = train_batch_size // (micro_batch_size * data_parallel)
 """
 
@@ -15,6 +16,7 @@ from enum import Enum
 from gaeq.matrix.schema import BASE, MatrixError, MatrixSpec, Offload, Trainer
 from gaeq.problem.spec import Dtype, ProblemSpec
 from gaeq.problem.split import indivisible_message
+from gaeq.registry import TRAINERS
 
 
 class Role(str, Enum):
@@ -59,6 +61,7 @@ SPLIT_AXES = (
     "tensor_parallel",
     "pipeline_parallel",
     "pipeline_schedule",
+    "sequence_parallel",
     "hsdp_replicas",
     "micro_batch_size",
     "zero_stage",
@@ -78,11 +81,12 @@ DEFAULT_PIPELINE_SCHEDULE = "1f1b"
 
 @dataclass(frozen=True)
 class Place:
-    """A rank's place in its cell: its pipeline stage, data-parallel rank and tensor-parallel rank."""
+    """A rank's place in its cell: its pipeline stage, data-parallel, tensor-parallel and sequence-parallel rank."""
 
     stage: int
     data: int
     tensor: int
+    sequence: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,6 +105,9 @@ class Split:
     pipeline_schedule: str | None = None
     """The order a pipeline runs its micro-batches in (gaeq.registry.PIPELINE_SCHEDULES); None
     without stages."""
+    sequence_parallel: int = 1
+    """Ranks each sample's tokens are split over (DeepSpeed-Ulysses); the ranks of one sequence-parallel
+    group share micro-batches, each holding a contiguous slice of every sample's tokens."""
     hsdp_replicas: int = 1
     """FSDP2 cells: replicas of a hybrid-sharded model (HSDP), each sharding it over data-parallel
     ranks ÷ this; 1: every data-parallel rank holds one shard (plain FSDP)."""
@@ -140,8 +147,14 @@ class Cell(Split):
 
     @property
     def model_parallel(self) -> int:
-        """Ranks one model is spread over: tensor-parallel × pipeline stages."""
-        return self.tensor_parallel * self.pipeline_parallel
+        """Ranks one micro-batch is spread over: tensor-parallel × pipeline stages × sequence-parallel."""
+        return self.tensor_parallel * self.pipeline_parallel * self.sequence_parallel
+
+    @property
+    def joins_through_deepspeed(self) -> bool:
+        """Its ranks join their group through DeepSpeed: a DeepSpeed trainer, or Ulysses' attention
+        (DeepSpeed's DistributedAttention talks through deepspeed.comm)."""
+        return TRAINERS[self.trainer].deepspeed or self.sequence_parallel > 1
 
     @property
     def data_parallel(self) -> int:
@@ -151,16 +164,19 @@ class Cell(Split):
         return self.world_size // self.model_parallel
 
     def place(self, rank: int) -> Place:
-        """Where `rank` sits: ranks are laid out pipeline stage outermost, tensor-parallel innermost
-        (rank = (stage × data_parallel + data rank) × tensor_parallel + tp rank), as DeepSpeed's
-        pipe/data topology and init_device_mesh((pp, dp, tp)) lay them out — the ranks of one
-        tensor-parallel group share micro-batches, the stages of one pipeline pass them on."""
-        tp, dp = self.tensor_parallel, self.data_parallel
-        return Place(stage=rank // (dp * tp), data=(rank // tp) % dp, tensor=rank % tp)
+        """Where `rank` sits: ranks are laid out pipeline stage outermost, sequence-parallel innermost
+        (rank = ((stage × data_parallel + data rank) × tensor_parallel + tp rank) × sequence_parallel + sp
+        rank), as DeepSpeed's pipe/data topology and init_device_mesh((pp, dp, tp)) lay them out — the ranks
+        of one tensor- or sequence-parallel group share micro-batches, the stages of one pipeline pass them on."""
+        tp, dp, sp = self.tensor_parallel, self.data_parallel, self.sequence_parallel
+        return Place(
+            stage=rank // (dp * tp * sp), data=(rank // (tp * sp)) % dp, tensor=(rank // sp) % tp, sequence=rank % sp
+        )
 
     def _model_parallel_said(self) -> str:
         said = [f"tensor_parallel {self.tensor_parallel}"] if self.tensor_parallel > 1 else []
         said += [f"pipeline_parallel {self.pipeline_parallel}"] if self.pipeline_parallel > 1 else []
+        said += [f"sequence_parallel {self.sequence_parallel}"] if self.sequence_parallel > 1 else []
         return " × ".join(said) or "1"
 
     @property
@@ -188,6 +204,8 @@ class Cell(Split):
             parts.append(f"tp{self.tensor_parallel}")
         if self.pipeline_parallel > 1:
             parts += [f"pp{self.pipeline_parallel}", str(self.pipeline_schedule)]
+        if self.sequence_parallel > 1:
+            parts.append(f"sp{self.sequence_parallel}")
         if self.hsdp_replicas > 1:
             parts.append(f"hsdp{self.hsdp_replicas}")
         parts += [f"mb{self.micro_batch_size}", f"ga{ga}"]

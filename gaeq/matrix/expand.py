@@ -16,7 +16,13 @@ from gaeq.matrix.resume import at_step_inside, epochs_run_on, plain_source, sour
 from gaeq.matrix.rules import bug_rules, fault_rules, mixture_of_experts, script_rules, skip_reason, split_rules
 from gaeq.matrix.schema import BASE, TENSOR_METRICS, FaultSpec, MatrixError, MatrixSpec, ResumeSpec, describe
 from gaeq.problem.spec import ProblemSpec
-from gaeq.registry import DEEPSPEED_TRAINERS, PIPELINE_TRAINERS, TENSOR_PARALLEL_TRAINERS, TRAINERS
+from gaeq.registry import (
+    DEEPSPEED_TRAINERS,
+    PIPELINE_TRAINERS,
+    SEQUENCE_PARALLEL_TRAINERS,
+    TENSOR_PARALLEL_TRAINERS,
+    TRAINERS,
+)
 
 
 class Expander:
@@ -80,6 +86,8 @@ class Expander:
                         split["tensor_parallel"] = 1
                     if split["trainer"] not in PIPELINE_TRAINERS:
                         split["pipeline_parallel"] = 1
+                    if split["trainer"] not in SEQUENCE_PARALLEL_TRAINERS:
+                        split["sequence_parallel"] = 1
                     if split["pipeline_parallel"] == 1:
                         split["pipeline_schedule"] = None
                     elif split["pipeline_schedule"] not in TRAINERS[split["trainer"]].pipeline_schedules:

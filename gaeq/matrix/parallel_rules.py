@@ -8,7 +8,7 @@ from gaeq.matrix.cell import Split
 from gaeq.matrix.schema import MatrixError
 from gaeq.problem.spec import ProblemSpec
 from gaeq.problem.split import short_step_message
-from gaeq.registry import PIPELINE_TRAINERS, TENSOR_PARALLEL_TRAINERS, TRAINERS
+from gaeq.registry import PIPELINE_TRAINERS, SEQUENCE_PARALLEL_TRAINERS, TENSOR_PARALLEL_TRAINERS, TRAINERS
 
 
 def where_of(split: Split) -> str:
@@ -34,6 +34,33 @@ def check_moe(split: Split) -> None:
         )
     if split.tensor_parallel > 1 or split.pipeline_parallel > 1:
         raise MatrixError(f"a mixture of experts with tensor or pipeline parallelism: not offered ({where_of(split)})")
+
+
+def check_sequence_parallel(split: Split, problem: ProblemSpec) -> None:
+    """DeepSpeed-Ulysses on gaeq's GPT: each rank a contiguous slice of every sample's tokens, every
+    head's attention over the whole sequence after an all-to-all — the heads and the sequence divide
+    evenly over the ranks (DeepSpeed's uneven path needs its own sequence-parallel groups), the loss a
+    per-token one, the rest of the layout plain data parallelism."""
+    sp, where = split.sequence_parallel, f"{where_of(split)} sp{split.sequence_parallel}"
+    why = None
+    if split.trainer not in SEQUENCE_PARALLEL_TRAINERS:
+        why = (
+            f"the {split.trainer} trainer does not split sequences ({', '.join(sorted(SEQUENCE_PARALLEL_TRAINERS))} do)"
+        )
+    elif getattr(problem.model, "kind", None) != "gpt" or problem.model.moe is not None:
+        why = "gaeq's dense GPT only (its attention is the one wrapped)"
+    elif problem.loss != "cross_entropy":
+        why = f"a per-token loss (cross_entropy), not {problem.loss}"
+    elif problem.model.dropout > 0:
+        why = "dropout's masks are drawn per sample, not per token slice: dropout 0"
+    elif split.tensor_parallel > 1 or split.pipeline_parallel > 1:
+        why = "with tensor or pipeline parallelism: not offered"
+    elif problem.model.n_head % sp or problem.data.seq_len % sp:
+        why = f"n_head {problem.model.n_head} and seq_len {problem.data.seq_len} must divide by it"
+    elif split.world_size % sp:
+        why = f"world_size {split.world_size} does not divide by it"
+    if why:
+        raise MatrixError(f"sequence_parallel {sp}: {why} ({where})")
 
 
 def reaches_short_step(problem: ProblemSpec) -> bool:
@@ -133,6 +160,6 @@ def check_pipeline_parallel(split: Split, problem: ProblemSpec) -> None:
 
 def grad_accum_of(split: Split, problem: ProblemSpec) -> int | None:
     """The split's GA (a pipeline's micro-batches per step), or None where the batch does not divide."""
-    data_parallel = split.world_size // (split.pipeline_parallel * split.tensor_parallel)
+    data_parallel = split.world_size // (split.pipeline_parallel * split.tensor_parallel * split.sequence_parallel)
     micro_batches, left = divmod(problem.train_batch_size, split.micro_batch_size * data_parallel)
     return None if left else micro_batches

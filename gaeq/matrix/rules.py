@@ -12,6 +12,7 @@ from gaeq.matrix.parallel_rules import (
     check_hsdp,
     check_moe,
     check_pipeline_parallel,
+    check_sequence_parallel,
     check_short_steps,
     check_tensor_parallel,
     grad_accum_of,
@@ -38,6 +39,8 @@ def split_rules(split: Split, problem: ProblemSpec, spec: MatrixSpec) -> Split:
         check_moe(split)
     if split.tensor_parallel > 1:
         check_tensor_parallel(split, problem)
+    if split.sequence_parallel > 1:
+        check_sequence_parallel(split, problem)
     if split.pipeline_parallel > 1:
         check_pipeline_parallel(split, problem)
         if tracked := [m for m in TENSOR_METRICS if m in spec.track]:
@@ -213,6 +216,11 @@ def bug_rules(bug: str, split: Split, problem: ProblemSpec) -> None:
         raise MatrixError(
             f"bug {bug!r} exists only at an epoch's short last step: epoch_end short_step, data.num_samples not a "
             f"multiple of train_batch_size {problem.train_batch_size}, and steps reaching an epoch's end"
+        )
+    if split.sequence_parallel < planted.min_sequence_parallel:
+        raise MatrixError(
+            f"bug {bug!r} needs sequence_parallel ≥ {planted.min_sequence_parallel}, the cell has "
+            f"{split.sequence_parallel}"
         )
     if split.hsdp_replicas < planted.min_hsdp_replicas:
         raise MatrixError(

@@ -18,6 +18,7 @@ WorldSize = Annotated[int, Field(gt=0, le=4096)]
 TensorParallel = Annotated[int, Field(gt=0, le=4096)]
 PipelineParallel = Annotated[int, Field(gt=0, le=64)]
 Replicas = Annotated[int, Field(gt=0, le=4096)]
+SequenceParallel = Annotated[int, Field(gt=0, le=4096)]
 
 Trainer = Literal[TRAINER_NAMES]  # gaeq/registry.py: one entry per trainer
 PipelineSchedule = Literal[tuple(PIPELINE_SCHEDULES)]
@@ -62,6 +63,13 @@ class AxesSpec(_Spec):
         description="Pipeline cells only: the order of the micro-batches' forwards and backwards (torch: "
         f"{', '.join(PIPELINE_SCHEDULES)}; deepspeed: 1f1b). A schedule a trainer does not run is skipped for it.",
     )
+    sequence_parallel: list[SequenceParallel] = Field(
+        [1],
+        min_length=1,
+        description="Ranks each sample's tokens are split over — DeepSpeed-Ulysses (torch cells, gaeq's GPT): "
+        "attention through DeepSpeed's DistributedAttention, an all-to-all each way; data-parallel ranks = "
+        "world_size ÷ (tensor_parallel × pipeline_parallel × this).",
+    )
     hsdp_replicas: list[Replicas] = Field(
         [1],
         min_length=1,
@@ -103,6 +111,7 @@ class CellSpec(_Spec):
     tensor_parallel: TensorParallel = 1
     pipeline_parallel: PipelineParallel = 1
     pipeline_schedule: PipelineSchedule | None = Field(None, description="Pipeline cells only. Default: 1f1b.")
+    sequence_parallel: SequenceParallel = 1
     hsdp_replicas: Replicas = 1
     micro_batch_size: Samples
     zero_stage: ZeroStage | None = None

@@ -90,13 +90,22 @@ class CausalSelfAttention(nn.Module):
         self.head_dim = spec.n_embd // spec.n_head
         self.qkv = nn.Linear(spec.n_embd, 3 * spec.n_embd)
         self.proj = nn.Linear(spec.n_embd, spec.n_embd)
+        self.attend = causal_attention
+        """(q, k, v) → attention output, each (batch, tokens, heads, head_dim): over the tokens given —
+        or, with sequence parallelism, over the whole sequence of which they are this rank's slice."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         # -1: the heads this rank holds (all of them without tensor parallelism)
-        q, k, v = self.qkv(x).view(b, t, -1, 3, self.head_dim).transpose(1, 2).unbind(3)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+        q, k, v = self.qkv(x).view(b, t, -1, 3, self.head_dim).unbind(3)
+        return self.proj(self.attend(q, k, v).reshape(b, t, -1))
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of (batch, tokens, heads, head_dim) tensors, in the same layout."""
+    return F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+    ).transpose(1, 2)
 
 
 def _mlp(n_embd: int, hidden: int) -> nn.Sequential:
@@ -171,9 +180,12 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(spec, seed=seed, index=i) for i in range(spec.n_layer))
         self.ln_f = nn.LayerNorm(spec.n_embd)
         self.head = nn.Linear(spec.n_embd, vocab_size, bias=False)
+        self.position_offset = 0
+        """Where the tokens it is given start in their sequence (a sequence-parallel rank's slice)."""
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(idx.shape[1], device=idx.device)
+        start = self.position_offset
+        positions = torch.arange(start, start + idx.shape[1], device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(positions))
         for block in self.blocks:
             x = block(x)

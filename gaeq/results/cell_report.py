@@ -32,6 +32,8 @@ class Cost:
     """Parameters + gradients + optimizer state rank 0 holds while accumulating (None: not measured)."""
     p2p_bytes_per_step: float | None = None
     """Pipelines: mean bytes rank 0 (the first stage) sent to and received from its neighbours per step."""
+    a2a_bytes_per_step: float | None = None
+    """Sequence parallelism: of comm_bytes_per_step, the mean bytes rank 0 put through all-to-alls."""
     bubble: float | None = None
     """Pipelines: the mean share of a step's schedule a rank spent not computing (steps after the
     first, which also sets the schedule up)."""
@@ -50,6 +52,7 @@ class Cost:
             comm_bytes_per_step=_unless_unmeasured(lambda v: sum(v) / len(v), [r.comm_bytes for r in trace]),
             model_state_bytes=max(r.model_state_bytes for r in trace) or None,
             p2p_bytes_per_step=sum(r.p2p_bytes for r in trace) / len(trace) or None,
+            a2a_bytes_per_step=sum(r.a2a_bytes for r in trace) / len(trace) or None,
             bubble=statistics.fmean(bubbles)
             if (bubbles := [r.bubble for r in trace[1:] if r.bubble is not None])
             else None,
@@ -103,6 +106,7 @@ class CellReport:
     pipeline_parallel = Part[int]("cell")
     pipeline_schedule = Part[str]("cell")
     hsdp_replicas = Part[int]("cell")
+    sequence_parallel = Part[int]("cell")
     micro_batch_size = Part[int]("cell")
     zero_stage = Part[int]("cell")
     offload = Part[str]("cell")
@@ -148,6 +152,7 @@ class CellReport:
     comm_bytes_per_step = Part[float]("cost")
     model_state_bytes = Part[int]("cost")
     p2p_bytes_per_step = Part[float]("cost")
+    a2a_bytes_per_step = Part[float]("cost")
     bubble = Part[float]("cost")
 
     @property
@@ -177,13 +182,14 @@ class CellReport:
 
 JSON_FIELDS = (
     *("id", "trainer", "world_size", "tensor_parallel", "pipeline_parallel", "pipeline_schedule", "hsdp_replicas"),
+    "sequence_parallel",
     *("micro_batch_size", "grad_accum_steps"),
     "zero_stage",
     *("offload", "dtype", "variant", "bug", "expect", "role", "verdict"),
     *("max_abs_loss_diff", "max_rel_grad_norm_diff", "max_abs_grad_diff", "max_abs_param_diff"),
     *("first_divergent_step", "caught_by", "divergence_steps", "not_checked", "margin", "reason", "seconds"),
     *("samples_per_s", "step_seconds", "peak_mem_bytes", "comm_bytes_per_step", "model_state_bytes"),
-    *("p2p_bytes_per_step", "bubble", "bubble_theory", "ran"),
+    *("p2p_bytes_per_step", "bubble", "bubble_theory", "a2a_bytes_per_step", "ran"),
 )
 """A cell's entry in report.json, in this order."""
 

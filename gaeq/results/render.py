@@ -76,6 +76,7 @@ COLUMNS = (
     Column("W", lambda c: str(c.world_size), "both", right=True),
     Column("TP", lambda c: str(c.tensor_parallel), "tp", right=True),
     Column("PP", lambda c: pipeline_said(c), "pp", right=True),
+    Column("SP", lambda c: str(c.sequence_parallel), "sp", right=True),
     Column("MB", lambda c: str(c.micro_batch_size), "both", right=True),
     Column("GA", lambda c: "-" if c.grad_accum_steps is None else str(c.grad_accum_steps), "both", right=True),
     Column("ZeRO", _zero, "both", right=True),
@@ -111,6 +112,12 @@ COLUMNS = (
         "pp_cost",
         right=True,
     ),
+    Column(
+        "a2a KB/step",
+        lambda c: _fmt(c.a2a_bytes_per_step and c.a2a_bytes_per_step / 1024, "{:.1f}", zero="0"),
+        "sp_cost",
+        right=True,
+    ),
     Column("bubble", lambda c: _fmt(c.bubble, "{:.2f}"), "pp_cost", right=True),
     Column("theory", lambda c: _fmt(c.bubble_theory, "{:.2f}"), "pp_cost", right=True),
     Column("s", lambda c: _fmt(c.seconds, "{:.1f}"), right=True),
@@ -125,9 +132,11 @@ def columns(report: Report, *, tables: tuple[str, ...] = ("both", "verdict", "te
         "tensors": any(c.max_abs_grad_diff is not None or c.max_abs_param_diff is not None for c in report.cells),
         "tp": any(c.tensor_parallel > 1 for c in report.cells),
         "pp": any(c.pipeline_parallel > 1 for c in report.cells),
+        "sp": any(c.sequence_parallel > 1 for c in report.cells),
     }
-    shown["pp_cost"] = shown["pp"]
-    within = {"tp": "both", "pp": "both", "pp_cost": "cost"}  # shown with that table, when some cell has them
+    shown["pp_cost"], shown["sp_cost"] = shown["pp"], shown["sp"]
+    # shown with that table, when some cell has them
+    within = {"tp": "both", "pp": "both", "sp": "both", "pp_cost": "cost", "sp_cost": "cost"}
     return [
         col
         for col in COLUMNS

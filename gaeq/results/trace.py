@@ -48,6 +48,9 @@ class StepRecord:
     p2p_bytes: int = 0
     """Pipeline cells: bytes rank 0 (the first stage) sent to and received from its neighbouring
     stages during this step — activations and their gradients (gaeq.trainers.cost.PipelineCost)."""
+    a2a_bytes: int = 0
+    """Sequence-parallel cells: of comm_bytes, those rank 0 put through all-to-alls during this step
+    (Ulysses' attention: q, k, v and the output, each way)."""
     bubble: float | None = None
     """Pipeline cells: the share of this step's schedule (from its start to the last backward of any
     rank) a rank spent not computing its forwards and backwards, mean over ranks."""

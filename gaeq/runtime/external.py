@@ -23,7 +23,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gaeq.matrix import MATRIX_FILE, Cell, Matrix
-from gaeq.registry import TRAINERS
 from gaeq.results.outcome import CellOutcome, read_outcome, write_outcome
 from gaeq.results.trace import cell_dir
 from gaeq.runtime import dist, lifeline, shm, worker
@@ -62,7 +61,7 @@ def launched_main(*, matrix: Matrix, run_dir: Path, only: Sequence[str] = (), in
     dist.set_accelerator_env()
     worker.set_up_rank(plugin_dirs=matrix.plugin_dirs)
     dist.join_from_env(
-        with_deepspeed=any(TRAINERS[c.trainer].deepspeed for c in cells),
+        with_deepspeed=any(c.joins_through_deepspeed for c in cells),
         with_nvme=any(c.offload == "nvme" for c in cells),
         timeout_s=init_timeout_s,
     )

@@ -57,8 +57,8 @@ def preload_modules(cells: Sequence[Cell], problems: Mapping[str, ProblemSpec]) 
     wanted = {PRELOAD, *(module for c in cells for module in TRAINERS[c.trainer].preload)}
     if any(isinstance(problems[c.variant].model, HFModelSpec) for c in cells):
         wanted.add(PRELOAD_HF)
-    if any(problems[c.variant].optimizer.name == "muon" for c in cells):
-        wanted.add(PRELOAD_DEEPSPEED)  # DeepSpeed's Muon, on every trainer (gaeq/problem/optim.py)
+    if any(problems[c.variant].optimizer.name == "muon" or c.sequence_parallel > 1 for c in cells):
+        wanted.add(PRELOAD_DEEPSPEED)  # DeepSpeed's Muon on every trainer, its Ulysses attention
     scripts = [problems[c.variant].script for c in cells if problems[c.variant].script is not None]
     listed = [
         module for script in scripts for name in script.libraries() for module in SCRIPT_PRELOADS.get(name, (name,))

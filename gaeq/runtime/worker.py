@@ -25,7 +25,6 @@ from typing import Any, NoReturn
 
 from gaeq.matrix import Cell
 from gaeq.problem.spec import ProblemSpec
-from gaeq.registry import TRAINERS
 from gaeq.results.outcome import CellOutcome
 from gaeq.results.trace import cell_dir
 from gaeq.runtime import lifeline
@@ -91,7 +90,7 @@ def worker_main(rank: int, job: GroupJob, events: Any, commands: Any) -> None:
         rank=rank,
         world_size=job.world_size,
         port=job.port,
-        with_deepspeed=any(TRAINERS[c.trainer].deepspeed for c in job.cells),
+        with_deepspeed=any(c.joins_through_deepspeed for c in job.cells),
         with_nvme=any(c.offload == "nvme" for c in job.cells),
         timeout_s=job.init_timeout_s,
     )

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from gaeq.bugs import GENERATION_STEPS, Bug
 from gaeq.matrix import Cell
 from gaeq.problem.build import BuiltProblem, build_problem
-from gaeq.problem.data import BatchPlan
+from gaeq.problem.data import IGNORE_INDEX, BatchPlan
 from gaeq.problem.hf import RouterTokens, dropouts
 from gaeq.problem.loss import cross_entropy_row_means, mean_of_means_count
 from gaeq.problem.models import sample_keys
@@ -75,6 +75,10 @@ class CellProblem:
     """A micro-batch's weight in a transformers mixture of experts' balance term (balance_share)."""
     routers: RouterTokens | None = None
     """A transformers mixture of experts' routing, counted (None for any other model)."""
+    tokens: slice = dataclasses.field(default_factory=lambda: slice(None))
+    """The tokens of each sample this rank holds: all of them, or its slice under sequence parallelism."""
+    sequence_parallel: int = 1
+    """Ranks each sample's tokens are split over (the slices of one micro-batch)."""
 
     @property
     def model(self) -> torch.nn.Module:
@@ -85,11 +89,13 @@ class CellProblem:
         (`normaliser`), so that every element of the global batch weighs the same whatever the
         split (÷ GA included). Counting is where the normalisation bugs are made."""
         if cell.bug == Bug.MEAN_OF_MEANS:  # planted bug: counts as if every micro-batch were this one
-            return mean_of_means_count(
-                micro_elements=mb.loss_elements,
+            return mean_of_means_count(  # (a sequence slice's own mean, with sequence parallelism: verl#2857)
+                micro_elements=max(mb.loss_elements, 1),  # an empty slice's mean: 0, as masked means clamp
                 grad_accum_steps=self.plan.grad_accum_steps,
-                data_parallel=self.plan.data_parallel,
+                data_parallel=self.plan.data_parallel * self.sequence_parallel,
             )
+        if cell.bug == Bug.SP_TOKENS_OVER_DATA_RANKS_ONLY:  # planted bug: this slice's tokens, summed over dp only
+            return self.slice_loss_elements(mb.step)
         if cell.bug == Bug.HF_NUM_ITEMS_PER_MICRO_BATCH:
             return mb.loss_elements  # planted bug: num_items_in_batch of the micro-batch, not the global batch
         if cell.bug == Bug.EMPTY_MICRO_BATCH_COUNTED:  # planted bug: a micro-batch's mean ÷ all of the step's
@@ -104,6 +110,11 @@ class CellProblem:
         if cell.bug == Bug.PG_TOKENS_PER_RANK:  # planted bug: this rank's tokens of the step, DDP's mean on top
             return self.rank_loss_elements(mb.step) * self.plan.data_parallel
         return normaliser
+
+    def slice_loss_elements(self, step: int) -> int:
+        """Loss elements of `step`'s global batch within this rank's token slice (token data)."""
+        _, targets = self.built.dataset.batch(self.plan.samples_at(self.plan.step_positions(step)))
+        return int((targets[:, self.tokens] != IGNORE_INDEX).sum())
 
     def rank_loss_elements(self, step: int) -> int:
         """Loss elements of this rank's micro-batches of `step` (its accumulation group)."""
@@ -174,12 +185,17 @@ class CellProblem:
         inputs, targets = self.built.dataset.batch(indices)
         if self.dtype in HALF_MODEL and inputs.is_floating_point():
             inputs = inputs.to(HALF_MODEL[self.dtype])  # DeepSpeed's bf16/fp16 engine holds a half model
+        if self.sequence_parallel > 1:  # this rank's slice of every sample's tokens, and its valid targets
+            inputs, targets = inputs[:, self.tokens], targets[:, self.tokens]
+            elements = int((targets != IGNORE_INDEX).sum())
+        else:
+            elements = self.built.total_loss_elements(indices)
         return MicroBatch(
             step=step,
             inputs=inputs.to(self.device),
             targets=targets.to(self.device),
             positions=positions,
-            loss_elements=self.built.total_loss_elements(indices),
+            loss_elements=elements,
         )
 
     @contextlib.contextmanager
@@ -200,6 +216,9 @@ def build_cell_problem(cell: Cell, problem: ProblemSpec, ctx: RunContext) -> Cel
         built = dataclasses.replace(built, loss_sum=cross_entropy_row_means, per_sample=True)
     layers = moe_layers(built.model)
     share = balance_share(cell, plan)
+    sp = cell.sequence_parallel
+    width = getattr(built.dataset, "seq_len", 0) // sp  # each sequence-parallel rank's contiguous slice
+    first = cell.place(ctx.rank).sequence * width
     return CellProblem(
         plan=plan,
         built=built,
@@ -209,6 +228,8 @@ def build_cell_problem(cell: Cell, problem: ProblemSpec, ctx: RunContext) -> Cel
         balance=Balance(problem.model.moe, layers, share=share) if layers else None,
         aux_share=share,
         routers=RouterTokens(built.model) or None,  # a transformers mixture of experts' routers, if any
+        tokens=slice(first, first + width) if sp > 1 else slice(None),
+        sequence_parallel=sp,
     )
 
 
@@ -310,7 +331,7 @@ class StepRecorder:
         skipped: bool = False,
     ) -> None:
         # float64 end to end: the comparison must not be limited by the logging precision.
-        comm_bytes = self.comm.take()
+        comm_bytes, a2a_bytes = self.comm.take(), self.comm.take_all_to_all()
         p2p_bytes, computing, span = self.pipeline.take()
         place = self.cell.place(self.ctx.rank)
         if place.tensor or place.stage != self.cell.pipeline_parallel - 1:
@@ -342,6 +363,7 @@ class StepRecorder:
                 peak_mem_bytes=self.memory.peak_bytes(),
                 model_state_bytes=self._model_state_bytes,
                 p2p_bytes=p2p_bytes,
+                a2a_bytes=a2a_bytes,
                 # the mean share of the pipeline's span a rank did not compute
                 bubble=1.0 - computing / self.ctx.world_size / span if span > 0 else None,
             )

@@ -102,6 +102,8 @@ class CommCounter:
 
     def __init__(self) -> None:
         self.bytes = 0
+        self.all_to_all_bytes = 0
+        """Of :attr:`bytes`, those through all-to-alls (Ulysses' attention)."""
         self.attached = False
         """Whether :meth:`attach` found what to count (a wrapper it knows, on more than one process)."""
         self._paused = 0
@@ -113,6 +115,10 @@ class CommCounter:
 
     def take(self) -> int:
         nbytes, self.bytes = self.bytes, 0
+        return nbytes
+
+    def take_all_to_all(self) -> int:
+        nbytes, self.all_to_all_bytes = self.all_to_all_bytes, 0
         return nbytes
 
     @contextlib.contextmanager
@@ -159,9 +165,23 @@ class CommCounter:
         ddp.register_comm_hook(state=None, hook=counting_allreduce)
 
     def _attach_deepspeed(self) -> None:
+        self.count_deepspeed(tuple(_DEEPSPEED_SIZES))
+
+    def count_deepspeed(self, names: tuple[str, ...]) -> None:
+        """Count these collectives of DeepSpeed's backend (deepspeed.comm) — an engine's, or a module's
+        that talks through it (Ulysses' all-to-alls)."""
         from deepspeed.comm import comm as ds_comm
 
-        self._patch(ds_comm.cdb, _DEEPSPEED_SIZES)
+        sizes = {name: _DEEPSPEED_SIZES[name] for name in names}
+        if "all_to_all_single" in sizes:  # counted twice: in the total, and on their own
+            sizes["all_to_all_single"] = functools.partial(self._all_to_all, sizes["all_to_all_single"])
+        self._patch(ds_comm.cdb, sizes)
+
+    def _all_to_all(self, size: Callable, args, kwargs) -> int:
+        nbytes = size(args, kwargs)
+        if not self._paused:
+            self.all_to_all_bytes += nbytes
+        return nbytes
 
     def _patch(self, owner, sizes: dict[str, Callable]) -> None:
         """Wrap `owner`'s collectives (a DeepSpeed backend's methods, torch.distributed's functions)

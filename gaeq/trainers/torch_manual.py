@@ -27,6 +27,7 @@ from gaeq.trainers import muon, tensor_parallel
 from gaeq.trainers.base import RunContext, StepRecorder, build_cell_problem, inject_fault, short_step_label
 from gaeq.trainers.checkpoint import load_torch, save_torch
 from gaeq.trainers.provenance import Provenance
+from gaeq.trainers.sequence_parallel import SequenceParallel
 from gaeq.trainers.tensor_parallel import TensorParallel, full
 
 
@@ -39,6 +40,7 @@ def promised(cell: Cell, problem: ProblemSpec) -> dict[str, Any]:
             "grad_scaler": cell.dtype == "fp16",
             # the baseline is the reference: its norm summed in float64; every other cell's as users sum it
             "grad_norm_dtype": "float64" if cell.role == Role.BASELINE else "float32",
+            "sequence_parallel": cell.sequence_parallel,
         }
         | muon.label(cell, problem)
     )
@@ -55,6 +57,10 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     tp = TensorParallel(cell=cell, device=ctx.device) if cell.tensor_parallel > 1 else None
     if tp is not None:
         tp.parallelize(model)
+    # Sequence parallelism (Ulysses): each rank a slice of every sample's tokens, attention over the
+    # group through DeepSpeed's all-to-alls; DDP then averages over every rank of the world.
+    sp = SequenceParallel(cell, rank=ctx.rank) if cell.sequence_parallel > 1 else None
+    ulysses = sp.parallelize(model, seq_len=task.built.dataset.seq_len) if sp is not None else 0
     ddp = DDP(model) if ctx.world_size > 1 and tp is None else None
     net = ddp or model
     optimizer = build_optimizer(model.named_parameters(), problem)
@@ -87,6 +93,8 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     last_param = list(model.parameters())[-1]
     recorder = StepRecorder(cell=cell, ctx=ctx, steps=problem.steps, plan=task.plan)
     recorder.count_collectives(ddp or tp)
+    if sp is not None:  # and Ulysses' all-to-alls, through deepspeed.comm
+        recorder.comm.count_deepspeed(("all_to_all_single",))
     ran = Provenance(
         cell,
         promised=promised(cell, problem),
@@ -96,6 +104,8 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         tensor_parallel=tensor_parallel.tensor_parallel_of(model),
         grad_scaler=scaler.is_enabled(),
         update_rule=type(optimizer).__name__,
+        sequence_parallel=sp.size if sp is not None else 1,
+        ulysses_attention=ulysses,
     )
     if task.routes:  # a mixture of experts: the tokens each expert took in the first step
         ran.read_at_first_step(router_tokens=task.router_tokens)
@@ -122,8 +132,9 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
                 with ran.forward(mb.inputs), task.forwarding(mb):
                     micro_loss = task.micro_loss(net, mb, num_items=num_items)
                 # ACCUMULATION: we divide — num_items counts the whole global batch, so ÷ GA is in it —
-                # and multiply by the data-parallel ranks, because DDP averages over them.
-                loss = micro_loss * task.data_parallel
+                # and multiply by the data-parallel ranks, because DDP averages over them (and by the
+                # sequence-parallel ones: a sample's slices' gradients add up, DDP averages them too).
+                loss = micro_loss * task.data_parallel * task.sequence_parallel
                 if cell.bug == Bug.TOKENS_ALL_REDUCED_THEN_DDP_AVERAGED:
                     loss = micro_loss  # planted bug: the global count, then DDP's average on top (÷ world twice)
                 if cell.bug == Bug.NO_LOSS_DIVISION:
