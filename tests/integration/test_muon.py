@@ -8,11 +8,9 @@ run in process: tests/unit/test_muon.py."""
 from __future__ import annotations
 
 import pytest
-import yaml
 
 from gaeq.trainers.muon import ONCE
-from tests.conftest import REPO
-from tests.helpers import cells_by_id, gaeq_run_here
+from tests.helpers import experiment_corner
 from tests.processes import leftovers
 
 pytestmark = pytest.mark.integration
@@ -21,20 +19,13 @@ CELLS = [
     {"trainer": "deepspeed", "world_size": 2, "micro_batch_size": 2, "zero_stage": 0},
     {"trainer": "deepspeed", "world_size": 2, "micro_batch_size": 2, "zero_stage": 1, "expect": "diverge"},
     {"trainer": "deepspeed", "world_size": 2, "micro_batch_size": 1, "zero_stage": 3, "expect": "diverge"},
-    {"trainer": "deepspeed", "world_size": 2, "micro_batch_size": 2, "zero_stage": 2, "variant": "clipped"},
-]
+    {"trainer": "deepspeed", "world_size": 2, "micro_batch_size": 2, "zero_stage": 2, "variant": "clipped",
+     "expect": "diverge"},
+]  # fmt: skip
 
 
 def test_deepspeeds_muon_orthogonalises_once_a_step_and_at_zero_1_to_3_measures_the_update(tmp_path):
-    spec = yaml.safe_load((REPO / "experiments" / "muon.yaml").read_text())
-    spec["cells"], spec["problem"]["steps"] = CELLS, 4
-    spec["cells"][-1]["expect"] = "diverge"
-    spec["noise_floor"] = False  # the dtype's own tolerances: 4 steps
-    matrix, out = tmp_path / "muon.yaml", tmp_path / "run"
-    matrix.write_text(yaml.safe_dump(spec))
-    proc, report, tag = gaeq_run_here(matrix, out)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    cells = cells_by_id(report)
+    cells, tag = experiment_corner("muon", CELLS, steps=4, tmp_path=tmp_path)
     for cell in cells.values():  # never skipped (#8441), never per micro-batch (#8443), at any stage
         assert cell["ran"]["newton_schulz"] == ONCE, cell
     assert cells["deepspeed-z0-w2-mb2-ga4"]["verdict"] == "match"

@@ -13,7 +13,7 @@ from gaeq.problem.completions import CompletionData
 from gaeq.problem.data import BatchPlan
 from gaeq.problem.spec import ProblemSpec
 from tests.conftest import REPO
-from tests.helpers import cells_by_id, gaeq_run_here
+from tests.helpers import experiment_corner
 from tests.processes import leftovers
 
 pytestmark = pytest.mark.integration
@@ -27,18 +27,11 @@ CELLS = [
 
 
 def test_the_policy_loss_over_the_global_batchs_tokens_matches_at_world_2_and_per_rank_counts_do_not(tmp_path):
-    spec = yaml.safe_load((REPO / "experiments" / "rl.yaml").read_text())
-    spec["cells"], spec["problem"]["steps"] = CELLS, 3
-    spec["noise_floor"] = False  # the dtype's own tolerances: 3 steps
-    matrix, out = tmp_path / "rl.yaml", tmp_path / "run"
-    matrix.write_text(yaml.safe_dump(spec))
-    proc, report, tag = gaeq_run_here(matrix, out)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    cells = cells_by_id(report)
+    cells, tag = experiment_corner("rl", CELLS, steps=3, tmp_path=tmp_path)
     for cell_id in ("torch-w2-mb2-ga4", "deepspeed-z1-w2-mb2-ga4"):
         assert cells[cell_id]["verdict"] == "match" and cells[cell_id]["max_abs_loss_diff"] < 1e-6, cells[cell_id]
     # Each rank's own count: the ranks hold different token counts at step 0, and the gradient shows it first.
-    problem = ProblemSpec.model_validate(spec["problem"])
+    problem = ProblemSpec.model_validate(yaml.safe_load((REPO / "experiments" / "rl.yaml").read_text())["problem"])
     data = CompletionData(problem.data, seed=problem.seed)
     plan = BatchPlan(train_batch_size=16, micro_batch_size=4, data_parallel=2)
     per_rank = [

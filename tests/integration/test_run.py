@@ -132,6 +132,7 @@ def test_default_matrix_from_the_readme(default_run):
         "peak_mem_bytes",
         "model_state_bytes",
         "p2p_bytes",
+        "a2a_bytes",
         "bubble",
     }
     assert (out / "cells" / "deepspeed-z3-w2-mb4-ga4" / "rank1.log").exists()

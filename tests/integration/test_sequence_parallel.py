@@ -6,10 +6,8 @@ file runs in docs/sequence-parallel.md; here a corner of it on fewer steps."""
 from __future__ import annotations
 
 import pytest
-import yaml
 
-from tests.conftest import REPO
-from tests.helpers import cells_by_id, gaeq_run_here
+from tests.helpers import experiment_corner
 from tests.processes import leftovers
 
 pytestmark = pytest.mark.integration
@@ -24,14 +22,7 @@ CELLS = [
 
 
 def test_ulysses_matches_at_world_2_and_4_and_its_token_counting_mistakes_are_caught(tmp_path):
-    spec = yaml.safe_load((REPO / "experiments" / "sequence_parallel.yaml").read_text())
-    spec["cells"], spec["problem"]["steps"] = CELLS, 3
-    spec["noise_floor"] = False  # the dtype's own tolerances: 3 steps
-    matrix, out = tmp_path / "sp.yaml", tmp_path / "run"
-    matrix.write_text(yaml.safe_dump(spec))
-    proc, report, tag = gaeq_run_here(matrix, out)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    cells = cells_by_id(report)
+    cells, tag = experiment_corner("sequence_parallel", CELLS, steps=3, tmp_path=tmp_path)
     for cell_id in ("torch-w2-sp2-mb2-ga8", "torch-w4-sp2-mb4-ga2"):
         cell = cells[cell_id]
         assert cell["verdict"] == "match" and cell["max_abs_loss_diff"] < 1e-6, cell
