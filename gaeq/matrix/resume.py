@@ -22,9 +22,11 @@ def at_step_inside(r: ResumeSpec, *, steps: int) -> None:
 
 def epochs_run_on(problem: ProblemSpec) -> None:
     """A resumed cell's label is checked from the step it starts at: a problem whose epochs end in
-    short steps (fewer micro-steps) is not resumed yet."""
+    short steps (fewer micro-steps) is not resumed yet; nor a Muon's (its checkpoints not measured)."""
     if problem.epoch_end != "run_on":
         raise MatrixError("resume experiments with epoch_end short_step: not offered (a resumed cell may start short)")
+    if problem.optimizer.name in ("muon", "torch_muon"):
+        raise MatrixError(f"resume experiments with optimizer {problem.optimizer.name}: not offered (not measured)")
 
 
 def source_rules(source: Cell, r: ResumeSpec) -> None:

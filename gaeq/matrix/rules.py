@@ -54,8 +54,8 @@ def split_rules(split: Split, problem: ProblemSpec, spec: MatrixSpec) -> Split:
     hf_deepspeed_rules(split)
     if split.trainer in ("hf", "hf_deepspeed"):
         check_hf_trainer(problem, spec)
-    if problem.optimizer.name == "muon":
-        check_muon(split)
+    if problem.optimizer.name in ("muon", "torch_muon"):
+        check_muon(split, problem.optimizer.name)
     ds_fp16_is_deepspeeds(split)
     trainer_runs_dtype(split)
     if problem.mirror is not None and split.trainer == "deepspeed":
@@ -142,12 +142,15 @@ def hf_deepspeed_rules(split: Split) -> None:
         )
 
 
-def check_muon(split: Split) -> None:
-    """Where DeepSpeed's Muon runs as measured: whole matrices (Newton–Schulz of a shard is another
-    update), fp32 or bf16 autocast, no offload (its CPU Adam replaces the AdamW half)."""
+def check_muon(split: Split, name: str) -> None:
+    """Where Muon runs as measured: DeepSpeed's in the trainers that build it, torch's in a torch loop;
+    whole matrices (Newton–Schulz of a shard is another update), fp32 or bf16 autocast, no offload (its
+    CPU Adam replaces the AdamW half)."""
     why = None
     if not TRAINERS[split.trainer].muon:
         why = f"the {split.trainer} trainer does not build it (torch, deepspeed do)"
+    elif name == "torch_muon" and split.trainer != "torch":
+        why = "torch.optim.Muon runs in the torch trainer (DeepSpeed builds its own: optimizer muon)"
     elif split.tensor_parallel > 1 or split.pipeline_parallel > 1:
         why = "its Newton–Schulz needs every matrix whole: not with tensor or pipeline parallelism"
     elif split.offload != "none":
@@ -155,7 +158,7 @@ def check_muon(split: Split) -> None:
     elif split.dtype not in ("fp32", "bf16"):
         why = f"measured in fp32 and bf16 (autocast), not {split.dtype}"
     if why:
-        raise MatrixError(f"optimizer muon: {why} ({where_of(split)})")
+        raise MatrixError(f"optimizer {name}: {why} ({where_of(split)})")
 
 
 def ds_fp16_is_deepspeeds(split: Split) -> None:

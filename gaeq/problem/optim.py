@@ -44,6 +44,8 @@ def build_optimizer(named: Iterable[tuple[str, torch.nn.Parameter]], problem: Pr
     spec = problem.optimizer
     if spec.name == "muon":
         return _muon(named, spec)
+    if spec.name == "torch_muon":
+        return TorchMuonWithAdamW(named, spec)
     kwargs = _optimizer_kwargs(spec)
     if spec.name == "adamw":
         return torch.optim.AdamW(params, **kwargs)
@@ -73,6 +75,31 @@ def _muon(named: list[tuple[str, torch.nn.Parameter]], spec: OptimizerSpec) -> t
     return MuonWithAuxAdam(
         [g for g in groups if g["params"]], adam_optimizer=torch.optim.AdamW, adam_optimizer_kwargs={"foreach": False}
     )
+
+
+class TorchMuonWithAdamW(torch.optim.Optimizer):
+    """torch.optim.Muon over the matrices (:func:`muon_matrix`, DeepSpeed's rule: the same split as
+    `muon`), torch.optim.AdamW over the rest, stepped together — as a torch user pairs them (torch's
+    Muon takes 2-D parameters only). Its groups are theirs, so a scheduler moves both."""
+
+    def __init__(self, named: list[tuple[str, torch.nn.Parameter]], spec: OptimizerSpec) -> None:
+        self.muon = torch.optim.Muon(
+            [p for n, p in named if muon_matrix(n, p)],
+            lr=spec.lr,
+            weight_decay=spec.weight_decay,
+            momentum=spec.momentum,
+            nesterov=True,
+            ns_steps=5,
+            adjust_lr_fn="original",  # × sqrt(max(1, rows / cols)): DeepSpeed's
+        )
+        adam = {"lr": spec.adam_lr or spec.lr, "betas": spec.betas, "eps": spec.eps, "weight_decay": spec.weight_decay}
+        self.adamw = torch.optim.AdamW([p for n, p in named if not muon_matrix(n, p)], **adam, foreach=False)
+        super().__init__([*self.muon.param_groups, *self.adamw.param_groups], {})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.muon.step()
+        self.adamw.step()
 
 
 NS_METHOD = "gram"

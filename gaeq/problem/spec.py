@@ -193,10 +193,11 @@ class GPTSpec(Spec):
 
 
 class OptimizerSpec(Spec):
-    name: Literal["adamw", "sgd", "muon"] = Field(
+    name: Literal["adamw", "sgd", "muon", "torch_muon"] = Field(
         "adamw",
         description="muon: DeepSpeed's Muon (MuonWithAuxAdam) on every trainer — each matrix's momentum "
-        "orthogonalised by Newton–Schulz, the rest (embeddings, the head, vectors) by torch's AdamW.",
+        "orthogonalised by Newton–Schulz, the rest (by DeepSpeed's rule) by torch's AdamW; torch_muon: "
+        "torch.optim.Muon over the same matrices (its Newton–Schulz in bf16) and torch's AdamW, torch loops only.",
     )
     lr: float = Field(1e-3, gt=0, description="Peak learning rate (after warmup); Muon: its matrices'.")
     weight_decay: float = Field(0.0, ge=0, description="Muon: both halves'.")

@@ -1,16 +1,19 @@
-"""DeepSpeed's Muon in a rank (``optimizer.name: muon``): how often its Newton–Schulz ran.
+"""Muon in a rank (``optimizer.name: muon`` — DeepSpeed's — or ``torch_muon``): how often its
+Newton–Schulz ran.
 
 Muon orthogonalises each matrix's momentum once per optimizer step. Where that happens depends on
 the engine — in ``step()`` at ZeRO-0 and in a torch loop (every rank, every matrix), in the
 reduction of each rank's partition at ZeRO-1/2, in ``step()`` at ZeRO-3 (each matrix by its owner) —
 and it is where the reported bugs live: never at ZeRO-0 (Muon became SGD, DeepSpeed#8441), once per
 micro-batch at ZeRO-3 (DeepSpeed#8443). A cell's label promises each matrix orthogonalised once per
-step, and the first step's calls, over every rank, are measured against it.
+step, and the first step's calls, over every rank, are measured against it (torch's Muon, in a torch
+loop, orthogonalises every matrix on every rank, as DeepSpeed's at ZeRO-0).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import types
 from typing import Any
 
@@ -21,8 +24,13 @@ from gaeq.bugs import Bug
 from gaeq.matrix import Cell
 from gaeq.problem.spec import ProblemSpec
 
-KERNELS = ("zeropower_via_gram_newtonschulz", "zeropower_via_newtonschulz5")
-"""DeepSpeed's Newton–Schulz kernels (deepspeed.runtime.zero.muon.original_muon): muon_update calls one."""
+KERNELS = {
+    "deepspeed.runtime.zero.muon.original_muon": ("zeropower_via_gram_newtonschulz", "zeropower_via_newtonschulz5"),
+    "torch.optim._muon": ("_zeropower_via_newtonschulz",),
+}
+"""The Newton–Schulz kernels, by module: DeepSpeed's (its muon_update calls one) and torch's Muon's."""
+MUONS = ("muon", "torch_muon")
+"""The problem optimizers that orthogonalise (gaeq/problem/optim.py)."""
 _calls = [0]
 """Newton–Schulz calls in this process so far (cells run one after another in a rank)."""
 
@@ -41,7 +49,7 @@ def label(cell: Cell, problem: ProblemSpec) -> dict[str, Any]:
     that updates it whole (a torch loop, ZeRO-0), by the ranks holding a part of it (ZeRO-1/2: a
     matrix across two ranks' partitions is orthogonalised by both) or by its owner (ZeRO-3); never
     twice on a rank, never by none. Nothing for another optimizer."""
-    if problem.optimizer.name != "muon":
+    if problem.optimizer.name not in MUONS:
         return {}
     return {"newton_schulz": NEVER if cell.bug == Bug.MUON_WITHOUT_NEWTON_SCHULZ else ONCE}
 
@@ -71,6 +79,13 @@ def watch(ran, *, matrices: int) -> None:
     )
 
 
+def matrices(optimizer: torch.optim.Optimizer) -> int:
+    """The matrices a torch loop's Muon orthogonalises: DeepSpeed's Muon groups, or torch's Muon's."""
+    inner = getattr(optimizer, "muon", None)  # TorchMuonWithAdamW
+    groups = inner.param_groups if inner is not None else [g for g in optimizer.param_groups if g["use_muon"]]
+    return sum(len(g["params"]) for g in groups)
+
+
 def without_newton_schulz(optimizer: torch.optim.Optimizer) -> None:
     """DeepSpeed#8441's step: each matrix moved by its raw gradient, as if already orthogonalised (the
     planted bug muon_without_newton_schulz; Muon becomes SGD without momentum)."""
@@ -89,18 +104,18 @@ def without_newton_schulz(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _count_calls() -> None:
-    """Wrap DeepSpeed's kernels once per process with a counter (muon_update looks them up when it runs)."""
-    from deepspeed.runtime.zero.muon import original_muon
+    """Wrap the kernels once per process with a counter (the updates look them up when they run)."""
+    for module_name, names in KERNELS.items():
+        module = importlib.import_module(module_name)
+        for name in names:
+            kernel = getattr(module, name)
+            if getattr(kernel, "counted_by_gaeq", False):
+                continue
 
-    for name in KERNELS:
-        kernel = getattr(original_muon, name)
-        if getattr(kernel, "counted_by_gaeq", False):
-            continue
+            @functools.wraps(kernel)
+            def counted(*args, _kernel=kernel, **kwargs):
+                _calls[0] += 1
+                return _kernel(*args, **kwargs)
 
-        @functools.wraps(kernel)
-        def counted(*args, _kernel=kernel, **kwargs):
-            _calls[0] += 1
-            return _kernel(*args, **kwargs)
-
-        counted.counted_by_gaeq = True
-        setattr(original_muon, name, counted)
+            counted.counted_by_gaeq = True
+            setattr(module, name, counted)

@@ -2,7 +2,7 @@
 DeepSpeed orthogonalises each matrix once a step at every stage (DeepSpeed#8441 and #8443 measured absent)
 and its ZeRO-0 matches; at ZeRO ≥ 1 it reports — and with clipping on, clips by — the orthogonalised
 update's norm (DeepSpeed#8439): the grad norm alone diverges unclipped, the loss too when clipped. The
-whole file (18 cells) runs in docs/muon.md; here its world-2 corner on fewer steps. The world-1 controls
+whole file (22 cells) runs in docs/muon.md; here its world-2 corner on fewer steps. The world-1 controls
 run in process: tests/unit/test_muon.py."""
 
 from __future__ import annotations

@@ -110,3 +110,33 @@ def test_the_muon_bug_needs_muon():
     spec = small_spec(cells=[{"trainer": "torch", "micro_batch_size": 4, "bug": "muon_without_newton_schulz"}])
     with pytest.raises(MatrixError, match="exists only with optimizer muon"):
         matrix_from_dict(spec)
+
+
+def test_torchs_muon_pairs_with_adamw_over_the_same_matrices_and_a_schedule_moves_both():
+    problem = ProblemSpec.model_validate(muon_spec()["problem"] | {"optimizer": MUON | {"name": "torch_muon"}})
+    model = GPT(GPTSpec(n_layer=1, n_head=2, n_embd=16), vocab_size=16, block_size=8, seed=0)
+    optimizer = build_optimizer(model.named_parameters(), problem)
+    assert isinstance(optimizer.muon, torch.optim.Muon) and isinstance(optimizer.adamw, torch.optim.AdamW)
+    assert muon.matrices(optimizer) == 7 and len(optimizer.adamw.param_groups[0]["params"]) == 10  # LNs, biases
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5)  # the groups are the halves'
+    assert (optimizer.muon.param_groups[0]["lr"], optimizer.adamw.param_groups[0]["lr"]) == (0.01, 1.5e-3)
+    before = model.head.weight.detach().clone()
+    model(torch.zeros(2, 8, dtype=torch.long)).sum().backward()
+    optimizer.step()
+    scheduler.step()
+    assert not torch.equal(before, model.head.weight)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"cells": [{"trainer": "deepspeed", "zero_stage": 1, "micro_batch_size": 4}]}, "DeepSpeed builds its own"),
+        ({"resume": {"source": {"trainer": "torch", "micro_batch_size": 4}, "at_step": 1, "targets": []}}, "resume"),
+    ],
+)
+def test_torch_muon_runs_in_torch_loops_and_no_muon_resumes_yet(change, message):
+    spec = muon_spec(axes=None, cells=change.get("cells", [{"trainer": "torch", "micro_batch_size": 4}]))
+    spec["problem"]["optimizer"] = MUON | {"name": "torch_muon"}
+    spec |= {k: v for k, v in change.items() if k != "cells"}
+    with pytest.raises((MatrixError, ValueError), match=message):
+        matrix_from_dict(spec)
