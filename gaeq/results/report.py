@@ -213,7 +213,9 @@ def _judge_cell(
         checks = None
         if TRAINERS[cell.trainer].script:  # what the probe saw in the user's script, before the numbers
             base_probe, probe = (read_probe(cell_dir(traces.run_dir, i)) for i in (base_id, cell.id))
-            twin_probe = read_probe(cell_dir(traces.run_dir, twin)) if twin and twin != cell.id else None
+            # the twin too is judged within the envelope its own drift sets, as its trace is (the ceiling
+            # still bounds it): rounding alone — torch Muon's bf16 Newton–Schulz, 7.7e-5 — is not a divergence
+            twin_probe = read_probe(cell_dir(traces.run_dir, twin)) if twin else None
             if base_probe and probe:
                 checks = script_checks(
                     base_probe,

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+import gaeq.newton_schulz as newton_schulz
 from gaeq.script.contract import ENV, PROBE_FILE
 from gaeq.script.samples import SampleIdentity
 from gaeq.script.weights import UpdateSketch, engine_norm, fingerprint, grad_norm
@@ -88,6 +89,7 @@ class Probe:
         self.lengths: list[int | None] = []
         self.exact = True
         self.events: Counter[str] = Counter()
+        self._orthogonalised = newton_schulz.calls()
         self.grad_norm: float | None = None
         self._norm_after_backward: float | None = None
         """The norm at the first clip since the last backward (the boundary's, when no backward follows)."""
@@ -110,6 +112,7 @@ class Probe:
                 self.losses.append(float(tensors.detach().double()))
                 self.spent += time.perf_counter() - started
             self.events["backward"] += 1
+            newton_schulz.count(loaded_only=True)  # a Muon the script has imported by now: its kernels counted
             self._norm_after_backward = None  # the gradient changes: a clip after this one reads the new norm
             return backward(tensors, *args, **kwargs)
 
@@ -240,6 +243,8 @@ class Probe:
     def _after_step(self, optimizer, args, kwargs) -> None:
         entered = time.perf_counter()
         self.events["optimizer_step"] += 1
+        if orthogonalised := newton_schulz.calls() - self._orthogonalised:  # Muon's, this step on this rank
+            self.events["newton_schulz"] = orthogonalised
         # A DeepSpeed engine (the outermost module) clips inside its step and, at ZeRO ≥ 1, keeps no
         # gradient in .grad: the norm it computed before clipping is the one to compare.
         if (norm := engine_norm(self.model)) is not None:
@@ -291,6 +296,7 @@ class Probe:
                 "world_size": world,
                 "rows": [r["rows"] for r in ranks],
                 "backward": [r["events"].get("backward", 0) for r in ranks],
+                "newton_schulz": [r["events"].get("newton_schulz", 0) for r in ranks],
                 "events": ranks[0]["events"],
                 "samples": samples,
                 "keys": sorted(k for r in ranks for k in r["keys"]),

@@ -90,9 +90,28 @@ def script_checks(
                 break
         if found["events"] is not None:
             break
+    found["events"] = found["events"] or orthogonalisation_differs(steps)
     found["update"] = _update_differs(base["steps"], cell["steps"], twin=twin, rtol=rtol)
     notes = {"lr": note} if lr_differs and (note := _schedule_advanced(steps)) else {}
     return ScriptChecks(first=found, not_checked=not_checked, notes=notes)
+
+
+def orthogonalisation_differs(steps: list[tuple[dict, dict]]) -> tuple[int, str] | None:
+    """A Muon's Newton–Schulz calls per optimizer step, against the baseline's (one rank: each of its
+    matrices once). Ranks share the work differently — every rank every matrix (DDP, ZeRO-0), or each
+    its partition's (ZeRO ≥ 1) — so a split orthogonalised each matrix once when no rank ran more calls
+    than the baseline and the ranks together no fewer; more on a rank is per micro-batch
+    (DeepSpeed#8443's shape), fewer in all skipped matrices (none at all: #8441's)."""
+    for b, c in steps:
+        whole, mine = sum(b.get("newton_schulz", [0])), c.get("newton_schulz", [0])
+        if max(mine) > whole or sum(mine) < whole:
+            said = "more than once a step" if max(mine) > whole else "never" if sum(mine) == 0 else "not every matrix"
+            return (
+                c["step"],
+                f"Newton–Schulz ran {max(mine)}× on one rank and {sum(mine)}× in all in optimizer step {c['step']}, "
+                f"the baseline {whole}×: your Muon orthogonalised {said}",
+            )
+    return None
 
 
 def _unreadable(base: dict, cell: dict) -> str | None:

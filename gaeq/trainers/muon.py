@@ -12,27 +12,19 @@ loop, orthogonalises every matrix on every rank, as DeepSpeed's at ZeRO-0).
 
 from __future__ import annotations
 
-import functools
-import importlib
 import types
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+import gaeq.newton_schulz as newton_schulz
 from gaeq.bugs import Bug
 from gaeq.matrix import Cell
 from gaeq.problem.spec import ProblemSpec
 
-KERNELS = {
-    "deepspeed.runtime.zero.muon.original_muon": ("zeropower_via_gram_newtonschulz", "zeropower_via_newtonschulz5"),
-    "torch.optim._muon": ("_zeropower_via_newtonschulz",),
-}
-"""The Newton–Schulz kernels, by module: DeepSpeed's (its muon_update calls one) and torch's Muon's."""
 MUONS = ("muon", "torch_muon")
 """The problem optimizers that orthogonalise (gaeq/problem/optim.py)."""
-_calls = [0]
-"""Newton–Schulz calls in this process so far (cells run one after another in a rank)."""
 
 
 ONCE, NEVER, TWICE, SOME = (
@@ -56,13 +48,13 @@ def label(cell: Cell, problem: ProblemSpec) -> dict[str, Any]:
 
 def watch(ran, *, matrices: int) -> None:
     """Count this cell's Newton–Schulz calls; `ran` reads them after the first step, over every rank."""
-    _count_calls()
-    start = _calls[0]
+    newton_schulz.count()
+    start = newton_schulz.calls()
     seen: dict[str, int] = {}
 
     def count() -> dict[str, int]:
         if not seen:
-            calls = torch.tensor([_calls[0] - start], dtype=torch.int64)
+            calls = torch.tensor([newton_schulz.calls() - start], dtype=torch.int64)
             most, total = calls.clone(), calls.clone()
             if dist.is_initialized():  # every rank reads it at the same point: the end of the first step
                 dist.all_reduce(most, op=dist.ReduceOp.MAX)
@@ -101,21 +93,3 @@ def without_newton_schulz(optimizer: torch.optim.Optimizer) -> None:
             muon_optimizer.muon_update = update
 
     optimizer.step = types.MethodType(sgd_step, optimizer)  # a method: the LR scheduler wraps its __func__
-
-
-def _count_calls() -> None:
-    """Wrap the kernels once per process with a counter (the updates look them up when they run)."""
-    for module_name, names in KERNELS.items():
-        module = importlib.import_module(module_name)
-        for name in names:
-            kernel = getattr(module, name)
-            if getattr(kernel, "counted_by_gaeq", False):
-                continue
-
-            @functools.wraps(kernel)
-            def counted(*args, _kernel=kernel, **kwargs):
-                _calls[0] += 1
-                return _kernel(*args, **kwargs)
-
-            counted.counted_by_gaeq = True
-            setattr(module, name, counted)

@@ -18,15 +18,16 @@ pytestmark = pytest.mark.integration
 CLEAN = [{"world_size": 1, "micro_batch_size": 2}, {"world_size": 2, "micro_batch_size": 4}]  # GA 8, GA 2 at B 16
 
 
-def run(tmp_path, experiment: str, cells: list[dict], *, args: list[str] = ()) -> dict:
+def run(tmp_path, experiment: str, cells: list[dict], *, args: list[str] = (), noise_floor: bool = False) -> dict:
     """`experiment` at 3 steps and B = 16, its script and launcher as they are, with `cells` (and
-    `args` added to the script's own in every cell, the baseline's too)."""
+    `args` added to the script's own in every cell, the baseline's too); the dtype's own tolerances
+    unless `noise_floor` (a twin measures this script's rounding)."""
     spec = yaml.safe_load((REPO / "experiments" / experiment).read_text())
     for key in ("path", "deepspeed_config"):
         if key in spec["script"]:
             spec["script"][key] = str(REPO / "experiments" / spec["script"][key])
     spec["script"]["args"] += list(args)
-    spec |= {"steps": 3, "train_batch_size": 16, "noise_floor": False, "cells": cells}
+    spec |= {"steps": 3, "train_batch_size": 16, "noise_floor": noise_floor, "cells": cells}
     spec.pop("axes")
     (tmp_path / "mine.yaml").write_text(yaml.safe_dump(spec))
     proc, report, _ = gaeq_run_here(tmp_path / "mine.yaml", tmp_path / "run")
@@ -97,3 +98,22 @@ def test_an_accelerate_script_with_a_scheduler_sized_for_its_processes(tmp_path)
         and "AcceleratedScheduler, which stepped the scheduler it wraps 2×" in (unsized["reason"])
     )
     assert caught(cells["script-w1-mb4-ga4-args_bug_mean_of_means"]) == ("loss", 0)
+
+
+def test_a_ddp_script_with_torchs_muon(tmp_path):
+    """torch.optim.Muon over a bias-free MLP: each rank orthogonalises each of its 3 matrices once a step,
+    as the one-rank baseline (the probe counts them: gaeq/newton_schulz.py); its bf16 Newton–Schulz turns
+    summation order into 1e-5 differences, which the script's own twin measures (the constants alone call
+    GA 8 a divergence); stepping after every micro-batch is another split."""
+    import json
+
+    bug = {"world_size": 1, "micro_batch_size": 4, "args": ["--bug", "step_every_micro_batch"], "expect": "diverge"}
+    cells = run(tmp_path, "your_muon_script.yaml", CLEAN + [bug], noise_floor=True)  # bf16 rounding: measured
+    assert {i: c["verdict"] for i, c in cells.items() if "bug" not in i} == dict.fromkeys(
+        ("script-w1-mb16-ga1", "script-w1-mb2-ga8", "script-w2-mb4-ga2"),
+        "match",  # GA 8: the twin
+    )
+    for cell_id, ranks in (("script-w1-mb16-ga1", [3]), ("script-w2-mb4-ga2", [3, 3])):
+        probe = json.loads((tmp_path / "run" / "cells" / cell_id / "probe.json").read_text())
+        assert [step["newton_schulz"] for step in probe["steps"]] == [ranks] * 3
+    assert caught(cells["script-w1-mb4-ga4-args_bug_step_every_micro_batch"]) == ("split", 0)

@@ -412,3 +412,19 @@ def test_a_launch_option_that_cannot_apply_to_a_script_is_bad_input(tmp_path):
         )
         assert result.exit_code == 2 and said in result.output and "Traceback" not in result.output, result.output
     assert not (tmp_path / "r").exists()
+
+
+def test_a_scripts_muon_orthogonalises_each_matrix_once_a_step_however_its_ranks_share_the_work():
+    """The probe counts Newton–Schulz calls per rank and step (gaeq/newton_schulz.py): a split matches the
+    one-rank baseline's count when no rank ran more and the ranks together no fewer — DDP and ZeRO-0 (every
+    rank every matrix), ZeRO ≥ 1 (a partition each, a matrix across two partitions twice) — and the two
+    reported shapes must fail: per micro-batch (DeepSpeed#8443) and never (#8441)."""
+    from gaeq.script.verdict import orthogonalisation_differs
+
+    base = {"step": 0, "newton_schulz": [11]}
+    for ranks in ([11], [11, 11], [6, 6], [5, 6]):  # one rank, DDP / ZeRO-0, ZeRO-1/2, ZeRO-3
+        assert orthogonalisation_differs([(base, {"step": 0, "newton_schulz": ranks})]) is None, ranks
+    for ranks, said in (([24, 20], "more than once a step"), ([0, 0], "never"), ([3, 4], "not every matrix")):
+        step, why = orthogonalisation_differs([(base, {"step": 0, "newton_schulz": ranks})])
+        assert step == 0 and why.endswith(f"your Muon orthogonalised {said}"), why
+    assert orthogonalisation_differs([({"step": 0}, {"step": 0})]) is None  # no Muon, or a probe of before
