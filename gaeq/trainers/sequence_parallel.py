@@ -37,7 +37,7 @@ class Ulysses(nn.Module):
 
 class SequenceParallel:
     """This rank's sequence-parallel group (every rank makes every group, in the same order: a
-    collective) and its slice of the tokens."""
+    collective)."""
 
     def __init__(self, cell: Cell, *, rank: int) -> None:
         import deepspeed.comm as ds_dist
@@ -46,15 +46,14 @@ class SequenceParallel:
         groups = [ds_dist.new_group(list(range(first, first + sp))) for first in range(0, cell.world_size, sp)]
         self.group = groups[rank // sp]
         self.size = ds_dist.get_world_size(group=self.group)  # measured: what the label's sp must be
-        self.rank = cell.place(rank).sequence
 
-    def parallelize(self, model: nn.Module, *, seq_len: int) -> int:
-        """Wrap every attention of `model` and start its positions at this rank's slice; returns how
-        many attentions now span the group."""
+    def parallelize(self, model: nn.Module, *, tokens: slice) -> int:
+        """Wrap every attention of `model` and start its positions where this rank's slice of the
+        tokens does (`CellProblem.tokens`); returns how many attentions now span the group."""
         wrapped = 0
         for module in model.modules():
             if isinstance(module, CausalSelfAttention):
                 module.attend = Ulysses(self.group)
                 wrapped += 1
-        model.position_offset = self.rank * (seq_len // self.size)
+        model.position_offset = tokens.start
         return wrapped

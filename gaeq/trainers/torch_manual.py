@@ -60,7 +60,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     # Sequence parallelism (Ulysses): each rank a slice of every sample's tokens, attention over the
     # group through DeepSpeed's all-to-alls; DDP then averages over every rank of the world.
     sp = SequenceParallel(cell, rank=ctx.rank) if cell.sequence_parallel > 1 else None
-    ulysses = sp.parallelize(model, seq_len=task.built.dataset.seq_len) if sp is not None else 0
+    ulysses = sp.parallelize(model, tokens=task.tokens) if sp is not None else 0
     ddp = DDP(model) if ctx.world_size > 1 and tp is None else None
     net = ddp or model
     optimizer = build_optimizer(model.named_parameters(), problem)
