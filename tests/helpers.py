@@ -126,13 +126,15 @@ def gaeq_run_here(matrix: Path, out: Path, *, extra: list[str] = ()) -> tuple[su
     return proc, report, f"{CHILDREN_OF}{forkserver._forkserver._forkserver_pid}"
 
 
-def experiment_corner(name: str, cells: list[dict], *, steps: int, tmp_path: Path) -> tuple[dict[str, dict], str]:
+def experiment_corner(
+    name: str, cells: list[dict], *, steps: int, tmp_path: Path, noise_floor: bool = False
+) -> tuple[dict[str, dict], str]:
     """experiments/<name>.yaml with its cells replaced by `cells` and fewer steps, run through the CLI in
-    this process (:func:`gaeq_run_here`) under the dtype's own tolerances (no noise-floor twin: too few
-    steps to measure one): each cell's report.json entry by id, and the tag of what it started. A run
-    that does not exit 0 fails the test with its output."""
+    this process (:func:`gaeq_run_here`) under the dtype's own tolerances — or, with `noise_floor`, widened
+    by what a twin measures (where rounding depends on the machine) —: each cell's report.json entry by
+    id, and the tag of what it started. A run that does not exit 0 fails the test with its output."""
     spec = yaml.safe_load((REPO_ROOT / "experiments" / f"{name}.yaml").read_text())
-    spec["cells"], spec["problem"]["steps"], spec["noise_floor"] = cells, steps, False
+    spec["cells"], spec["problem"]["steps"], spec["noise_floor"] = cells, steps, noise_floor
     matrix = tmp_path / f"{name}.yaml"
     matrix.write_text(yaml.safe_dump(spec))
     proc, report, tag = gaeq_run_here(matrix, tmp_path / "run")

@@ -25,7 +25,8 @@ CELLS = [
 
 
 def test_deepspeeds_muon_orthogonalises_once_a_step_and_at_zero_1_to_3_measures_the_update(tmp_path):
-    cells, tag = experiment_corner("muon", CELLS, steps=4, tmp_path=tmp_path)
+    # DeepSpeed's Newton–Schulz runs in fp16 where the CPU has it (fp32 here): the twin measures its rounding
+    cells, tag = experiment_corner("muon", CELLS, steps=4, tmp_path=tmp_path, noise_floor=True)
     for cell in cells.values():  # never skipped (#8441), never per micro-batch (#8443), at any stage
         assert cell["ran"]["newton_schulz"] == ONCE, cell
     assert cells["deepspeed-z0-w2-mb2-ga4"]["verdict"] == "match"
