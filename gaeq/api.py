@@ -28,6 +28,7 @@ import yaml
 
 from gaeq.files import atomic_write
 from gaeq.matrix import MATRIX_FILE, Matrix, MatrixError, load_matrix, matrix_from_dict  # noqa: F401  (matrix_from_dict: API)
+from gaeq.results.cell_report import INSTRUMENTS
 from gaeq.results.outcome import CellOutcome, read_outcome
 from gaeq.results.overlay import OVERLAY_FILE, overlay_figure, plot_overlay
 from gaeq.results.render import write_report
@@ -125,7 +126,13 @@ class RunResult:
         raise KeyError(f"no cell {cell_id!r} in this run (cells: {', '.join(c.id for c in self.report.cells)})")
 
     def verdicts(self) -> dict[str, str]:
-        return {c.id: c.verdict for c in self.report.cells}
+        """{cell id: verdict} of the matrix's cells and baselines — not of gaeq's instruments (noise-floor
+        twins, the detection limit's cell: `instruments()`), which measure the run rather than claim."""
+        return {c.id: c.verdict for c in self.report.cells if c.cell.role not in INSTRUMENTS}
+
+    def instruments(self) -> dict[str, str]:
+        """{cell id: role} of the cells that measured this run: its noise floor and its detection limit."""
+        return {c.id: c.role for c in self.report.cells if c.cell.role in INSTRUMENTS}
 
     def baseline(self, cell_id: str | None = None) -> str:
         """The baseline of `cell_id`'s group (of the first group without it)."""

@@ -53,7 +53,7 @@ def ga_spec(**overrides) -> dict:
 def run_in_process(matrix, run_dir):
     """Train every runnable cell of a world-size-1 matrix in this process; return their outcomes
     (a cell that raises is an `error`, as in a rank)."""
-    from gaeq.runtime.worker import eager
+    from gaeq.runtime.worker import eager, perturbed
 
     outcomes = {}
     for cell in matrix.runnable():
@@ -61,7 +61,7 @@ def run_in_process(matrix, run_dir):
         cell_dir.mkdir(parents=True)
         ctx = RunContext(rank=0, world_size=1, device=torch.device("cpu"), cell_dir=cell_dir, run_dir=run_dir)
         try:
-            with eager():  # as a rank runs it (gaeq/runtime/worker.py)
+            with eager(), perturbed(cell):  # as a rank runs it (gaeq/runtime/worker.py)
                 ran = trainer_for(cell.trainer)(cell=cell, problem=matrix.problems[cell.variant], ctx=ctx)
         except Exception as exc:  # noqa: BLE001 - reported like a failed rank
             outcomes[cell.id] = CellOutcome(status="error", seconds=0.0, reason=f"{type(exc).__name__}: {exc}")
@@ -144,3 +144,11 @@ def experiment_corner(
 
 def cells_by_id(report: dict) -> dict[str, dict]:
     return {c["id"]: c for c in report["cells"]}
+
+
+def judged(cells) -> list:
+    """The matrix's own cells and baselines, gaeq's instruments left out (noise-floor twins, the detection
+    limit's cell: each group has them, tests/unit/test_noise_floor.py holds what they are)."""
+    from gaeq.results.cell_report import INSTRUMENTS
+
+    return [c for c in cells if c.role not in INSTRUMENTS]

@@ -28,9 +28,13 @@ class Role(str, Enum):
     """The group's reference: plain full-batch training, its grad norm computed as accurately as gaeq
     can (float64 in the torch trainer), whatever the cells do."""
     FLOOR = "floor"
-    """The baseline's twin: the same batch in more micro-batches, the grad norm computed as users do.
-    Nothing but rounding separates it from the baseline: how far it drifts is this problem's noise
-    floor, measured in this run (gaeq.results.floor)."""
+    """A twin of the baseline: its very split, the grad norm summed as users sum it, every gradient
+    nudged by a unit in the last place before each step (gaeq.perturb). Nothing but rounding separates
+    it from the baseline, and none of the code under test runs in it: how far it drifts is this
+    problem's noise floor, measured in this run (gaeq.results.floor)."""
+    SENSITIVITY = "sensitivity"
+    """The baseline's split with an error of known size planted (half of each batch's gradient × (1 + δ),
+    gaeq.perturb): how far that moves it says the smallest error the run detects (gaeq.results.floor)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,6 +42,21 @@ class Fault:
     rank: int
     step: int
     kind: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Perturbation:
+    """What an instrument — or a control of tunable size — changes in its split (gaeq.perturb)."""
+
+    nudge_seed: int | None = None
+    """Every gradient × (1 ± eps) before each optimizer step, signs seeded by this: a noise-floor twin."""
+    weight: float | None = None
+    """The gradient of the first half of every forward's rows × (1 + weight): an error of known size."""
+
+    @property
+    def id_part(self) -> str:
+        parts = [f"floor{self.nudge_seed}"] if self.nudge_seed is not None else []
+        return "-".join(parts + ([f"weight{self.weight:.0e}"] if self.weight is not None else []))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -141,6 +160,8 @@ class Cell(Split):
     resume: Resume | None = None
     script_args: tuple[str, ...] = ()
     """A script cell's extra arguments (after the script's own), e.g. a mistake behind a flag."""
+    perturbation: Perturbation | None = None
+    """A noise-floor twin's nudge, or an error of known size (gaeq.perturb); None for every other cell."""
     skip_reason: str | None = field(default=None, compare=False)
     role: Role = field(default=Role.CELL, compare=False)
     """Not part of what the cell is: the baseline's split listed among the axes is the same cell."""
@@ -220,8 +241,8 @@ class Cell(Split):
         if self.resume:
             parts.append(f"from_s{self.resume.step}_{'universal' if self.resume.universal else 'plain'}")
             parts += [f"drop_{d}" for d in self.resume.drop]
-        if self.role == Role.FLOOR:
-            parts.append("floor")
+        if self.perturbation is not None:
+            parts.append(self.perturbation.id_part)
         suffix = "" if self.variant == BASE else f"@{self.variant}"
         return "-".join(parts) + suffix
 
@@ -257,9 +278,10 @@ class Matrix:
     cells: tuple[Cell, ...]
     baselines: dict[str, str]
     """group (dtype[@variant]) → id of its baseline cell."""
-    floors: dict[str, str] = field(default_factory=dict)
-    """group → id of the cell that measures its noise floor: its twin, or a cell of the group that is
-    the twin's computation (a group whose baseline has one micro-batch of 1 sample has none)."""
+    floors: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """group → ids of the twins that measure its noise floor (Role.FLOOR: the baseline's split, nudged)."""
+    sensitivities: dict[str, str] = field(default_factory=dict)
+    """group → id of the cell that measures its detection limit (Role.SENSITIVITY)."""
     plugin_dirs: tuple[str, ...] = ()
     """Folders searched for plugin modules: the matrix file's folder and the working directory."""
     source: dict = field(default_factory=dict, compare=False, repr=False)

@@ -11,9 +11,21 @@ import itertools
 
 from pydantic import ValidationError
 
-from gaeq.matrix.cell import DEEPSPEED_ONLY, SPLIT_AXES, Cell, Fault, Matrix, Resume, Role, Split, group_key
+from gaeq.bugs import BUGS
+from gaeq.matrix.cell import (
+    DEEPSPEED_ONLY,
+    SPLIT_AXES,
+    Cell,
+    Fault,
+    Matrix,
+    Perturbation,
+    Resume,
+    Role,
+    Split,
+    group_key,
+)
 from gaeq.matrix.resume import at_step_inside, epochs_run_on, plain_source, source_rules, target_rules
-from gaeq.matrix.rules import bug_rules, fault_rules, mixture_of_experts, script_rules, skip_reason, split_rules
+from gaeq.matrix.rules import bug_rules, fault_rules, script_rules, skip_reason, split_rules
 from gaeq.matrix.schema import BASE, TENSOR_METRICS, FaultSpec, MatrixError, MatrixSpec, ResumeSpec, describe
 from gaeq.problem.spec import ProblemSpec
 from gaeq.registry import (
@@ -24,6 +36,11 @@ from gaeq.registry import (
     TRAINERS,
 )
 
+SENSITIVITY_WEIGHT = 1e-2
+"""The error the detection limit is measured with: half of each batch's gradient × (1 + this) — large
+enough that its effect stands far above rounding at every size of the scale ladder, small enough that
+the effect is still proportional to it (docs/verdicts.md: the detection limit, checked both ways)."""
+
 
 class Expander:
     def __init__(self, spec: MatrixSpec) -> None:
@@ -32,8 +49,10 @@ class Expander:
         self.cells: list[Cell] = []
         self.baselines: dict[str, str] = {}
         """group (dtype[@variant]) → id of its baseline cell."""
-        self.floors: dict[str, str] = {}
-        """group → id of the cell that measures its noise floor (its twin, or a cell that is that computation)."""
+        self.floors: dict[str, tuple[str, ...]] = {}
+        """group → ids of the twins that measure its noise floor."""
+        self.sensitivities: dict[str, str] = {}
+        """group → id of the cell that measures its detection limit."""
 
     def problem(self, variant: str) -> ProblemSpec:
         if variant not in self.problems:
@@ -96,7 +115,21 @@ class Expander:
                         continue  # no such split: model-parallel groups of that size do not fit the world
                     splits.setdefault(tuple(split.items()), split)  # torch: one cell, not one per ZeRO stage
                 for split in splits.values():
-                    self.add(Split(**split))
+                    for bug in axes.bug:
+                        if bug is None or self.bug_exists(bug, Split(**split)):
+                            self.add(Split(**split), bug=bug)
+
+    def bug_exists(self, bug: str, split: Split) -> bool:
+        """Whether a bug of the `bug` axis exists in `split`: where its entry says (gaeq/bugs.py), and where
+        something is split (the whole batch in one micro-batch on one rank is the baseline's computation)."""
+        problem = self.problem(split.variant)
+        if bug not in BUGS:
+            raise MatrixError(f"axes.bug: unknown bug {bug!r}; known: {', '.join(sorted(BUGS))}")
+        try:
+            bug_rules(bug, split, problem)
+        except MatrixError:
+            return False
+        return split.world_size > 1 or split.micro_batch_size < problem.train_batch_size
 
     def axis_values(self, axis: str, variant: str) -> list:
         """An axis's values. With a deepspeed_config, zero_stage and offload not written as axes
@@ -123,41 +156,32 @@ class Expander:
         self.baselines[key] = baseline.id
         self.cells.append(baseline)
 
-    def add_floor_twins(self) -> None:
-        """After every cell: what measures each group's noise floor. A cell of the group that already
-        is the twin's computation (the baseline's split but for the micro-batch, no bug, no fault)
-        measures it; otherwise the twin (`Role.FLOOR`) is added right after the baseline."""
+    def add_instruments(self, *, twins: int, detection_limit: bool) -> None:
+        """After every cell: each group's instruments, right after its baseline — `twins` noise-floor
+        twins and, with `detection_limit`, the cell that measures it. Each is the baseline's own split
+        (one process, the whole batch): none runs the accumulation code its group is judged on."""
         for key, base_id in self.baselines.items():
             baseline = next(c for c in self.cells if c.id == base_id)
-            group = [c for c in self.cells if c.group == key and c.role == Role.CELL and c.skip_reason is None]
-            twin = self.floor_twin(baseline, micro_batches=sorted({c.micro_batch_size for c in group}))
-            if twin is None:
-                continue
-            same = [c for c in group if c == twin]  # a cell's role is not part of what it is
-            if same:
-                self.floors[key] = same[0].id
-            else:
-                self.floors[key] = twin.id
-                self.cells.insert(self.cells.index(baseline) + 1, twin)
+            judged = (c for c in self.cells if c.group == key and c.role == Role.CELL and c.id != base_id)
+            if not any(c.skip_reason is None for c in judged):
+                continue  # nothing of the group is judged but its baseline (the axes' copy of it)
+            instruments = [self.instrument(baseline, Role.FLOOR, nudge_seed=k) for k in range(twins)]
+            if instruments:
+                self.floors[key] = tuple(c.id for c in instruments)
+            if detection_limit:  # (its error is meant to be caught: that is what it measures)
+                instruments.append(self.instrument(baseline, Role.SENSITIVITY, weight=SENSITIVITY_WEIGHT))
+                self.sensitivities[key] = instruments[-1].id
+            at = self.cells.index(baseline) + 1
+            self.cells[at:at] = instruments
 
-    def floor_twin(self, baseline: Cell, *, micro_batches: list[int]) -> Cell | None:
-        """The baseline's split with micro-batches as small as the smallest of its group's cells
-        (which sets how the gradient's sums round: a twin at half the batch may round like the
-        baseline itself), else cut by the batch's smallest factor. The same optimisation, summed
-        in another order. None when the baseline's micro-batch is a single sample, or its problem's
-        mixture of experts balances over each micro-batch (then no other split is the same optimisation)."""
-        problem = self.problem(baseline.variant)
-        moe = getattr(problem.model, "moe", None)
-        if mixture_of_experts(problem) and (moe is None or moe.balance != "global"):
-            return None  # its balance loss changes with the split itself: no twin is the same optimisation
-        micro = baseline.micro_batch_size
-        rows = baseline.train_batch_size // baseline.data_parallel
-        fits = [m for m in micro_batches if m < micro and rows % m == 0]
-        smaller = fits[0] if fits else next((micro // f for f in range(2, micro + 1) if micro % f == 0), None)
-        if smaller is None:
-            return None
-        split = Split(**{a: getattr(baseline, a) for a in SPLIT_AXES} | {"micro_batch_size": smaller})
-        return dataclasses.replace(self.cell(split), role=Role.FLOOR)
+    def instrument(self, baseline: Cell, role: Role, **perturbation) -> Cell:
+        """The baseline's split, perturbed (gaeq.perturb), in `role`: gaeq's instrument, not a claim
+        (what it shows is reported, whatever it is; its `expect` is what it is built to show)."""
+        split = Split(**{a: getattr(baseline, a) for a in SPLIT_AXES})
+        expect = "diverge" if role == Role.SENSITIVITY else "match"
+        return dataclasses.replace(
+            self.cell(split), role=role, perturbation=Perturbation(**perturbation), expect=expect
+        )
 
     def add(self, split: Split, **planted) -> Cell:
         """Check `split` (and what is planted in it), append its cell after its group's baseline."""
@@ -206,6 +230,7 @@ class Expander:
         expect: str | None = None,
         fault: FaultSpec | None = None,
         args: tuple[str, ...] = (),
+        weight_error: float | None = None,
     ) -> Cell:
         """The one place a split is checked and becomes a cell (or a skipped cell, with the reason)."""
         problem = self.problem(split.variant)
@@ -220,7 +245,8 @@ class Expander:
             train_batch_size=problem.train_batch_size,
             bug=bug,
             script_args=args,
-            expect=expect or ("diverge" if bug else "match"),
+            expect=expect or ("diverge" if bug or weight_error else "match"),
+            perturbation=Perturbation(weight=weight_error) if weight_error is not None else None,
             fault=Fault(**fault.model_dump()) if fault else None,
             snapshots=tuple(m for m in TENSOR_METRICS if m in self.spec.track),
             snapshot_every=self.spec.track_every,
@@ -246,6 +272,7 @@ class Expander:
             cells=tuple(unique.values()),
             baselines=self.baselines,
             floors=self.floors,
+            sensitivities=self.sensitivities,
             plugin_dirs=plugin_dirs,
         )
 

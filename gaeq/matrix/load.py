@@ -117,9 +117,10 @@ def expand(spec: MatrixSpec, *, plugin_dirs: tuple[str, ...] = ()) -> Matrix:
     if spec.axes is not None:
         ex.add_axes()
     for c in spec.cells:
-        ex.add(ex.split_of(c), bug=c.bug, expect=c.expect, fault=c.fault, args=tuple(c.args))
+        ex.add(
+            ex.split_of(c), bug=c.bug, expect=c.expect, fault=c.fault, args=tuple(c.args), weight_error=c.weight_error
+        )
     for r in spec.resume:
         ex.add_resume(r)
-    if spec.noise_floor:
-        ex.add_floor_twins()
+    ex.add_instruments(twins=spec.floor_twins if spec.noise_floor else 0, detection_limit=spec.detection_limit)
     return ex.matrix(plugin_dirs=plugin_dirs)

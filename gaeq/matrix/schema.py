@@ -93,6 +93,12 @@ class AxesSpec(_Spec):
     )
     dtype: list[Dtype] | None = Field(None, min_length=1, description="Default: [problem.dtype].")
     variant: list[VariantName] = Field([BASE], min_length=1, description="Problem variants the axes apply to.")
+    bug: list[str | None] = Field(
+        [None],
+        min_length=1,
+        description="Planted bugs in EVERY split of the product, as users have them (null: none): a split where the "
+        "bug cannot exist — another trainer, or the whole batch in one micro-batch on one rank — is left out for it.",
+    )
 
 
 class FaultSpec(_Spec):
@@ -124,6 +130,14 @@ class CellSpec(_Spec):
     fault: FaultSpec | None = None
     args: list[str] = Field(
         [], description="Script cells only: arguments after the script's own (a mistake behind a flag, say)."
+    )
+    weight_error: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="A planted error of known size: the gradient of the first half of every micro-batch's rows "
+        "× (1 + this), in any trainer or script (expects 'diverge' unless told). What a run's detection limit "
+        "means, tried directly.",
     )
 
 
@@ -206,8 +220,20 @@ class MatrixSpec(_Spec):
     )
     noise_floor: bool = Field(
         True,
-        description="Train a twin of each group's baseline (its batch in more micro-batches) and widen the loss and "
-        "grad norm tolerances to what rounding alone does to this problem (never below the dtype's constants).",
+        description="Train twins of each group's baseline (its own split, every gradient nudged by a unit in the "
+        "last place before each step) and widen the loss and grad norm tolerances to what rounding alone does to "
+        "this problem (never below the dtype's constants, never above 1000 × them).",
+    )
+    floor_twins: int = Field(
+        2,
+        ge=1,
+        le=8,
+        description="Noise-floor twins per group, each nudged with its own signs: the floor is their most.",
+    )
+    detection_limit: bool = Field(
+        True,
+        description="Train each group's baseline once more with an error of known size planted (half of each "
+        "batch's gradient × 1.01) and report the smallest such error the run would have caught.",
     )
 
 

@@ -168,16 +168,20 @@ class CellReport:
 
     @property
     def as_expected(self) -> bool:
-        """The verdict the cell expects; a noise-floor twin is gaeq's instrument, not a claim: whatever
-        it shows is reported (an error still fails the run)."""
+        """The verdict the cell expects; a noise-floor twin or the detection limit's cell is gaeq's
+        instrument, not a claim: whatever it shows is reported (an error still fails the run)."""
         return (
             self.verdict == Verdict.SKIPPED
             or self.verdict == self.expect
-            or (self.cell.role == Role.FLOOR and self.verdict != Verdict.ERROR)
+            or (self.cell.role in INSTRUMENTS and self.verdict != Verdict.ERROR)
         )
 
     def to_json(self) -> dict[str, Any]:
         return {name: _finite(getattr(self, name)) for name in JSON_FIELDS}
+
+
+INSTRUMENTS = (Role.FLOOR, Role.SENSITIVITY)
+"""Roles of the cells that measure a run rather than claim something of it."""
 
 
 JSON_FIELDS = (

@@ -1,27 +1,35 @@
-"""The noise floor: what rounding alone does to this problem, measured in this run.
+"""The noise floor and the detection limit: what rounding alone does to this problem, and the smallest
+error the run would have caught — both measured in this run, on the baseline's own split.
 
-Each group's twin (``Role.FLOOR``: the baseline's batch in more micro-batches, its grad norm summed
-as users sum it) is the same optimisation as the baseline, so its distance from the baseline at each
-step is rounding and nothing else — summation order, and a float32 norm against the baseline's
-float64 one. How large that is depends on the problem: ~1e-8 on a 3 k-parameter MLP, ~1e-5 on a
-1 M-parameter one with clipping active. A cell may differ from the baseline by FACTOR times the
-floor at that step (its running maximum: rounding differences grow through the updates, and so
-does the floor), never by less than the dtype's constant tolerance, and never by more than CEILING
-times that constant — a twin gone wrong cannot hide a real bug behind a wide envelope.
+Each group's twins (``Role.FLOOR``) train the baseline's very split, their grad norms summed as users
+sum them (float32, against the baseline's float64), every gradient nudged by a unit in the last place
+before each step with signs of their own (gaeq.perturb). Nothing but rounding separates a twin from
+the baseline, and no accumulation code runs in it: a split under test can never set the tolerance it
+is judged by. How far the twins drift depends on the problem: ~1e-7 on a 3 k-parameter MLP, ~1e-3 on a
+21 M-parameter one with clipping active. A cell may differ from the baseline by FACTOR times the
+floor at that step — the twins' largest distance up to it (rounding differences grow through the
+updates, and so does the floor) —, never by less than the dtype's constant tolerance, and never by more
+than CEILING times that constant: twins that drift further are not measuring rounding, and the group is
+judged by the constants alone.
+
+The detection limit (``Role.SENSITIVITY``: the baseline's split with half of each batch's gradient
+× (1 + δ)) is δ × the smallest ratio, over steps and metrics, of the tolerance to how far that moved the
+cell — the error that would have used its whole tolerance, for an effect proportional to δ.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gaeq.results.trace import StepRecord
 
 FACTOR = 10.0
-"""How many times the twin's distance from the baseline a cell may drift (measured on the scale
-ladder, experiments/scale.yaml: cells stay within a few times their twin's)."""
+"""How many times the twins' distance from the baseline a cell may drift (measured on the scale
+ladder, experiments/scale.yaml: correct splits stay within a few times their twins')."""
 CEILING = 1000.0
 """The floor widens a constant tolerance by at most this factor: a twin that drifts further is not
 measuring rounding (it is rejected, and its group judged by the constants). Set from the ladder's largest
@@ -30,24 +38,28 @@ twin and weakest planted control (docs/verdicts.md, the noise floor)."""
 
 @dataclass(frozen=True, kw_only=True)
 class NoiseFloor:
-    """The twin's distance from the baseline, as a running maximum over steps."""
+    """The twins' largest distance from the baseline, as a running maximum over steps."""
 
-    twin: str
+    twins: tuple[str, ...]
     steps: tuple[int, ...]
     loss: tuple[float, ...]
-    """max |Δloss| up to each step."""
+    """max |Δloss| over the twins, up to each step."""
     grad_norm: tuple[float, ...]
-    """max |Δ grad norm| / baseline grad norm up to each step."""
+    """max |Δ grad norm| / baseline grad norm over the twins, up to each step."""
 
     @classmethod
-    def measure(cls, twin: str, base: Sequence[StepRecord], other: Sequence[StepRecord]) -> NoiseFloor:
-        """Raises ValueError when the twin's trace does not cover the baseline's steps."""
-        if [r.step for r in other] != [r.step for r in base]:
-            raise ValueError(f"the noise-floor twin {twin} has {len(other)} steps, the baseline {len(base)}")
-        loss = [abs(o.loss - b.loss) for b, o in zip(base, other)]
-        grad = [0.0 if b.skipped or o.skipped else rel_diff(o.grad_norm, b.grad_norm) for b, o in zip(base, other)]
+    def measure(cls, base: Sequence[StepRecord], twins: Mapping[str, Sequence[StepRecord]]) -> NoiseFloor:
+        """Raises ValueError when a twin's trace does not cover the baseline's steps."""
+        loss, grad = [0.0] * len(base), [0.0] * len(base)
+        for twin, other in twins.items():
+            if [r.step for r in other] != [r.step for r in base]:
+                raise ValueError(f"the noise-floor twin {twin} has {len(other)} steps, the baseline {len(base)}")
+            for i, (b, o) in enumerate(zip(base, other)):
+                loss[i] = nanmax(loss[i], abs(o.loss - b.loss))
+                if not (b.skipped or o.skipped):
+                    grad[i] = nanmax(grad[i], rel_diff(o.grad_norm, b.grad_norm))
         return cls(
-            twin=twin,
+            twins=tuple(twins),
             steps=tuple(r.step for r in base),
             loss=tuple(itertools.accumulate(loss, nanmax)),
             grad_norm=tuple(itertools.accumulate(grad, nanmax)),
@@ -60,24 +72,86 @@ class NoiseFloor:
 
     def beyond_rounding(self, base: Sequence[StepRecord], tol) -> str | None:
         """Why this drift is not rounding — beyond CEILING × the constant tolerance at some step (the
-        problem changes with the split: dropout drawn from a global RNG, say) — or None."""
+        problem changes from run to run: dropout drawn from an unseeded RNG, say) — or None."""
         for record, loss, grad in zip(base, self.loss, self.grad_norm):
             if loss > CEILING * tol.loss_tol(record.loss) or grad > CEILING * tol.grad_norm_rtol:
                 return (
-                    f"its twin {self.twin} drifted beyond what rounding explains by step {record.step} (|Δloss| "
-                    f"{loss:.1e}, "
-                    f"rel Δ‖g‖ {grad:.1e}): judged by the constants alone"
+                    f"its twins {', '.join(self.twins)} drifted beyond what rounding explains by step {record.step} "
+                    f"(|Δloss| {loss:.1e}, rel Δ‖g‖ {grad:.1e}): judged by the constants alone"
                 )
         return None
 
     def summary(self) -> dict:
         return {
-            "twin": self.twin,
+            "twins": list(self.twins),
             "max_abs_loss_diff": self.loss[-1] if self.loss else 0.0,
             "max_rel_grad_norm_diff": self.grad_norm[-1] if self.grad_norm else 0.0,
             "factor": FACTOR,
             "ceiling": CEILING,
         }
+
+
+@dataclass(frozen=True, kw_only=True)
+class DetectionLimit:
+    """The smallest error of the planted kind the run would have caught: `delta` × the smallest ratio of
+    a step's tolerance to the planted error's effect there (`metric` at `step`)."""
+
+    cell: str
+    """The cell that carried the planted error."""
+    delta: float
+    """The error planted: half of each batch's gradient × (1 + delta)."""
+    limit: float
+    metric: str
+    step: int
+    effect: float
+    """How far the planted error moved `metric` at `step` (|Δloss|, or rel Δ‖g‖)."""
+    allowed: float
+    """The tolerance at that step."""
+    above_rounding: bool
+    """Whether the effect stood at least 10 × above the noise floor there (otherwise the limit is a bound
+    from below: rounding made part of what was measured)."""
+
+    @classmethod
+    def measure(
+        cls,
+        cell: str,
+        *,
+        delta: float,
+        base: Sequence[StepRecord],
+        planted: Sequence[StepRecord],
+        tolerances: Callable[[StepRecord], tuple[Allowed, Allowed]],
+        floor: NoiseFloor | None,
+    ) -> DetectionLimit | None:
+        """None when the planted error moved nothing (a problem whose metrics ignore the batch's weights)."""
+        if [r.step for r in planted] != [r.step for r in base]:
+            raise ValueError(f"the detection-limit cell {cell} has {len(planted)} steps, the baseline {len(base)}")
+        best = None
+        for b, p in zip(base, planted):
+            loss_tol, grad_tol = tolerances(b)
+            loss_floor, grad_floor = floor.at(b.step) if floor is not None else (0.0, 0.0)
+            effects = [("loss", abs(p.loss - b.loss), loss_tol.value, loss_floor)]
+            if not (b.skipped or p.skipped):
+                effects.append(("grad_norm", rel_diff(p.grad_norm, b.grad_norm), grad_tol.value, grad_floor))
+            for metric, effect, allowed, noise in effects:
+                if not effect > 0 or math.isnan(effect):
+                    continue
+                limit = delta * allowed / effect
+                if best is None or limit < best.limit:
+                    best = cls(
+                        cell=cell, delta=delta, limit=limit, metric=metric, step=b.step, effect=effect,
+                        allowed=allowed, above_rounding=effect >= 10 * noise,
+                    )  # fmt: skip
+        return best
+
+    def describe(self) -> str:
+        bound = "" if self.above_rounding else " at least (the effect was within 10 × the noise floor)"
+        return (
+            f"detects half a batch weighed (1 + δ) for δ ≥ {self.limit:.1e}{bound} — measured on {self.cell}: "
+            f"δ = {self.delta:g} moved {self.metric} at step {self.step} by {self.effect:.1e}, tol {self.allowed:.1e}"
+        )
+
+    def summary(self) -> dict:
+        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gaeq.files import replacing
+from gaeq.results.cell_report import INSTRUMENTS
 from gaeq.results.compare import step_diffs
 from gaeq.results.report import Report
 from gaeq.results.trace import TraceStore
@@ -28,15 +29,16 @@ def plot_overlay(path: Path, report: Report, traces: TraceStore):
 
 
 def overlay_figure(report: Report, traces: TraceStore, *, cells: Sequence[str] | None = None):
-    """The figure, not saved: every cell with a trace (or only `cells` and their baselines)."""
+    """The figure, not saved: every cell with a trace (or only `cells` and their baselines) — gaeq's
+    instruments only when named (the noise-floor lines and report.md give what they measured)."""
     from matplotlib.figure import Figure
 
     wanted = None if cells is None else set(cells) | {report.baseline_of(c) for c in report.cells if c.id in set(cells)}
     if wanted is not None and (unknown := set(cells) - {c.id for c in report.cells}):
         raise KeyError(f"no cell {', '.join(sorted(unknown))} in this report")
-    drawn = [
-        (c, t) for c in report.cells if (wanted is None or c.id in wanted) and (t := traces.usable(c.id)) is not None
-    ]
+    if wanted is None:
+        wanted = {c.id for c in report.cells if c.cell.role not in INSTRUMENTS}
+    drawn = [(c, t) for c in report.cells if c.id in wanted and (t := traces.usable(c.id)) is not None]
     fig = Figure(figsize=(13, 8.5), layout="constrained")
     ax_loss, ax_diff = fig.subplots(2, 1, sharex=True, height_ratios=[3, 2])
     palette = _colors(len(drawn))

@@ -17,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from gaeq.files import atomic_write
-from gaeq.matrix import Cell, Matrix
+from gaeq.matrix import Cell, Matrix, Role
 from gaeq.results.compare import Verdict
 from gaeq.results.report import CellReport, Report
 
@@ -178,17 +178,20 @@ def versions_line(report: Report) -> str:
 
 
 def floor_lines(report: Report) -> list[str]:
-    """What each group's noise floor was (gaeq.results.floor): the twin, how far rounding alone
-    moved it, what that allowed. `margin` in the tables is each cell's share of its tolerance."""
+    """What each group's noise floor was (gaeq.results.floor): the twins, how far rounding alone moved
+    them, what that allowed — and the smallest error the run would have caught. `margin` in the tables
+    is each cell's share of its tolerance."""
     lines = []
     for group, floor in report.floors.items():
         f = floor.summary()
         lines.append(
-            f"Noise floor {group}: {f['twin']} drifted max |Δloss| {f['max_abs_loss_diff']:.1e}, max rel Δ‖g‖ "
-            f"{f['max_rel_grad_norm_diff']:.1e} by rounding alone; tolerances are {f['factor']:g}× that where it is "
-            f"larger than the constants (at most {f['ceiling']:g}× them)"
+            f"Noise floor {group}: {len(f['twins'])} nudged twin(s) of the baseline drifted max |Δloss| "
+            f"{f['max_abs_loss_diff']:.1e}, max rel Δ‖g‖ {f['max_rel_grad_norm_diff']:.1e} by rounding alone; "
+            f"tolerances are {f['factor']:g}× that where it is larger than the constants "
+            f"(at most {f['ceiling']:g}× them)"
         )
     lines += [f"Noise floor {group}: none — {why}" for group, why in report.floor_notes.items()]
+    lines += [f"Detection limit {group}: {limit.describe()}" for group, limit in report.detection_limits.items()]
     return lines
 
 
@@ -235,6 +238,12 @@ def write_report(run_dir: Path, report: Report, *, figure: str | None = None) ->
     atomic_write(run_dir / "report.md", render_markdown(report, figure=figure))
 
 
+INSTRUMENT_NOTES = {
+    Role.FLOOR: "measures the noise floor (the baseline, nudged)",
+    Role.SENSITIVITY: "measures the detection limit (the baseline, half of each batch weighed 1 + δ)",
+}
+
+
 def cells_table(m: Matrix) -> Table:
     """`gaeq validate`: the expanded cells, without training — each with its GA and what it is for."""
     table = Table(title=f"{m.spec.name}: {len(m.cells)} cells", title_justify="left")
@@ -258,14 +267,14 @@ def cells_table(m: Matrix) -> Table:
             justify="right" if name in {"world", "TP", "PP", "micro", "GA", "ZeRO"} else "left",
             no_wrap=name == "cell",
         )
-    baselines, floors = set(m.baselines.values()), set(m.floors.values())
+    baselines = set(m.baselines.values())
     for c in m.cells:
         if c.skip_reason:
             note = f"skipped: {c.skip_reason}"
         elif c.bug:
             note = f"planted bug: {c.bug}"
         else:
-            note = "baseline" if c.id in baselines else "measures the noise floor" if c.id in floors else ""
+            note = "baseline" if c.id in baselines else INSTRUMENT_NOTES.get(c.role, "")
         table.add_row(
             c.id,
             c.trainer,

@@ -12,9 +12,9 @@ from pathlib import Path
 from gaeq.files import atomic_write
 from gaeq.matrix import Cell, Matrix, group_key
 from gaeq.registry import TRAINERS
-from gaeq.results.cell_report import CellReport, Cost
-from gaeq.results.compare import Tolerance, Verdict, compare_traces, tolerance_for
-from gaeq.results.floor import NoiseFloor
+from gaeq.results.cell_report import INSTRUMENTS, CellReport, Cost
+from gaeq.results.compare import Tolerance, Verdict, compare_traces, tolerance_for, tolerances_at
+from gaeq.results.floor import DetectionLimit, NoiseFloor
 from gaeq.results.outcome import CellOutcome
 from gaeq.results.snapshots import compare_snapshots, read_snapshots
 from gaeq.results.trace import StepRecord, TraceStore, cell_dir
@@ -35,7 +35,9 @@ class Report:
     """group → the noise floor its cells were judged with (gaeq.results.floor); a group without one
     was judged with the constants alone."""
     floor_notes: dict[str, str] = field(default_factory=dict)
-    """group → why its twin set no floor (it failed, or drifted beyond rounding)."""
+    """group → why its twins set no floor (one failed, or they drifted beyond rounding)."""
+    detection_limits: dict[str, DetectionLimit] = field(default_factory=dict)
+    """group → the smallest error of the planted kind its run would have caught (gaeq.results.floor)."""
     versions: dict[str, str] = field(default_factory=dict)
     """The libraries a verdict certifies (installed versions of LIBRARIES), in the report's header."""
 
@@ -45,7 +47,8 @@ class Report:
 
     @property
     def summary(self) -> dict[str, int]:
-        counts = Counter(c.verdict for c in self.cells)
+        """Verdicts of the cells, the instruments (noise-floor twins, the detection limit's cell) left out."""
+        counts = Counter(c.verdict for c in self.cells if c.cell.role not in INSTRUMENTS)
         return {v: counts.get(v, 0) for v in VERDICTS}
 
     @property
@@ -65,6 +68,7 @@ class Report:
             "tolerances": {dtype: asdict(tol) for dtype, tol in self.tolerances.items()},
             "noise_floors": {group: floor.summary() for group, floor in self.floors.items()},
             "noise_floor_notes": self.floor_notes,
+            "detection_limits": {group: limit.summary() for group, limit in self.detection_limits.items()},
             "cells": [c.to_json() for c in self.cells],
             "summary": self.summary,
             "versions": self.versions,
@@ -92,6 +96,7 @@ def judge(
     """Compare every cell's trace with the baseline of its dtype group."""
     tolerances = dict(tolerances or resolve_tolerances(matrix))
     floors, notes = measure_floors(matrix, outcomes, traces, tolerances)
+    limits = measure_detection_limits(matrix, outcomes, traces, tolerances, floors)
     cells = []
     for cell in matrix.cells:
         base_id = matrix.baselines[cell.group]
@@ -103,7 +108,7 @@ def judge(
             tolerance=tolerances[cell.dtype],
             tracked=tuple(matrix.spec.track),
             floor=floors.get(cell.group),
-            twin=matrix.floors.get(cell.group),
+            twins=matrix.floors.get(cell.group, ()),
         )
         cells.append(
             CellReport(
@@ -117,34 +122,69 @@ def judge(
         )
     return Report(
         baselines=dict(matrix.baselines), tolerances=tolerances, cells=cells, floors=floors, floor_notes=notes,
-        versions=dict(versions or installed_versions()),
+        detection_limits=limits, versions=dict(versions or installed_versions()),
     )  # fmt: skip
 
 
 def measure_floors(
     matrix: Matrix, outcomes: Mapping[str, CellOutcome], traces: TraceStore, tolerances: Mapping[str, Tolerance]
 ) -> tuple[dict[str, NoiseFloor], dict[str, str]]:
-    """Each group's noise floor (its twin's distance from its baseline, where both finished and the
-    drift is rounding's); and, for a group whose twin sets none, why."""
+    """Each group's noise floor (its twins' distance from its baseline, where all finished and the
+    drift is rounding's); and, for a group whose twins set none, why."""
     floors, notes = {}, {}
     cells = {c.id: c for c in matrix.cells}
-    for group, twin in matrix.floors.items():
+    for group, twins in matrix.floors.items():
         base = matrix.baselines[group]
-        if cells[twin].skip_reason:  # the group is skipped with it (fp16 on a CPU without it, ...)
+        if any(cells[t].skip_reason for t in twins):  # the group is skipped with them (fp16 on a CPU without it)
             continue
-        if not all(outcomes.get(i) is not None and outcomes[i].status == "done" for i in (base, twin)):
-            notes[group] = f"its twin {twin} or its baseline did not finish: judged by the constants alone"
+        if not all(_done(outcomes, i) for i in (base, *twins)):
+            notes[group] = f"its twins {', '.join(twins)} or its baseline did not finish: judged by the constants alone"
             continue
         try:
-            floor = NoiseFloor.measure(twin, traces.get(base), traces.get(twin))
+            floor = NoiseFloor.measure(traces.get(base), {t: traces.get(t) for t in twins})
         except (OSError, ValueError, TypeError) as exc:
-            notes[group] = f"its twin's trace cannot be read ({exc}): judged by the constants alone"
+            notes[group] = f"its twins' traces cannot be read ({exc}): judged by the constants alone"
             continue
-        if (why := floor.beyond_rounding(traces.get(base), tolerances[cells[twin].dtype])) is not None:
+        if (why := floor.beyond_rounding(traces.get(base), tolerances[cells[base].dtype])) is not None:
             notes[group] = why
         else:
             floors[group] = floor
     return floors, notes
+
+
+def measure_detection_limits(
+    matrix: Matrix,
+    outcomes: Mapping[str, CellOutcome],
+    traces: TraceStore,
+    tolerances: Mapping[str, Tolerance],
+    floors: Mapping[str, NoiseFloor],
+) -> dict[str, DetectionLimit]:
+    """Each group's detection limit, where its planted cell and its baseline finished."""
+    limits = {}
+    cells = {c.id: c for c in matrix.cells}
+    for group, planted in matrix.sensitivities.items():
+        base = matrix.baselines[group]
+        if cells[planted].skip_reason or not all(_done(outcomes, i) for i in (base, planted)):
+            continue
+        tol, floor = tolerances[cells[base].dtype], floors.get(group)
+        try:
+            limit = DetectionLimit.measure(
+                planted,
+                delta=cells[planted].perturbation.weight,
+                base=traces.get(base),
+                planted=traces.get(planted),
+                tolerances=lambda record: tolerances_at(tol, record, floor),
+                floor=floor,
+            )
+        except (OSError, ValueError, TypeError):
+            continue
+        if limit is not None:
+            limits[group] = limit
+    return limits
+
+
+def _done(outcomes: Mapping[str, CellOutcome], cell_id: str) -> bool:
+    return outcomes.get(cell_id) is not None and outcomes[cell_id].status == "done"
 
 
 LIBRARIES = ("torch", "deepspeed", *dict.fromkeys(s.package for s in TRAINERS.values() if s.package))
@@ -188,7 +228,7 @@ def _judge_cell(
     tolerance: Tolerance,
     tracked: tuple[str, ...],
     floor: NoiseFloor | None,
-    twin: str | None = None,
+    twins: tuple[str, ...] = (),
 ):
     if cell.skip_reason:
         return Verdict.SKIPPED, cell.skip_reason, None
@@ -213,15 +253,14 @@ def _judge_cell(
         checks = None
         if TRAINERS[cell.trainer].script:  # what the probe saw in the user's script, before the numbers
             base_probe, probe = (read_probe(cell_dir(traces.run_dir, i)) for i in (base_id, cell.id))
-            # the twin too is judged within the envelope its own drift sets, as its trace is (the ceiling
-            # still bounds it): rounding alone — torch Muon's bf16 Newton–Schulz, 7.7e-5 — is not a divergence
-            twin_probe = read_probe(cell_dir(traces.run_dir, twin)) if twin else None
+            # the update sketch is judged within the envelope the twins' drift sets, as the trace is
+            twin_probes = [p for t in twins if (p := read_probe(cell_dir(traces.run_dir, t)))]
             if base_probe and probe:
                 checks = script_checks(
                     base_probe,
                     probe,
                     split=cell,
-                    twin=twin_probe,
+                    twins=twin_probes,
                     rtol=tolerance.tensor_rtol,
                     lr_rtol=tolerance.lr_rtol,
                 )

@@ -189,7 +189,7 @@ def run_cell(
         try:
             # Eager kernels, always: a library function that compiles itself (DeepSpeed's Muon update)
             # would spend tens of seconds compiling in every cell on a CPU, and recompile per shape.
-            with eager():
+            with eager(), perturbed(cell):
                 ran = trainer_for(cell.trainer, pipeline_parallel=cell.pipeline_parallel)(
                     cell=cell, problem=problem, ctx=ctx
                 )
@@ -204,6 +204,14 @@ def eager() -> contextlib.AbstractContextManager:
     import torch
 
     return torch.compiler.set_stance("force_eager")
+
+
+def perturbed(cell: Cell) -> contextlib.AbstractContextManager:
+    """An instrument's perturbation while it trains (gaeq.perturb); nothing for every other cell."""
+    import gaeq.perturb as perturb
+
+    p = cell.perturbation
+    return perturb.applied(nudge_seed=p.nudge_seed, weight=p.weight) if p else contextlib.nullcontext()
 
 
 def _exit(events: Any, code: int) -> None:

@@ -4,6 +4,7 @@ it really ran checked against the cell's before anything is compared."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -72,7 +73,10 @@ def prepare(cell: Cell, problem: ProblemSpec, *, run_dir: Path) -> tuple[Path, l
             "gradient_accumulation_steps": cell.grad_accum_steps,
         }
         atomic_write(out / DEEPSPEED_CONFIG_FILE, json.dumps(config, indent=1))
-    env = {"PYTHONUNBUFFERED": "1", **problem.script.env, ENV: json.dumps({"out": str(out), "steps": problem.steps})}
+    probe = {"out": str(out), "steps": problem.steps}
+    if cell.perturbation is not None:  # a noise-floor twin's nudge, or an error of known size (gaeq.perturb)
+        probe["perturbation"] = dataclasses.asdict(cell.perturbation)
+    env = {"PYTHONUNBUFFERED": "1", **problem.script.env, ENV: json.dumps(probe)}
     return out, script_args(cell, problem, out=out), env
 
 

@@ -21,7 +21,7 @@ writes, per optimizer step, what was really optimised and on which data.
 - **the cost**: rank 0's peak memory and the bytes its training wrapper (DDP, a DeepSpeed engine,
   FSDP2) put through collectives, per step (gaeq.trainers.cost, as gaeq's own trainers count them);
 - **the weights**: a fingerprint of the initial parameters and, after each step, a fixed random
-  projection of them (an update sketch).
+  projection of how far they moved (an update sketch).
 
 Rank 0 writes the trace (``trace.jsonl``, as gaeq's own trainers do, the objective as its loss)
 and ``probe.json``; after the asked number of steps every rank leaves (the script is stopped).
@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 import gaeq.newton_schulz as newton_schulz
+import gaeq.perturb as perturb
 from gaeq.script.contract import ENV, PROBE_FILE
 from gaeq.script.samples import SampleIdentity
 from gaeq.script.weights import UpdateSketch, engine_norm, fingerprint, grad_norm
@@ -52,8 +53,10 @@ ACTIVE: Probe | None = None
 
 
 class Probe:
-    def __init__(self, out: Path, steps: int) -> None:
+    def __init__(self, out: Path, steps: int, perturbation: dict | None = None) -> None:
         self.out, self.steps = out, steps
+        self.perturbation = perturbation or {}
+        """An instrument's nudge or planted error (gaeq.perturb), applied from install on."""
         self.step = 0
         self.model: torch.nn.Module | None = None
         """The module being trained: the first called with gradients on that has trainable parameters
@@ -78,7 +81,7 @@ class Probe:
     @classmethod
     def from_env(cls) -> Probe:
         config = json.loads(os.environ[ENV])
-        return cls(Path(config["out"]), int(config["steps"]))
+        return cls(Path(config["out"]), int(config["steps"]), config.get("perturbation"))
 
     def _new_step(self) -> None:
         self.losses: list[float] = []
@@ -171,6 +174,9 @@ class Probe:
         torch.nn.modules.module.register_module_forward_hook(self._after_forward, with_kwargs=True, always_call=True)
         register_optimizer_step_pre_hook(self._before_step)
         register_optimizer_step_post_hook(self._after_step)
+        if self.perturbation:  # after the probe's own hooks: it reads each step's norm before a nudge
+            self._perturbed = perturb.applied(**self.perturbation)  # held: for the process's life
+            self._perturbed.__enter__()
 
     def _called_by_script(self, scheduler, caller) -> bool:
         """Whether this scheduler step is a call of the script's: not a library wrapper's repeat of
@@ -233,6 +239,8 @@ class Probe:
         params = self._parameters(optimizer)
         if self.initial is None:
             self.initial = fingerprint(params)
+            if _rank() == 0:
+                self._sketch.start(params)
         # the boundary's norm before clipping: the first clip's after the last backward, else now
         self.grad_norm = self._norm_after_backward
         if self.grad_norm is None:

@@ -10,12 +10,14 @@ a scheduler called another number of times is a divergence only where the lr it 
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gaeq.results.floor import CEILING, FACTOR
 from gaeq.script.contract import PROBE_FILE
 
 EVENTS = {
@@ -49,14 +51,14 @@ def script_checks(
     cell: dict,
     *,
     split: Any = None,
-    twin: dict | None = None,
+    twins: list[dict] = (),
     rtol: float = 1e-5,
     lr_rtol: float = 1e-12,
 ) -> ScriptChecks:
     """Each check's first divergence of `cell`'s probe from `base`'s (None: none): the split it really
     ran (against the cell `split`, when given), then data, init, events, and the update sketch —
-    within `rtol`, or 10 × what the run's noise-floor `twin` drifted, if more (at most 1000 × `rtol`);
-    the lr agrees to `lr_rtol`, as the trace comparison asks."""
+    within `rtol`, or the envelope the run's noise-floor `twins` set (gaeq.results.floor's rules); the lr
+    agrees to `lr_rtol`, as the trace comparison asks."""
     found: dict[str, tuple[int, str] | None] = dict.fromkeys(("split", "data", "init", "events", "update"))
     not_checked: dict[str, str] = {}
     if split is not None and cell["steps"] and (why := ran_another_split(split, cell["steps"][0])):
@@ -91,7 +93,7 @@ def script_checks(
         if found["events"] is not None:
             break
     found["events"] = found["events"] or orthogonalisation_differs(steps)
-    found["update"] = _update_differs(base["steps"], cell["steps"], twin=twin, rtol=rtol)
+    found["update"] = _update_differs(base["steps"], cell["steps"], twins=twins, rtol=rtol)
     notes = {"lr": note} if lr_differs and (note := _schedule_advanced(steps)) else {}
     return ScriptChecks(first=found, not_checked=not_checked, notes=notes)
 
@@ -162,7 +164,7 @@ def _schedule_advanced(steps: list[tuple[dict, dict]]) -> str | None:
 
 
 def _sketch_drift(base: list[dict], cell: list[dict]) -> list[float]:
-    """Per step: |Δ sketch| relative to the baseline's scale (probes without one: its size)."""
+    """Per step: |Δ sketch| relative to the size of the baseline's update so far (its scale)."""
     return [
         abs(c["sketch"] - b["sketch"]) / max(b.get("sketch_scale") or abs(b["sketch"]), 1e-300)
         for b, c in zip(base, cell)
@@ -170,12 +172,21 @@ def _sketch_drift(base: list[dict], cell: list[dict]) -> list[float]:
     ]
 
 
-def _update_differs(base: list[dict], cell: list[dict], *, twin: dict | None, rtol: float) -> tuple[int, str] | None:
-    """The first step whose parameters, projected, left the baseline's by more than the tolerance: a
-    difference in lr, clipping or the optimizer when the objective still agrees."""
-    floor = max(_sketch_drift(base, twin["steps"]), default=0.0) if twin else 0.0
-    tol = min(max(rtol, 10 * floor), 1000 * rtol)
+def _update_differs(
+    base: list[dict], cell: list[dict], *, twins: list[dict] = (), rtol: float
+) -> tuple[int, str] | None:
+    """The first step whose update, projected, left the baseline's by more than the tolerance — `rtol`,
+    widened to FACTOR × the twins' running maximum drift at that step (never past CEILING × `rtol`; twins
+    drifting beyond that are not rounding, and set nothing): a difference in lr, clipping or the optimizer
+    when the objective still agrees."""
+    floor = [0.0] * len(base)
+    for twin in twins:
+        floor = [max(f, d) for f, d in zip(floor, itertools.accumulate(_sketch_drift(base, twin["steps"]), max))]
+    if any(f > CEILING * rtol for f in floor):
+        floor = [0.0] * len(base)  # not rounding: the constant alone
     for step, drift in enumerate(_sketch_drift(base, cell)):
+        widened = min(FACTOR * floor[step], CEILING * rtol) if step < len(floor) else 0.0
+        tol = max(rtol, widened)
         if not drift <= tol:
             return step, f"the parameters after step {step} differ: update sketch rel {drift:.2e} > tol {tol:.1e}"
     return None

@@ -1,6 +1,6 @@
 """What the probe reads of a script's weights and gradients: a fingerprint of the initial parameters;
 the grad norm at the boundary, summed in float64 (or a DeepSpeed engine's own); and after each
-optimizer step a fixed random projection of the parameters (the update sketch) — a difference in lr,
+optimizer step a fixed random projection of how far the parameters moved (the update sketch) — a difference in lr,
 clipping or the optimizer shows there when the objective still agrees. Nothing here assumes a CPU:
 only the projected entries and float64 sums of bounded chunks are made where a tensor lives."""
 
@@ -23,15 +23,18 @@ def fingerprint(params: list[torch.Tensor]) -> str:
 
 
 class UpdateSketch:
-    """A fixed random projection of the parameters, and its scale (the sum of the terms' sizes, what a
-    difference is relative to): the same positions and weights in every run of the same model, so two
-    runs' sketches differ only where their updates do. Only the projected entries are read (on a GPU,
-    256 entries of each parameter are gathered, never the parameter copied)."""
+    """A fixed random projection of how far the parameters moved from where they started, and its scale
+    (the sum of the terms' sizes: the update's size, what a difference is relative to): the same positions
+    and weights in every run of the same model, so two runs' sketches differ only where their updates do.
+    Only the projected entries are read (on a GPU, 256 entries of each parameter are gathered, never the
+    parameter copied)."""
 
     def __init__(self) -> None:
         self._where: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._start: list[torch.Tensor] = []
 
-    def __call__(self, params: list[torch.Tensor]) -> tuple[float, float]:
+    def start(self, params: list[torch.Tensor]) -> None:
+        """Before the first update: where the projected entries start."""
         if self._where is None:
             self._where = []
             for i, p in enumerate(params):
@@ -39,7 +42,14 @@ class UpdateSketch:
                 where = torch.randint(0, p.numel(), (min(SKETCH_ENTRIES, p.numel()),), generator=g)
                 weights = torch.randn(len(where), generator=g, dtype=torch.float64)
                 self._where.append((where.to(p.device), weights.to(p.device)))
-        terms = [p.detach().reshape(-1)[w].double() * v for p, (w, v) in zip(params, self._where)]
+            self._start = [p.detach().reshape(-1)[w].double() for p, (w, _) in zip(params, self._where)]
+
+    def __call__(self, params: list[torch.Tensor]) -> tuple[float, float]:
+        """(Σ weight × (entry − its start), Σ |that|) over the projected entries."""
+        self.start(params)
+        terms = [
+            (p.detach().reshape(-1)[w].double() - p0) * v for p, p0, (w, v) in zip(params, self._start, self._where)
+        ]
         return float(sum(t.sum() for t in terms)), float(sum(t.abs().sum() for t in terms))
 
 

@@ -41,7 +41,12 @@ def test_a_judged_run_reads_back(result):
     steps, norms = result.curve(BUG, "grad_norm")
     _, base = result.curve("torch-w1-mb16-ga1", "grad_norm")
     assert steps == list(range(12)) and norms[0] == pytest.approx(4 * base[0], rel=1e-6)
-    assert {row["id"] for row in result.rows()} == set(result.verdicts())
+    assert {row["id"] for row in result.rows()} == set(result.verdicts()) | set(result.instruments())
+    assert result.instruments() == {  # the baseline's split, nudged twice and weighed: gaeq's, not the matrix's
+        "torch-w1-mb16-ga1-floor0": "floor",
+        "torch-w1-mb16-ga1-floor1": "floor",
+        "torch-w1-mb16-ga1-weight1e-02": "sensitivity",
+    }
     assert result.cell(BUG).caught_by == "grad_norm"
     with pytest.raises(KeyError, match="no cell"):
         result.cell("nope")

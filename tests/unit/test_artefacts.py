@@ -20,6 +20,8 @@ from gaeq.results.trace import TraceStore, read_trace
 from tests.helpers import run_in_process, small_spec
 
 CELLS = ["torch-w1-mb16-ga1", "torch-w1-mb2-ga8", "torch-w1-mb8-ga2", "torch-w1-mb4-ga4-bug_no_loss_division"]
+INSTRUMENTS = ["torch-w1-mb16-ga1-floor0", "torch-w1-mb16-ga1-floor1", "torch-w1-mb16-ga1-weight1e-02"]
+"""The group's noise-floor twins and detection-limit cell: runs in TensorBoard, not curves of the figure."""
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +61,8 @@ def test_every_cell_is_one_run_with_identical_tags_and_the_trace_values(judged):
     tb = tbmod.write_tensorboard(run_dir, report, traces)
     # One run directory per cell with a trace (the skipped cell has none), one event file each:
     # no extra run directory from hparams.
-    assert sorted(p.name for p in tb.iterdir()) == sorted(CELLS)
-    assert all(len(list((tb / c).iterdir())) == 1 for c in CELLS)
+    assert sorted(p.name for p in tb.iterdir()) == sorted(CELLS + INSTRUMENTS)
+    assert all(len(list((tb / c).iterdir())) == 1 for c in CELLS + INSTRUMENTS)
 
     expected_tags = {
         tbmod.LOSS,

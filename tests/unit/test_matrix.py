@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from gaeq.cli import app
 from gaeq.matrix import MatrixError, load_matrix
-from tests.helpers import small_spec
+from tests.helpers import judged, small_spec
 
 runner = CliRunner()
 
@@ -20,17 +20,17 @@ def test_ga_is_derived_and_cells_are_named(write_matrix):
     m = load_matrix(write_matrix(spec))
     by_id = {c.id: c for c in m.cells}
     # 1 baseline + torch 2×2 + deepspeed 2×2×2
-    assert len(m.cells) == 1 + 4 + 8
+    assert len(judged(m.cells)) == 1 + 4 + 8
     assert m.baselines == {"fp32": "torch-w1-mb16-ga1"}
     assert by_id["deepspeed-z3-w2-mb2-ga4"].grad_accum_steps == 4  # 16 / (2 × 2)
     assert by_id["torch-w1-mb8-ga2"].grad_accum_steps == 2
     assert by_id["torch-w2-mb8-ga1"].zero_stage is None
-    assert all(c.expect == "match" for c in m.cells)
+    assert all(c.expect == "match" for c in judged(m.cells))
 
 
 def test_baseline_in_the_axes_is_not_duplicated(write_matrix):
     m = load_matrix(write_matrix(small_spec(axes={"micro_batch_size": [16, 4]})))
-    assert [c.id for c in m.cells] == ["torch-w1-mb16-ga1", "torch-w1-mb4-ga4"]
+    assert [c.id for c in judged(m.cells)] == ["torch-w1-mb16-ga1", "torch-w1-mb4-ga4"]
 
 
 def test_unknown_key_is_named(write_matrix):
@@ -156,7 +156,7 @@ def test_default_matrix_has_token_normalised_gpt_cells():
     from tests.conftest import REPO
 
     m = load_matrix(REPO / "experiments" / "ga.yaml")
-    gpt = [c for c in m.cells if c.variant == "gpt"]
+    gpt = [c for c in judged(m.cells) if c.variant == "gpt"]
     assert m.problems["gpt"].loss == "cross_entropy" and m.problems["gpt"].data.kind == "tokens"
     assert {c.trainer for c in gpt} == {"torch", "deepspeed"} and all(c.expect == "match" for c in gpt)
     assert {c.zero_stage for c in gpt if c.trainer == "deepspeed"} == {0, 1, 2, 3}

@@ -41,8 +41,9 @@ def test_global_balance_matches_every_split_and_micro_batch_balance_does_not(wri
             assert cells[cell_id].verdict == "match" and cells[cell_id].max_abs_loss_diff < 1e-6, cells[cell_id].reason
         else:  # its statistics depend on which samples share a micro-batch: visible in the step-0 loss
             assert (cells[cell_id].verdict, cells[cell_id].first_divergent_step) == ("diverge", 0)
-    # a micro-batch-balanced group has no noise-floor twin: another split is not the same optimisation
-    assert bool(matrix.floors) == (balance == "global")
+    # every group has its twins, a micro-batch-balanced one too: they train the baseline's own split (nudged),
+    # the same optimisation whatever the balance does with another split
+    assert matrix.floors == {"fp32": ("torch-w1-mb16-ga1-floor0", "torch-w1-mb16-ga1-floor1")}
     router = cells["torch-w1-mb2-ga8"].ran["router_tokens"]  # the first step's routing, per layer and expert
     assert len(router) == 2 and all(sum(layer) == 16 * 8 * 2 for layer in router)  # every token picks top-2
 
@@ -143,7 +144,7 @@ def test_the_pinned_trainer_adds_the_balance_loss_to_every_micro_batch_whole(wri
         schedule={"name": "warmup_cosine", "warmup_steps": 1, "warmup_convention": "transformers"},
     )
     matrix = load_matrix(write_matrix(spec))
-    assert matrix.floors == {}  # per-micro-batch balance: no twin is the same optimisation
+    assert matrix.floors == {"fp32": ("torch-w1-mb16-ga1-floor0", "torch-w1-mb16-ga1-floor1")}  # its own split
     report = judge(matrix, run_in_process(matrix, tmp_path), TraceStore(tmp_path))
     cells = {c.id: c for c in report.cells}
     trainer, planted = cells["hf-w1-mb4-ga4"], cells["torch-w1-mb4-ga4-bug_moe_aux_loss_not_divided_by_ga"]

@@ -33,7 +33,9 @@ def test_a_script_matrix_runs_the_script_in_every_cell_with_the_split_filled_in(
     m = script_matrix(tmp_path, cells=[{"world_size": 2, "micro_batch_size": 2, "args": ["--bug", "x"]}])
     assert [c.id for c in m.cells] == [
         "script-w1-mb16-ga1",  # the baseline: the whole batch in one micro-batch
-        "script-w1-mb2-ga8-floor",  # its twin, which measures the noise floor
+        "script-w1-mb16-ga1-floor0",  # its twins (its own split, nudged), which measure the noise floor
+        "script-w1-mb16-ga1-floor1",
+        "script-w1-mb16-ga1-weight1e-02",  # and the detection limit (its own split, half of each batch × 1.01)
         "script-w1-mb4-ga4",
         "script-w2-mb4-ga2",
         "script-w2-mb2-ga4-args_bug_x",
@@ -341,7 +343,7 @@ def test_gaeq_check_runs_a_script_under_the_splits_given_on_the_command_line(tmp
     args += ["--", "--mb", "{micro_batch_size}", "--ga", "{grad_accum_steps}", "--steps", "{steps}"]
     result = CliRunner().invoke(app, args)
     report = json.loads((tmp_path / "run" / "report.json").read_text())
-    verdicts = {c["id"]: c["verdict"] for c in report["cells"]}
+    verdicts = {c["id"]: c["verdict"] for c in report["cells"] if c["role"] in ("baseline", "cell")}
     assert verdicts == {"script-w1-mb8-ga1": "match", "script-w1-mb4-ga2": "match"}, result.output
     assert result.exit_code == 0
     # the matrix written for it, beside the run
@@ -358,21 +360,46 @@ def test_gaeq_check_says_how_to_write_a_split(tmp_path):
 
 
 def test_the_update_sketch_is_judged_against_the_runs_own_noise_floor():
-    """The parameters after each step, projected: within the constant, or 10 × the twin's drift if more
-    (never beyond 1000 × the constant) — a difference in the updates when the objective still agrees."""
+    """The update after each step, projected (relative to the size of the baseline's update so far): within
+    the constant, or 10 × the twins' running maximum drift at that step if more — never past 1000 × the
+    constant, and twins drifting beyond that set nothing (they are not rounding)."""
     from gaeq.script.verdict import _update_differs
 
     def steps(*sketches):
-        return [{"sketch": s, "sketch_scale": 100.0} for s in sketches]
+        return [{"sketch": s, "sketch_scale": 1.0} for s in sketches]
 
-    base = steps(10.0, 11.0, 12.0)
-    assert _update_differs(base, steps(10.0, 11.0, 12.0000001), twin=None, rtol=1e-5) is None  # 1e-9
-    off = _update_differs(base, steps(10.0, 11.0, 12.01), twin=None, rtol=1e-5)  # 1e-4 of the scale
+    base = steps(0.5, 0.7, 0.8)
+    assert _update_differs(base, steps(0.5, 0.7, 0.8 + 1e-9), rtol=1e-5) is None
+    off = _update_differs(base, steps(0.5, 0.7, 0.8 + 1e-4), rtol=1e-5)  # 1e-4 of the update's size
     assert off == (2, "the parameters after step 2 differ: update sketch rel 1.00e-04 > tol 1.0e-05")
-    twin = {"steps": steps(10.0, 11.0, 12.002)}  # a run whose rounding drifts 2e-5: tolerance 2e-4
-    assert _update_differs(base, steps(10.0, 11.0, 12.01), twin=twin, rtol=1e-5) is None
-    wild = {"steps": steps(10.0, 11.0, 20.0)}  # a twin that is not rounding cannot widen it past 1000 ×
-    assert _update_differs(base, steps(10.0, 11.0, 13.5), twin=wild, rtol=1e-5)[0] == 2
+    twins = [{"steps": steps(0.5, 0.7, 0.8 + 2e-5)}, {"steps": steps(0.5, 0.7 - 1e-6, 0.8)}]  # rounding: 2e-5
+    assert _update_differs(base, steps(0.5, 0.7, 0.8 + 1e-4), twins=twins, rtol=1e-5) is None  # tol 2e-4 there
+    # the running maximum: before the twins drifted (step 1: 1e-6 × 10 < 1e-5), the constant holds
+    early = _update_differs(base, steps(0.5, 0.7 + 5e-5, 0.8), twins=twins, rtol=1e-5)
+    assert early == (1, "the parameters after step 1 differ: update sketch rel 5.00e-05 > tol 1.0e-05")
+    wild = [{"steps": steps(0.5, 0.7, 0.9)}]  # 0.1 > 1000 × 1e-5: not rounding, rejected, the constant alone
+    assert _update_differs(base, steps(0.5, 0.7, 0.8 + 1e-4), twins=wild, rtol=1e-5)[0] == 2
+
+
+def test_the_update_sketch_measures_the_update_not_the_weights():
+    """Its scale is how far the parameters moved, so an lr-sized mistake stands out even where the weights
+    are large: weights of 100 moved by 1e-3 against a cell's 1.1e-3 — far beyond the constant 1e-5 relative
+    to the update, and 1e5 × less (within it) relative to the weights."""
+    import torch
+
+    from gaeq.script.weights import UpdateSketch
+
+    weights = [torch.full((300,), 100.0, dtype=torch.float64)]
+    sketch = UpdateSketch()
+    sketch.start(weights)
+    value, scale = sketch([weights[0] - 1e-3])
+    cell = UpdateSketch()
+    cell.start(weights)
+    moved, _ = cell([weights[0] - 1.1e-3])
+    drift = abs(moved - value) / scale  # 0.1 × |Σ w| / Σ |w| of the projection's random weights
+    assert drift > 1e-3
+    weights_size = scale / 1e-3 * 100.0  # what the sketch's scale was when it projected the weights themselves
+    assert abs(moved - value) / weights_size == pytest.approx(drift * 1e-5) and drift * 1e-5 < 1e-5
 
 
 def test_gaeq_probe_tells_the_probe_which_module_trains_and_is_a_no_op_outside_gaeq(monkeypatch):

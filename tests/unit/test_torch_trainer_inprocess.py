@@ -17,7 +17,7 @@ from gaeq.results.render import write_report
 from gaeq.results.report import judge
 from gaeq.results.trace import TraceStore, read_trace
 from gaeq.trainers import base as trainers_base
-from tests.helpers import run_in_process, small_spec
+from tests.helpers import judged, run_in_process, small_spec
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
@@ -53,14 +53,14 @@ def test_a_cell_that_does_not_run_its_label_is_an_error_not_a_match(write_matrix
     matrix = load_matrix(write_matrix(spec))
 
     honest = judge(matrix, run_in_process(matrix, tmp_path / "honest"), TraceStore(tmp_path / "honest"))
-    assert [c.verdict for c in honest.cells] == ["match"] * 3
+    assert [c.verdict for c in judged(honest.cells)] == ["match"] * 3
     assert all(
         c.ran["compute_dtype"] == "bfloat16" and c.ran["micro_steps"] == c.grad_accum_steps for c in honest.cells
     )
 
     monkeypatch.setattr(trainers_base, "autocast", lambda dtype, device: contextlib.nullcontext())
     lying = judge(matrix, run_in_process(matrix, tmp_path / "lying"), TraceStore(tmp_path / "lying"))
-    assert [c.verdict for c in lying.cells] == ["error"] * 3
+    assert [c.verdict for c in lying.cells] == ["error"] * 6  # the instruments too: what ran is not bf16
     assert all("compute_dtype: label 'bfloat16', ran 'float32'" in c.reason for c in lying.cells), lying.cells[0].reason
     assert lying.exit_code != 0
 
