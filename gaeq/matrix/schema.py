@@ -28,6 +28,14 @@ ZeroStage = Literal[0, 1, 2, 3]
 Offload = Literal["none", "cpu", "nvme"]
 Tracked = Literal["loss", "grad_norm", "params", "grads"]
 TENSOR_METRICS = ("grads", "params")
+METRICS = ("split", "data", "init", "events", "grads", "params", "skipped", "loss", "grad_norm", "lr", "update")
+"""What can be compared at every step (gaeq.results.compare), in the order a tie is reported: what a
+script's probe saw first (another split than the cell's, other samples, other initial weights, other
+calls explain every number after them); then tensors, because they localise a divergence to one
+parameter; then an fp16 update skipped on one side only, because it explains the rest. Here, on the
+matrix's floor, because an `expect` names them."""
+SCRIPT_METRICS = ("split", "data", "init", "events", "update")
+"""Metrics only a script cell's probe records (gaeq.script.verdict)."""
 VariantName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_]+$")]
 BASE = "base"
 """The variant name of the matrix's own `problem`."""
