@@ -13,8 +13,25 @@ from pydantic import ValidationError
 
 from gaeq.matrix.cell import DEEPSPEED_ONLY, SPLIT_AXES, Cell, Fault, Matrix, Resume, Role, Split, group_key
 from gaeq.matrix.resume import at_step_inside, epochs_run_on, plain_source, source_rules, target_rules
-from gaeq.matrix.rules import bug_rules, fault_rules, mixture_of_experts, script_rules, skip_reason, split_rules
-from gaeq.matrix.schema import BASE, TENSOR_METRICS, FaultSpec, MatrixError, MatrixSpec, ResumeSpec, describe
+from gaeq.matrix.rules import (
+    bug_rules,
+    expect_rules,
+    fault_rules,
+    mixture_of_experts,
+    script_rules,
+    skip_reason,
+    split_rules,
+)
+from gaeq.matrix.schema import (
+    BASE,
+    TENSOR_METRICS,
+    ExpectSpec,
+    FaultSpec,
+    MatrixError,
+    MatrixSpec,
+    ResumeSpec,
+    describe,
+)
 from gaeq.problem.spec import ProblemSpec
 from gaeq.registry import (
     DEEPSPEED_TRAINERS,
@@ -181,7 +198,7 @@ class Expander:
         for t in r.to:
             target = self.cell(
                 self.split_of(t, trainer=source.trainer, dtype=split.dtype, variant=src.variant),
-                expect=t.expect or ("diverge" if t.drop else "match"),
+                expect=t.expect or ExpectSpec(verdict="diverge" if t.drop else "match"),
             )
             target_rules(source, target, t, r)
             resumed = Resume(source=source.id, step=r.at_step, universal=r.universal, drop=tuple(t.drop))
@@ -203,7 +220,7 @@ class Expander:
         split: Split,
         *,
         bug: str | None = None,
-        expect: str | None = None,
+        expect: ExpectSpec | None = None,
         fault: FaultSpec | None = None,
         args: tuple[str, ...] = (),
     ) -> Cell:
@@ -215,12 +232,15 @@ class Expander:
         if fault is not None:
             fault_rules(fault, split, problem)
         script_rules(split, problem, args=args)
+        expectation = expect_rules(
+            expect or ExpectSpec(verdict="diverge" if bug else "match"), split, problem, self.spec
+        )
         cell = Cell(
             **{a: getattr(split, a) for a in SPLIT_AXES},
             train_batch_size=problem.train_batch_size,
             bug=bug,
             script_args=args,
-            expect=expect or ("diverge" if bug else "match"),
+            expectation=expectation,
             fault=Fault(**fault.model_dump()) if fault else None,
             snapshots=tuple(m for m in TENSOR_METRICS if m in self.spec.track),
             snapshot_every=self.spec.track_every,
