@@ -69,6 +69,35 @@ class Resume:
     drop: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True, kw_only=True)
+class Expectation:
+    """What a cell is expected to show (the matrix's `expect`): its verdict and, for a divergence,
+    what must catch it — plain data, pickled to the ranks with the cell."""
+
+    verdict: str = "match"
+    """match | diverge."""
+    caught_by: str | None = None
+    """The metric that must diverge first (the comparison's `caught_by`); None: any."""
+    step: int | None = None
+    """The step at which `caught_by` (else the cell's first divergence) must first diverge; None: any."""
+    holds: tuple[str, ...] = ()
+    """Metrics that must not diverge at any step."""
+
+    @property
+    def detail(self) -> dict | None:
+        """What it says beyond its verdict (report.json's `expect_detail`); None: the verdict alone."""
+        if self.caught_by is None and self.step is None and not self.holds:
+            return None
+        return {"caught_by": self.caught_by, "step": self.step, "holds": list(self.holds)}
+
+    def __str__(self) -> str:
+        """Short, for a table: `diverge`, `diverge:grad_norm@0`, `diverge:grad_norm@0 holds:loss`."""
+        said = self.verdict
+        if self.caught_by is not None or self.step is not None:
+            said += f":{self.caught_by or 'any'}" + (f"@{self.step}" if self.step is not None else "")
+        return said + (f" holds:{','.join(self.holds)}" if self.holds else "")
+
+
 def group_key(*, dtype: str, variant: str) -> str:
     """Cells are judged against the baseline of their group: same problem variant, same dtype."""
     return dtype if variant == BASE else f"{dtype}@{variant}"
@@ -148,7 +177,8 @@ class Cell(Split):
 
     train_batch_size: int
     bug: str | None = None
-    expect: str = "match"
+    expectation: Expectation = Expectation()
+    """What it is expected to show (its verdict: :attr:`expect`)."""
     fault: Fault | None = None
     snapshots: tuple[str, ...] = ()
     """Tensors saved at boundaries ("grads", "params"): what the matrix tracks beyond the trace."""
@@ -165,6 +195,11 @@ class Cell(Split):
     skip_reason: str | None = field(default=None, compare=False)
     role: Role = field(default=Role.CELL, compare=False)
     """Not part of what the cell is: the baseline's split listed among the axes is the same cell."""
+
+    @property
+    def expect(self) -> str:
+        """The verdict it expects: match | diverge."""
+        return self.expectation.verdict
 
     @property
     def model_parallel(self) -> int:

@@ -16,6 +16,7 @@ from gaeq.matrix.cell import (
     DEEPSPEED_ONLY,
     SPLIT_AXES,
     Cell,
+    Expectation,
     Fault,
     Matrix,
     Perturbation,
@@ -25,8 +26,24 @@ from gaeq.matrix.cell import (
     group_key,
 )
 from gaeq.matrix.resume import at_step_inside, epochs_run_on, plain_source, source_rules, target_rules
-from gaeq.matrix.rules import bug_rules, fault_rules, script_rules, skip_reason, split_rules
-from gaeq.matrix.schema import BASE, TENSOR_METRICS, FaultSpec, MatrixError, MatrixSpec, ResumeSpec, describe
+from gaeq.matrix.rules import (
+    bug_rules,
+    expect_rules,
+    fault_rules,
+    script_rules,
+    skip_reason,
+    split_rules,
+)
+from gaeq.matrix.schema import (
+    BASE,
+    TENSOR_METRICS,
+    ExpectSpec,
+    FaultSpec,
+    MatrixError,
+    MatrixSpec,
+    ResumeSpec,
+    describe,
+)
 from gaeq.problem.spec import ProblemSpec
 from gaeq.registry import (
     DEEPSPEED_TRAINERS,
@@ -178,9 +195,9 @@ class Expander:
         """The baseline's split, perturbed (gaeq.perturb), in `role`: gaeq's instrument, not a claim
         (what it shows is reported, whatever it is; its `expect` is what it is built to show)."""
         split = Split(**{a: getattr(baseline, a) for a in SPLIT_AXES})
-        expect = "diverge" if role == Role.SENSITIVITY else "match"
+        expect = Expectation(verdict="diverge" if role == Role.SENSITIVITY else "match")
         return dataclasses.replace(
-            self.cell(split), role=role, perturbation=Perturbation(**perturbation), expect=expect
+            self.cell(split), role=role, perturbation=Perturbation(**perturbation), expectation=expect
         )
 
     def add(self, split: Split, **planted) -> Cell:
@@ -205,7 +222,7 @@ class Expander:
         for t in r.to:
             target = self.cell(
                 self.split_of(t, trainer=source.trainer, dtype=split.dtype, variant=src.variant),
-                expect=t.expect or ("diverge" if t.drop else "match"),
+                expect=t.expect or ExpectSpec(verdict="diverge" if t.drop else "match"),
             )
             target_rules(source, target, t, r)
             resumed = Resume(source=source.id, step=r.at_step, universal=r.universal, drop=tuple(t.drop))
@@ -227,7 +244,7 @@ class Expander:
         split: Split,
         *,
         bug: str | None = None,
-        expect: str | None = None,
+        expect: ExpectSpec | None = None,
         fault: FaultSpec | None = None,
         args: tuple[str, ...] = (),
         weight_error: float | None = None,
@@ -240,12 +257,15 @@ class Expander:
         if fault is not None:
             fault_rules(fault, split, problem)
         script_rules(split, problem, args=args)
+        expectation = expect_rules(
+            expect or ExpectSpec(verdict="diverge" if bug or weight_error else "match"), split, problem, self.spec
+        )
         cell = Cell(
             **{a: getattr(split, a) for a in SPLIT_AXES},
             train_batch_size=problem.train_batch_size,
             bug=bug,
             script_args=args,
-            expect=expect or ("diverge" if bug or weight_error else "match"),
+            expectation=expectation,
             perturbation=Perturbation(weight=weight_error) if weight_error is not None else None,
             fault=Fault(**fault.model_dump()) if fault else None,
             snapshots=tuple(m for m in TENSOR_METRICS if m in self.spec.track),

@@ -58,7 +58,13 @@ def source_rules(source: Cell, r: ResumeSpec) -> None:
 
 def target_rules(source: Cell, target: Cell, t: ResumeTargetSpec, r: ResumeSpec) -> None:
     """What can load it: a universal checkpoint into ZeRO ≥ 1 (ZeRO-3 only from ZeRO-3), always with
-    its optimizer state; a plain DeepSpeed checkpoint at the world size and stage that wrote it."""
+    its optimizer state; a plain DeepSpeed checkpoint at the world size and stage that wrote it. Its
+    expectation's step is one it is compared at."""
+    if target.expectation.step is not None and target.expectation.step < r.at_step:
+        raise MatrixError(
+            f"expect.step {target.expectation.step} comes before the resume (at_step {r.at_step}): "
+            "a resumed cell is compared from there on"
+        )
     if r.universal and target.zero_stage == 0:
         raise MatrixError(f"a universal checkpoint loads into ZeRO ≥ 1; target {target.id} is ZeRO-0")
     if r.universal and target.zero_stage == 3 and source.zero_stage != 3:

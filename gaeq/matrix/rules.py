@@ -7,7 +7,7 @@ import dataclasses
 import importlib.util
 
 from gaeq.bugs import BUGS
-from gaeq.matrix.cell import DEFAULT_PIPELINE_SCHEDULE, Split
+from gaeq.matrix.cell import DEFAULT_PIPELINE_SCHEDULE, Expectation, Split
 from gaeq.matrix.parallel_rules import (
     check_hsdp,
     check_moe,
@@ -20,7 +20,15 @@ from gaeq.matrix.parallel_rules import (
     reaches_short_step,
     where_of,
 )
-from gaeq.matrix.schema import TENSOR_METRICS, FaultSpec, MatrixError, MatrixSpec
+from gaeq.matrix.schema import (
+    ALWAYS_COMPARED,
+    SCRIPT_METRICS,
+    TENSOR_METRICS,
+    ExpectSpec,
+    FaultSpec,
+    MatrixError,
+    MatrixSpec,
+)
 from gaeq.problem.spec import ProblemSpec
 from gaeq.registry import DEEPSPEED_TRAINERS, INSTALL_HF, TRAINERS, dtypes_said
 from gaeq.script.placeholders import PlaceholderError, check
@@ -265,6 +273,21 @@ def fault_rules(fault: FaultSpec, split: Split, problem: ProblemSpec) -> None:
         raise MatrixError(f"fault.rank {fault.rank} does not exist at world_size {split.world_size}")
     if fault.step >= problem.steps:
         raise MatrixError(f"fault.step {fault.step} is past the last step ({problem.steps - 1})")
+
+
+def expect_rules(expect: ExpectSpec, split: Split, problem: ProblemSpec, spec: MatrixSpec) -> Expectation:
+    """The cell's expectation. A metric it names that the cell never compares is bad input — one the
+    matrix does not track, or a script probe's in gaeq's own loop — and so is a step past the last."""
+    for metric in (*([expect.caught_by] if expect.caught_by else []), *expect.holds):
+        if metric in SCRIPT_METRICS and not TRAINERS[split.trainer].script:
+            raise MatrixError(f"expect names {metric!r}, which only a script's probe records ({where_of(split)})")
+        if metric not in (*SCRIPT_METRICS, *ALWAYS_COMPARED, *spec.track):
+            raise MatrixError(
+                f"expect names {metric!r}, which the matrix does not compare (track: {', '.join(spec.track)})"
+            )
+    if expect.step is not None and expect.step >= problem.steps:
+        raise MatrixError(f"expect.step {expect.step} is past the last step ({problem.steps - 1})")
+    return Expectation(verdict=expect.verdict, caught_by=expect.caught_by, step=expect.step, holds=tuple(expect.holds))
 
 
 def skip_reason(split: Split) -> str | None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError
+from pydantic import BeforeValidator, Field, NonNegativeInt, ValidationError, model_validator
 
 from gaeq.bugs import BUGS
 from gaeq.problem.spec import Dtype, PositiveInt, ProblemSpec, Samples
@@ -28,6 +28,17 @@ ZeroStage = Literal[0, 1, 2, 3]
 Offload = Literal["none", "cpu", "nvme"]
 Tracked = Literal["loss", "grad_norm", "params", "grads"]
 TENSOR_METRICS = ("grads", "params")
+METRICS = ("split", "data", "init", "events", "grads", "params", "skipped", "loss", "grad_norm", "lr", "update")
+"""What can be compared at every step (gaeq.results.compare), in the order a tie is reported: what a
+script's probe saw first (another split than the cell's, other samples, other initial weights, other
+calls explain every number after them); then tensors, because they localise a divergence to one
+parameter; then an fp16 update skipped on one side only, because it explains the rest. Here, on the
+matrix's floor, because an `expect` names them."""
+Metric = Literal[METRICS]
+ALWAYS_COMPARED = ("skipped", "lr")
+"""Metrics every cell's trace is compared on, whatever the matrix tracks."""
+SCRIPT_METRICS = ("split", "data", "init", "events", "update")
+"""Metrics only a script cell's probe records (gaeq.script.verdict)."""
 VariantName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_]+$")]
 BASE = "base"
 """The variant name of the matrix's own `problem`."""
@@ -109,6 +120,48 @@ class FaultSpec(_Spec):
     kind: Literal["raise", "exit", "hang"] = "raise"
 
 
+class ExpectSpec(_Spec):
+    """What a cell is expected to show: a verdict and, for `diverge`, what must catch it. The matrix
+    file may write the verdict alone (`expect: diverge`)."""
+
+    verdict: Expect = Field(description="match: within tolerance at every step; diverge: some metric leaves it.")
+    caught_by: Metric | None = Field(
+        None,
+        description="diverge only: the metric that must be the first to diverge (the comparison's caught_by; "
+        f"on a tie at one step, the first of {', '.join(METRICS)}). Default: any.",
+    )
+    step: NonNegativeInt | None = Field(
+        None, description="diverge only: the optimizer step at which caught_by (else any metric) first diverges."
+    )
+    holds: list[Metric] = Field(
+        [], description="diverge only: metrics that must not diverge at any step (each one compared by the cell)."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> ExpectSpec:
+        if self.verdict == "match":
+            said = [k for k in ("caught_by", "step", "holds") if getattr(self, k) not in (None, [])]
+            if said:
+                raise ValueError(f"{said[0]} says what catches a divergence: only with verdict diverge")
+        if self.caught_by is not None and self.caught_by in self.holds:
+            raise ValueError(f"caught_by {self.caught_by!r} cannot also be in holds (it must diverge)")
+        if len(set(self.holds)) != len(self.holds):
+            raise ValueError(f"holds names a metric twice: {self.holds}")
+        return self
+
+
+def _verdict_alone(value: Any) -> Any:
+    """`expect: diverge` is `expect: {verdict: diverge}`."""
+    if isinstance(value, str):
+        return {"verdict": value}
+    if value is not None and not isinstance(value, dict):
+        raise ValueError("expect is match, diverge or a mapping {verdict, caught_by, step, holds}")
+    return value
+
+
+ExpectGiven = Annotated[ExpectSpec | None, BeforeValidator(_verdict_alone)]
+
+
 class CellSpec(_Spec):
     """One explicit cell, e.g. a control with a planted bug: a split, and what is planted in it."""
 
@@ -126,7 +179,11 @@ class CellSpec(_Spec):
     dtype: Dtype | None = Field(None, description="Default: the variant's dtype (or the first of axes.dtype).")
     variant: VariantName = BASE
     bug: str | None = Field(None, description=f"A planted bug: one of {sorted(BUGS)}.")
-    expect: Expect | None = Field(None, description="Default: 'diverge' with a bug, else 'match'.")
+    expect: ExpectGiven = Field(
+        None,
+        description="match or diverge, or {verdict: diverge, caught_by, step, holds}. Default: 'diverge' with a "
+        "bug, else 'match'.",
+    )
     fault: FaultSpec | None = None
     args: list[str] = Field(
         [], description="Script cells only: arguments after the script's own (a mistake behind a flag, say)."
@@ -158,7 +215,11 @@ class ResumeTargetSpec(_Spec):
     drop: list[Literal["optimizer", "schedule"]] = Field(
         [], description="Negative controls: resume without the optimizer state, or with the LR schedule restarted."
     )
-    expect: Expect | None = Field(None, description="Default: 'diverge' when something is dropped, else 'match'.")
+    expect: ExpectGiven = Field(
+        None,
+        description="match or diverge, or {verdict: diverge, caught_by, step, holds}. Default: 'diverge' when "
+        "something is dropped, else 'match'.",
+    )
 
 
 class ResumeSpec(_Spec):

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, overload
 
 from gaeq.matrix import Cell, Role
+from gaeq.matrix.cell import Expectation
 from gaeq.problem.stages import bubble_theory
 from gaeq.results.compare import Comparison, Verdict
 from gaeq.results.outcome import CellOutcome
@@ -114,6 +115,12 @@ class CellReport:
     variant = Part[str]("cell")
     bug = Part[str]("cell")
     expect = Part[Verdict]("cell")
+    expectation = Part[Expectation]("cell")
+
+    @property
+    def expect_detail(self) -> dict | None:
+        """What the cell expects beyond its verdict (caught_by, step, holds); None: the verdict alone."""
+        return self.cell.expectation.detail
 
     @property
     def grad_accum_steps(self) -> int | None:
@@ -167,12 +174,18 @@ class CellReport:
         )
 
     @property
+    def unmet(self) -> str | None:
+        """Why its divergence is not the one it expects (:func:`unmet_expectation`); None: nothing beyond
+        the verdict."""
+        return unmet_expectation(self.cell.expectation, self.comparison)
+
+    @property
     def as_expected(self) -> bool:
-        """The verdict the cell expects; a noise-floor twin or the detection limit's cell is gaeq's
-        instrument, not a claim: whatever it shows is reported (an error still fails the run)."""
+        """The verdict the cell expects, caught as it expects; a noise-floor twin or the detection limit's
+        cell is gaeq's instrument, not a claim: whatever it shows is reported (an error still fails the run)."""
         return (
             self.verdict == Verdict.SKIPPED
-            or self.verdict == self.expect
+            or (self.verdict == self.expect and self.unmet is None)
             or (self.cell.role in INSTRUMENTS and self.verdict != Verdict.ERROR)
         )
 
@@ -184,12 +197,41 @@ INSTRUMENTS = (Role.FLOOR, Role.SENSITIVITY)
 """Roles of the cells that measure a run rather than claim something of it."""
 
 
+def unmet_expectation(expectation: Expectation, comparison: Comparison | None) -> str | None:
+    """Why a divergence is not the one `expectation` names — another metric or another step caught
+    it, a metric that must hold diverged, or a metric it names was not compared — in one line, e.g.
+    `expected to be caught by grad_norm at step 0, and loss to hold: loss diverged at step 3`. None
+    where it is, or where there is no divergence to judge (the verdict says the rest)."""
+    if expectation.verdict != Verdict.DIVERGE or comparison is None or comparison.verdict != Verdict.DIVERGE:
+        return None
+    steps, metric, step = comparison.divergence_steps, expectation.caught_by, expectation.step
+    missed = [f"{m} was not compared" for m in (*([metric] if metric else []), *expectation.holds) if m not in steps]
+    if metric in steps and comparison.caught_by != metric:
+        its = "never diverged" if steps[metric] is None else f"diverged at step {steps[metric]}"
+        missed.append(
+            f"it was caught by {comparison.caught_by} at step {comparison.first_divergent_step} ({metric} {its})"
+        )
+    elif step is not None and (metric is None or metric in steps):
+        first = comparison.first_divergent_step if metric is None else steps[metric]
+        if first != step:
+            missed.append(f"{metric or 'it'} first diverged at step {first}")
+    missed += [f"{m} diverged at step {steps[m]}" for m in expectation.holds if steps.get(m) is not None]
+    if not missed:
+        return None
+    if metric is not None:
+        said = [f"to be caught by {metric}" + ("" if step is None else f" at step {step}")]
+    else:
+        said = [] if step is None else [f"to first diverge at step {step}"]
+    said += [f"{' and '.join(expectation.holds)} to hold"] if expectation.holds else []
+    return f"expected {', and '.join(said)}: {'; '.join(missed)}"
+
+
 JSON_FIELDS = (
     *("id", "trainer", "world_size", "tensor_parallel", "pipeline_parallel", "pipeline_schedule", "hsdp_replicas"),
     "sequence_parallel",
     *("micro_batch_size", "grad_accum_steps"),
     "zero_stage",
-    *("offload", "dtype", "variant", "bug", "expect", "role", "verdict"),
+    *("offload", "dtype", "variant", "bug", "expect", "expect_detail", "role", "verdict"),
     *("max_abs_loss_diff", "max_rel_grad_norm_diff", "max_abs_grad_diff", "max_abs_param_diff"),
     *("first_divergent_step", "caught_by", "divergence_steps", "not_checked", "margin", "reason", "seconds"),
     *("samples_per_s", "step_seconds", "peak_mem_bytes", "comm_bytes_per_step", "model_state_bytes"),

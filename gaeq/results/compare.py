@@ -14,6 +14,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from gaeq.matrix.schema import METRICS
 from gaeq.names import Name
 from gaeq.results.floor import NoiseFloor, envelope, nanmax, rel_diff
 from gaeq.results.snapshots import KINDS as TENSOR_KINDS
@@ -30,14 +31,6 @@ class Verdict(Name):
     """It did not run to the end, or its results cannot be read: nothing to compare."""
     SKIPPED = "skipped"
     """It cannot run here (its reason says why)."""
-
-
-METRICS = ("split", "data", "init", "events", "grads", "params", "skipped", "loss", "grad_norm", "lr", "update")
-"""What can be compared at every step, in the order a tie is reported: what a script's probe saw
-first (another split than the cell's, other samples, other initial weights, other calls explain
-every number after them); then
-tensors, because they localise a divergence to one parameter; then an fp16 update skipped on one
-side only, because it explains the rest."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -82,7 +82,7 @@ COLUMNS = (
     Column("ZeRO", _zero, "both", right=True),
     Column("dtype", lambda c: c.dtype),
     Column("ran", _ran),
-    Column("expect", lambda c: c.expect),
+    Column("expect", lambda c: str(c.expectation)),
     Column("verdict", lambda c: c.verdict),
     Column("max |Δloss|", lambda c: _sci(c.max_abs_loss_diff)),
     Column("max rel Δ‖g‖", lambda c: _sci(c.max_rel_grad_norm_diff)),
@@ -285,7 +285,7 @@ def cells_table(m: Matrix) -> Table:
             str(c.grad_accum_steps) if c.divisible else "-",
             "-" if c.zero_stage is None else str(c.zero_stage),
             c.dtype,
-            c.expect,
+            str(c.expectation),
             note,
         )
     return table

@@ -12,7 +12,7 @@ from pathlib import Path
 from gaeq.files import atomic_write
 from gaeq.matrix import Cell, Matrix, group_key
 from gaeq.registry import TRAINERS
-from gaeq.results.cell_report import INSTRUMENTS, CellReport, Cost
+from gaeq.results.cell_report import INSTRUMENTS, CellReport, Cost, unmet_expectation
 from gaeq.results.compare import Tolerance, Verdict, compare_traces, tolerance_for, tolerances_at
 from gaeq.results.floor import DetectionLimit, NoiseFloor
 from gaeq.results.outcome import CellOutcome
@@ -93,7 +93,8 @@ def judge(
     *,
     versions: Mapping[str, str] | None = None,
 ) -> Report:
-    """Compare every cell's trace with the baseline of its dtype group."""
+    """Compare every cell's trace with the baseline of its dtype group; a divergence that is not the
+    one its cell expects says why in its reason."""
     tolerances = dict(tolerances or resolve_tolerances(matrix))
     floors, notes = measure_floors(matrix, outcomes, traces, tolerances)
     limits = measure_detection_limits(matrix, outcomes, traces, tolerances, floors)
@@ -110,6 +111,8 @@ def judge(
             floor=floors.get(cell.group),
             twins=matrix.floors.get(cell.group, ()),
         )
+        if (unmet := unmet_expectation(cell.expectation, comparison)) is not None:
+            reason += f" — {unmet}"
         cells.append(
             CellReport(
                 cell=cell,

@@ -1,7 +1,7 @@
 """What a script cell's probe saw, against its baseline's, before any number is compared: the same
 samples in every optimizer step, the same initial weights, the same calls per optimizer step. Each
 check gives its first divergence (step, reason); the trace comparison takes them as metrics
-(gaeq.results.compare.METRICS: data, then init, then events, then the numbers).
+(gaeq.matrix.schema.METRICS: data, then init, then events, then the numbers).
 
 A check is made only where its evidence is sound, never on a guess: the data check is not made when
 a difference in fingerprints could be padding gaeq cannot tell from data (:func:`_unreadable`), and
@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gaeq.matrix.schema import SCRIPT_METRICS
 from gaeq.results.floor import CEILING, FACTOR
 from gaeq.script.contract import PROBE_FILE
 
@@ -59,7 +60,7 @@ def script_checks(
     ran (against the cell `split`, when given), then data, init, events, and the update sketch —
     within `rtol`, or the envelope the run's noise-floor `twins` set (gaeq.results.floor's rules); the lr
     agrees to `lr_rtol`, as the trace comparison asks."""
-    found: dict[str, tuple[int, str] | None] = dict.fromkeys(("split", "data", "init", "events", "update"))
+    found: dict[str, tuple[int, str] | None] = dict.fromkeys(SCRIPT_METRICS)
     not_checked: dict[str, str] = {}
     if split is not None and cell["steps"] and (why := ran_another_split(split, cell["steps"][0])):
         found["split"] = (0, why)

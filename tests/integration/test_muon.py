@@ -9,24 +9,30 @@ from __future__ import annotations
 
 import pytest
 
+from gaeq.matrix import load_matrix
 from gaeq.trainers.muon import ONCE
-from tests.helpers import experiment_corner
+from tests.helpers import REPO_ROOT, experiment_corner
 from tests.processes import leftovers
 
 pytestmark = pytest.mark.integration
 
+NORM_ONLY = {"verdict": "diverge", "caught_by": "grad_norm", "step": 0, "holds": ["loss"]}
+"""muon.yaml's unclipped ZeRO ≥ 1 cells: DeepSpeed#8439's norm, caught at step 0, the loss holding at every step."""
+NORM_FIRST = {"verdict": "diverge", "caught_by": "grad_norm", "step": 0}
+"""muon.yaml's clipped ZeRO ≥ 1 cells: the norm at step 0, the loss after it."""
 CELLS = [
     {"trainer": "deepspeed", "world_size": 2, "micro_batch_size": 2, "zero_stage": 0},
-    {"trainer": "deepspeed", "world_size": 2, "micro_batch_size": 2, "zero_stage": 1, "expect": "diverge"},
-    {"trainer": "deepspeed", "world_size": 2, "micro_batch_size": 1, "zero_stage": 3, "expect": "diverge"},
+    {"trainer": "deepspeed", "world_size": 2, "micro_batch_size": 2, "zero_stage": 1, "expect": NORM_ONLY},
+    {"trainer": "deepspeed", "world_size": 2, "micro_batch_size": 1, "zero_stage": 3, "expect": NORM_ONLY},
     {"trainer": "deepspeed", "world_size": 2, "micro_batch_size": 2, "zero_stage": 2, "variant": "clipped",
-     "expect": "diverge"},
+     "expect": NORM_FIRST},
 ]  # fmt: skip
 
 
 def test_deepspeeds_muon_orthogonalises_once_a_step_and_at_zero_1_to_3_measures_the_update(tmp_path):
     # DeepSpeed's Newton–Schulz runs in fp16 where the CPU has it (fp32 here): the twin measures its rounding
-    cells, tag = experiment_corner("muon", CELLS, steps=4, tmp_path=tmp_path, noise_floor=True)
+    cells, tag = experiment_corner("muon", CELLS, steps=4, tmp_path=tmp_path, noise_floor=True)  # exit 0: as expected
+    said = {c.id: c.expectation for c in load_matrix(REPO_ROOT / "experiments" / "muon.yaml").cells}  # the same
     for cell in cells.values():  # never skipped (#8441), never per micro-batch (#8443), at any stage
         assert cell["ran"]["newton_schulz"] == ONCE, cell
     assert cells["deepspeed-z0-w2-mb2-ga4"]["verdict"] == "match"
@@ -38,6 +44,12 @@ def test_deepspeeds_muon_orthogonalises_once_a_step_and_at_zero_1_to_3_measures_
             None,
         ), cell
         assert cell["max_rel_grad_norm_diff"] > 10 and "DeepSpeed#8439" in cell["reason"]
+        assert cell["expect_detail"] == said[cell_id].detail == {"caught_by": "grad_norm", "step": 0, "holds": ["loss"]}
     clipped = cells["deepspeed-z2-w2-mb2-ga4@clipped"]  # clipped by the update's norm: the loss leaves too
     assert clipped["divergence_steps"]["loss"] == 1 and clipped["max_abs_loss_diff"] > 1e-2, clipped
+    assert (
+        clipped["expect_detail"]
+        == said["deepspeed-z3-w2-mb2-ga4@clipped"].detail
+        == {"caught_by": "grad_norm", "step": 0, "holds": []}
+    )
     assert leftovers(tag) == []
