@@ -19,7 +19,6 @@ import deepspeed
 import torch
 from deepspeed.utils import groups, safe_get_full_fp32_param, safe_get_full_grad
 
-from gaeq.accelerator import allow_emulated_fp16
 from gaeq.bugs import Bug
 from gaeq.matrix import Cell
 from gaeq.problem.optim import build_scheduler, gradient_clipping
@@ -35,7 +34,6 @@ from gaeq.trainers.provenance import Provenance, engine_norm_dtype
 
 def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     """Train the cell on this rank; returns what really ran (:mod:`gaeq.trainers.provenance`)."""
-    allow_emulated_fp16()
     forget_parallel_groups()
     task = build_cell_problem(cell, problem, ctx)
     plan = task.plan
