@@ -92,7 +92,11 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     if task.routes:  # a mixture of experts: the tokens each expert took in the first step
         ran.read_at_first_step(router_tokens=task.router_tokens)
     if problem.optimizer.name == "muon":  # its Newton–Schulz calls in the first step, wherever the engine runs them
-        muon.watch(ran, matrices=sum(bool(getattr(p, "use_muon", False)) for p in engine.module.parameters()))
+        muon.watch(
+            ran,
+            matrices=sum(bool(getattr(p, "use_muon", False)) for p in engine.module.parameters()),
+            optimizer="muon",
+        )
     start = load_deepspeed(engine, run_dir=ctx.run_dir, resume=cell.resume) if cell.resume else 0
 
     for step in range(start, problem.steps):

@@ -11,6 +11,7 @@ import torch
 from gaeq import accelerator
 from gaeq.accelerator import FP16_EMULATION_ENV, FP16_ENV
 from gaeq.matrix import matrix_from_dict
+from gaeq.trainers import muon
 from tests.helpers import small_spec
 
 
@@ -87,6 +88,7 @@ def test_a_rank_forced_answers_so_and_deepspeeds_muon_follows(clean, answer):
     accelerator.force_fp16_answer(answer)
     assert get_accelerator().is_fp16_supported() is answer and accelerator.native_fp16() is own
     assert ns_compute_dtype("gram") == (torch.float16 if answer else torch.float32)
+    assert muon.deepspeeds_dtype() == ("float16" if answer else "float32")
     assert (torch.float16 in get_accelerator().supported_dtypes()) is answer
     word, native = ("yes" if answer else "no"), ("yes" if own else "no")
     assert accelerator.forced_fp16() is answer and accelerator.fp16_answer() is answer
