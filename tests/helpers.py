@@ -100,7 +100,8 @@ def gaeq_run_here(matrix: Path, out: Path, *, extra: list[str] = ()) -> tuple[su
 
     For tests of a run's results and output. Tests about processes (signals, launchers, the README's
     own command) or that set environment variables for the ranks (they inherit the server's
-    environment, not the test's) run `gaeq` as a child with :func:`gaeq_run`. Returns no tag: nothing
+    environment, not the test's — but for GAEQ_ACCELERATOR_FP16, which the run hands each rank: a test
+    may set it here) run `gaeq` as a child with :func:`gaeq_run`. Returns no tag: nothing
     this run starts carries an environment tag, so the returned tag names the fork server instead:
     :func:`tests.processes.leftovers` then lists its children still alive (every rank is one). The CLI's
     signal handlers are put back afterwards."""

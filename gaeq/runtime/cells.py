@@ -4,9 +4,10 @@ resumed cell may start. (`launch.py` for gaeq's own ranks, `external.py` for tor
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from gaeq.accelerator import forced_fp16
 from gaeq.matrix import Cell
 from gaeq.problem.spec import ProblemSpec
 from gaeq.results.outcome import CellOutcome, write_outcome
@@ -26,6 +27,7 @@ def check_launch(*, launcher: str, isolate: bool, lanes: int | None) -> None:
     :class:`RunOptions` asks again). ValueError says which rule, in words both read as theirs."""
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher {launcher!r}: one of {', '.join(LAUNCHERS)}")
+    forced_fp16()  # GAEQ_ACCELERATOR_FP16: yes, no or unset (ValueError otherwise)
     if isolate and launcher != "local":
         raise ValueError(
             "isolate works with the local launcher only (an external launcher starts one group per world size)"
@@ -57,6 +59,9 @@ class RunOptions:
     """At most this many groups of one world size side by side (None: as many as the cores hold)."""
     launcher: str = "local"
     """local (gaeq forks the ranks), torchrun or deepspeed (that launcher starts `gaeq worker`)."""
+    accelerator_fp16: bool | None = field(default_factory=forced_fp16)
+    """DeepSpeed's accelerator's fp16 answer forced in every rank (GAEQ_ACCELERATOR_FP16, read when the run
+    begins), or None: its own (gaeq/accelerator.py)."""
     on_event: OnEvent = ignore
 
     def __post_init__(self) -> None:

@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from gaeq.accelerator import forced_fp16
 from gaeq.matrix import MATRIX_FILE, Cell, Matrix
 from gaeq.results.outcome import CellOutcome, read_outcome, write_outcome
 from gaeq.results.trace import cell_dir
@@ -59,7 +60,7 @@ def launched_main(*, matrix: Matrix, run_dir: Path, only: Sequence[str] = (), in
             cells, problem=matrix.problem, run_dir=run_dir, timeout_s=matrix.spec.timeout_s
         )
     dist.set_accelerator_env()
-    worker.set_up_rank(plugin_dirs=matrix.plugin_dirs)
+    worker.set_up_rank(plugin_dirs=matrix.plugin_dirs, accelerator_fp16=forced_fp16())  # the launcher passed gaeq's env
     dist.join_from_env(
         with_deepspeed=any(c.joins_through_deepspeed for c in cells),
         with_nvme=any(c.offload == "nvme" for c in cells),

@@ -272,6 +272,7 @@ def _run_group(
         plugin_dirs=opts.plugin_dirs,
         run_dir=str(opts.run_dir),
         init_timeout_s=opts.init_timeout_s,
+        accelerator_fp16=opts.accelerator_fp16,
     )
     procs = [
         ctx.Process(

@@ -67,6 +67,9 @@ class GroupJob:
     """Folders plugin modules are imported from: on the rank's ``sys.path`` before its first cell."""
     run_dir: str
     init_timeout_s: float
+    accelerator_fp16: bool | None = None
+    """The fp16 answer the run forces on DeepSpeed's accelerator (RunOptions), None: its own. Handed
+    over, not read from the environment: a fork server started earlier has an older one."""
 
 
 def group_log(run_dir: str | Path, world_size: int, rank: int, *, lane: int = 0) -> Path:
@@ -85,7 +88,7 @@ def worker_main(rank: int, job: GroupJob, events: Any, commands: Any) -> None:
     from gaeq.runtime import dist
 
     dist.set_accelerator_env()  # before anything imports DeepSpeed
-    set_up_rank(cores=job.cores, plugin_dirs=job.plugin_dirs)
+    set_up_rank(cores=job.cores, plugin_dirs=job.plugin_dirs, accelerator_fp16=job.accelerator_fp16)
     dist.init_process_group(
         rank=rank,
         world_size=job.world_size,
@@ -128,12 +131,17 @@ def worker_main(rank: int, job: GroupJob, events: Any, commands: Any) -> None:
     _exit(events, 0)
 
 
-def set_up_rank(*, cores: tuple[int, ...] = (), plugin_dirs: tuple[str, ...] = ()) -> None:
+def set_up_rank(
+    *, cores: tuple[int, ...] = (), plugin_dirs: tuple[str, ...] = (), accelerator_fp16: bool | None = None
+) -> None:
     """Process-wide settings of a rank, before it joins its group (any launcher). `cores`: pin the
     rank to them (gaeq's own launcher: its lane's cores); `plugin_dirs`: where its cells' plugin
-    modules are imported from (on ``sys.path`` from here on)."""
+    modules are imported from (on ``sys.path`` from here on); `accelerator_fp16`: the answer DeepSpeed's
+    accelerator gives to ``is_fp16_supported()`` in this rank (None: its own; gaeq/accelerator.py)."""
+    from gaeq.accelerator import force_fp16_answer
     from gaeq.problem.build import import_plugins_from
 
+    force_fp16_answer(accelerator_fp16)
     import_plugins_from(plugin_dirs)
     # DeepSpeed calls collectives torch deprecates; the warning repeats on every ZeRO
     # collective (hundreds of lines per cell log, and time).

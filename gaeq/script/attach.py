@@ -18,9 +18,12 @@ def main() -> None:
 
 
 def run(script: str, args: list[str]) -> None:
-    """The script under the probe, in this process (its environment already the rank's)."""
+    """The script under the probe, in this process (its environment already the rank's, with the fp16
+    answer gaeq's run forces on DeepSpeed's accelerator, if any: gaeq/accelerator.py)."""
+    from gaeq.accelerator import force_fp16_answer, forced_fp16
     from gaeq.script.probe import Probe, _rank
 
+    force_fp16_answer(forced_fp16())
     probe = Probe.from_env()
     probe.install()
     sys.argv = [script, *args]

@@ -163,6 +163,8 @@ def conclude(
         **ran,
         "versions": facts.get("versions", {}),
     }
+    if facts.get("accelerator_fp16"):  # what DeepSpeed's accelerator answered to fp16, where the script loaded it
+        ran["accelerator_fp16"] = facts["accelerator_fp16"]
     if facts.get("dropout"):  # the verdict names it when the cell diverges (report._dropout_note)
         ran["dropout"] = facts["dropout"]
     if code != 0:

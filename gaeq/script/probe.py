@@ -44,6 +44,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 import gaeq.newton_schulz as newton_schulz
 import gaeq.perturb as perturb
+from gaeq.accelerator import fp16_answer_record
 from gaeq.script.contract import ENV, PROBE_FILE
 from gaeq.script.samples import SampleIdentity
 from gaeq.script.weights import UpdateSketch, engine_norm, fingerprint, grad_norm
@@ -335,7 +336,7 @@ class Probe:
 
         self.out.mkdir(parents=True, exist_ok=True)
         facts = {"steps": self.record, "initial": self.initial, "dropout": self.dropout, "complete": complete}
-        facts["versions"] = _versions()
+        facts["versions"], facts["accelerator_fp16"] = _versions(), fp16_answer_record()  # None: no DeepSpeed
         atomic_write(self.out / PROBE_FILE, json.dumps(facts))
         if not complete:
             return

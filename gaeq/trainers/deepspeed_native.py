@@ -19,7 +19,6 @@ import deepspeed
 import torch
 from deepspeed.utils import groups, safe_get_full_fp32_param, safe_get_full_grad
 
-from gaeq.accelerator import allow_emulated_fp16
 from gaeq.bugs import Bug
 from gaeq.matrix import Cell
 from gaeq.problem.optim import build_scheduler, gradient_clipping
@@ -35,7 +34,6 @@ from gaeq.trainers.provenance import Provenance, engine_norm_dtype
 
 def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     """Train the cell on this rank; returns what really ran (:mod:`gaeq.trainers.provenance`)."""
-    allow_emulated_fp16()
     forget_parallel_groups()
     task = build_cell_problem(cell, problem, ctx)
     plan = task.plan
@@ -94,7 +92,11 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     if task.routes:  # a mixture of experts: the tokens each expert took in the first step
         ran.read_at_first_step(router_tokens=task.router_tokens)
     if problem.optimizer.name == "muon":  # its Newton–Schulz calls in the first step, wherever the engine runs them
-        muon.watch(ran, matrices=sum(bool(getattr(p, "use_muon", False)) for p in engine.module.parameters()))
+        muon.watch(
+            ran,
+            matrices=sum(bool(getattr(p, "use_muon", False)) for p in engine.module.parameters()),
+            optimizer="muon",
+        )
     start = load_deepspeed(engine, run_dir=ctx.run_dir, resume=cell.resume) if cell.resume else 0
 
     for step in range(start, problem.steps):

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import gaeq.newton_schulz as newton_schulz
 from gaeq.bugs import Bug
 from gaeq.matrix import Cell
+from gaeq.problem.optim import NS_METHOD
 from gaeq.problem.spec import ProblemSpec
 
 MUONS = ("muon", "torch_muon")
@@ -46,8 +47,10 @@ def label(cell: Cell, problem: ProblemSpec) -> dict[str, Any]:
     return {"newton_schulz": NEVER if cell.bug == Bug.MUON_WITHOUT_NEWTON_SCHULZ else ONCE}
 
 
-def watch(ran, *, matrices: int) -> None:
-    """Count this cell's Newton–Schulz calls; `ran` reads them after the first step, over every rank."""
+def watch(ran, *, matrices: int, optimizer: str) -> None:
+    """Count this cell's Newton–Schulz calls; `ran` reads them after the first step, over every rank
+    — and, for DeepSpeed's Muon, the dtype its Newton–Schulz ran in (the accelerator's fp16 answer
+    decides it: gaeq/accelerator.py)."""
     newton_schulz.count()
     start = newton_schulz.calls()
     seen: dict[str, int] = {}
@@ -69,6 +72,16 @@ def watch(ran, *, matrices: int) -> None:
     ran.read_at_first_step(
         muon_matrices=lambda: matrices, newton_schulz=said, newton_schulz_calls=lambda: count()["total"]
     )
+    if optimizer == "muon":
+        ran.read_at_first_step(newton_schulz_dtype=deepspeeds_dtype)
+
+
+def deepspeeds_dtype() -> str:
+    """The dtype DeepSpeed's Newton–Schulz runs in, by its own rule (``ns_compute_dtype``, for gaeq's
+    method, gram): float16 where the accelerator answers yes to fp16, float32 where no."""
+    from deepspeed.runtime.zero.muon.original_muon import ns_compute_dtype
+
+    return str(ns_compute_dtype(NS_METHOD)).removeprefix("torch.")
 
 
 def matrices(optimizer: torch.optim.Optimizer) -> int:

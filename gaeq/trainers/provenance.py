@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from gaeq.accelerator import fp16_emulated
+from gaeq.accelerator import FP16_ENV, fp16_answer_record, fp16_emulated
 from gaeq.matrix import Cell
 from gaeq.registry import TRAINERS
 
@@ -50,8 +50,11 @@ class Provenance:
         self.label = label_of(cell, promised)
         self.facts: dict[str, Any] = dict(read_back)
         """What ran: read back, measured in the first step, then returned by the trainer."""
-        if cell.dtype in ("fp16", "ds_fp16") and fp16_emulated():
-            self.facts["fp16_kernels"] = "emulated (GAEQ_FP16_EMULATION=1)"
+        fp16 = cell.dtype in ("fp16", "ds_fp16")
+        if (answer := fp16_answer_record(ask=fp16)) is not None:  # where DeepSpeed is loaded: it may have asked
+            self.facts["accelerator_fp16"] = answer
+        if fp16 and fp16_emulated():
+            self.facts["fp16_kernels"] = f"emulated ({FP16_ENV}=yes on a CPU without fp16)"
         self._micro_steps = 0
         self._checked = False
         self._at_first_step: dict[str, Callable[[], Any]] = {}

@@ -110,7 +110,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     if task.routes:  # a mixture of experts: the tokens each expert took in the first step
         ran.read_at_first_step(router_tokens=task.router_tokens)
     if problem.optimizer.name in muon.MUONS:  # its Newton–Schulz calls in the first step
-        muon.watch(ran, matrices=muon.matrices(optimizer))
+        muon.watch(ran, matrices=muon.matrices(optimizer), optimizer=problem.optimizer.name)
     start = load_torch(model, optimizer, scheduler, run_dir=ctx.run_dir, resume=cell.resume) if cell.resume else 0
 
     for step in range(start, problem.steps):

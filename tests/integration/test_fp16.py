@@ -1,6 +1,6 @@
 """experiments/fp16.yaml: fp16 that really is fp16 — autocast + GradScaler, DeepSpeed's fp16 engine.
 
-Runs on any CPU: where DeepSpeed's accelerator has no fp16, GAEQ_FP16_EMULATION=1 computes the
+Runs on any CPU: where DeepSpeed's accelerator has no fp16, GAEQ_ACCELERATOR_FP16=yes computes the
 cells on torch's emulated float16 (each cell's `ran` says so); where it has fp16 the variable
 changes nothing.
 """
@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from gaeq.accelerator import FP16_EMULATION_ENV, fp16_emulated
+from gaeq.accelerator import FP16_ENV, fp16_emulated
 from gaeq.matrix import load_matrix
 from tests.conftest import REPO
 from tests.helpers import cells_by_id, gaeq_run
@@ -25,7 +25,7 @@ def losses(run_dir, cell_id: str) -> list[float]:
 
 
 def test_fp16_experiment(tmp_path, monkeypatch):
-    monkeypatch.setenv(FP16_EMULATION_ENV, "1")
+    monkeypatch.setenv(FP16_ENV, "yes")
     out = tmp_path / "run"
     proc, report, tag = gaeq_run(REPO / "experiments" / "fp16.yaml", out)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -48,6 +48,7 @@ def test_fp16_experiment(tmp_path, monkeypatch):
         if c["dtype"] == "ds_fp16":
             assert (ran["model_dtype"], ran["grad_accum_dtype"]) == ("float16", "float16")
         assert ("fp16_kernels" in ran) is fp16_emulated()  # emulated exactly where the CPU has no fp16
+        assert ran["accelerator_fp16"].startswith("yes (forced by GAEQ_ACCELERATOR_FP16")
         if fp16_emulated():
             assert ran["fp16_kernels"].startswith("emulated")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from gaeq.accelerator import FP16_ENV
 from gaeq.matrix import load_matrix
 from gaeq.trainers.muon import ONCE
 from tests.helpers import REPO_ROOT, experiment_corner
@@ -29,12 +30,18 @@ CELLS = [
 ]  # fmt: skip
 
 
-def test_deepspeeds_muon_orthogonalises_once_a_step_and_at_zero_1_to_3_measures_the_update(tmp_path):
-    # DeepSpeed's Newton–Schulz runs in fp16 where the CPU has it (fp32 here): the twin measures its rounding
+@pytest.mark.parametrize("fp16", ["yes", "no"])
+def test_deepspeeds_muon_orthogonalises_once_a_step_and_at_zero_1_to_3_measures_the_update(tmp_path, monkeypatch, fp16):
+    """On either kind of CPU: DeepSpeed's Newton–Schulz runs in fp16 where the accelerator answers yes to
+    fp16 (Intel with AMX/avx512_fp16), in fp32 where no — both forced here, whatever this CPU answers; the
+    twins measure each one's rounding."""
+    monkeypatch.setenv(FP16_ENV, fp16)
     cells, tag = experiment_corner("muon", CELLS, steps=4, tmp_path=tmp_path, noise_floor=True)  # exit 0: as expected
     said = {c.id: c.expectation for c in load_matrix(REPO_ROOT / "experiments" / "muon.yaml").cells}  # the same
     for cell in cells.values():  # never skipped (#8441), never per micro-batch (#8443), at any stage
         assert cell["ran"]["newton_schulz"] == ONCE, cell
+        assert cell["ran"]["accelerator_fp16"].startswith(f"{fp16} (forced by {FP16_ENV}"), cell["ran"]
+        assert cell["ran"]["newton_schulz_dtype"] == ("float16" if fp16 == "yes" else "float32")
     assert cells["deepspeed-z0-w2-mb2-ga4"]["verdict"] == "match"
     for cell_id in ("deepspeed-z1-w2-mb2-ga4", "deepspeed-z3-w2-mb1-ga8"):
         cell = cells[cell_id]  # the same optimisation, another norm: 29× the gradient's, at step 0

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from gaeq.accelerator import fp16_answer_record
 from tests.helpers import cells_by_id
 from tests.processes import leftovers
 
@@ -100,6 +101,8 @@ def test_a_users_deepspeed_script_matches_and_manual_accumulation_against_ga_1_i
     clean = cells["script-w2-mb4-ga2"]
     assert clean["verdict"] == "match" and clean["ran"]["command"].startswith("deepspeed --num_gpus 2")
     assert (clean["ran"]["world_size"], clean["ran"]["micro_steps"]) == (2, [2])
+    # what DeepSpeed's accelerator answered to fp16 in the script's ranks (forced or not, as in this process)
+    assert clean["ran"]["accelerator_fp16"] == fp16_answer_record(ask=True)
     control = cells["script-w2-mb4-ga2-args_bug_ga_one_in_config"]
     assert (control["caught_by"], control["first_divergent_step"]) == ("split", 0), control["reason"]
     assert "your script ignored {grad_accum_steps}: 1 backward call(s) in its first optimizer step" in control["reason"]

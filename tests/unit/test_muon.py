@@ -86,7 +86,7 @@ def test_the_newton_schulz_count_says_what_ran():
 
     for calls, word in ((2, muon.ONCE), (0, muon.NEVER), (4, muon.TWICE), (1, muon.SOME)):
         measures = {}
-        muon.watch(SimpleNamespace(read_at_first_step=measures.update), matrices=2)
+        muon.watch(SimpleNamespace(read_at_first_step=measures.update), matrices=2, optimizer="muon")
         with torch.compiler.set_stance("force_eager"):
             for _ in range(calls):
                 original_muon.zeropower_via_gram_newtonschulz(torch.eye(2), steps=1)
