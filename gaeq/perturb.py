@@ -4,8 +4,8 @@ micro-batch), so no accumulation code sets what a run is judged by. A leaf: no g
 
 - **nudge** (the noise floor's twins): before each optimizer step, every gradient element × (1 ± one
   unit in the last place of its dtype), the signs from a generator seeded per twin — one more rounding
-  per element and step, the size of what summing a batch in another order does to it. Nested optimizer
-  steps (an optimizer stepping another inside its own step) nudge once, at the outermost.
+  per element and step, the size of what summing a batch in another order does to it. An optimizer
+  stepping another inside its own step nudges each gradient once.
 - **weight** (the detection limit's probe, and a control of tunable size): the gradient that reaches the
   model's output for the first half of each forward's rows × (1 + δ) — half a batch weighed wrongly,
   the shape of every normalisation mistake, in every micro-batch the model sees.
@@ -34,26 +34,33 @@ class Nudge:
     def __init__(self, seed: int) -> None:
         self.generator = torch.Generator().manual_seed(NUDGE_SEED_BASE + seed)
         self.depth = 0
+        self._nudged: set[int] = set()
+        """Gradients nudged in this outer step: a nested optimizer's own ones are nudged, once each."""
 
     def before(self, optimizer, args, kwargs) -> None:
         self.depth += 1
-        if self.depth > 1:
-            return  # a nested step: its gradients were nudged by the outer one
         with torch.no_grad():
             for group in optimizer.param_groups:
                 for p in group["params"]:
-                    if p.grad is not None:
+                    if p.grad is not None and id(p.grad) not in self._nudged:
                         nudge_(p.grad, self.generator)
+                        self._nudged.add(id(p.grad))
 
     def after(self, optimizer, args, kwargs) -> None:
         self.depth -= 1
+        if self.depth == 0:
+            self._nudged.clear()
 
 
 def nudge_(grad: torch.Tensor, generator: torch.Generator) -> None:
-    """`grad` × (1 ± eps of its dtype), in place; the product is taken in float64 and rounded once."""
+    """Each element of `grad` ± eps of its dtype × the larger of its own size and the tensor's root mean
+    square, in place (taken in float64, rounded once): a unit in the last place of the element — or of the
+    sums it came from, where terms cancelled (a sum's rounding is relative to its terms, not to the result:
+    an element near zero accumulated from terms of the tensor's typical size rounds at their scale)."""
     signs = torch.randint(0, 2, grad.shape, generator=generator, dtype=torch.int8).to(grad.device)
-    factor = 1.0 + torch.finfo(grad.dtype).eps * (signs.double() * 2 - 1)
-    grad.copy_(grad.double() * factor)
+    exact = grad.double()
+    scale = torch.maximum(exact.abs(), exact.square().mean().sqrt()) * torch.finfo(grad.dtype).eps
+    grad.copy_(exact + scale * (signs.double() * 2 - 1))
 
 
 class Weight:

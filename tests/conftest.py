@@ -67,7 +67,7 @@ def your_script_run(tmp_path_factory):
 
     spec = yaml.safe_load((REPO / "experiments" / "your_script.yaml").read_text())
     spec["script"]["path"] = str(REPO / "experiments" / "scripts" / "ddp_manual.py")
-    spec |= {"steps": 3, "train_batch_size": 16, "noise_floor": False}
+    spec |= {"steps": 3, "train_batch_size": 16, "noise_floor": False, "detection_limit": False}
     spec["axes"] = {"world_size": [2], "micro_batch_size": [4]}
     spec["cells"] = [
         {"world_size": 2, "micro_batch_size": 4, "args": ["--bug", bug], "expect": "diverge"}

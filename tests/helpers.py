@@ -136,6 +136,7 @@ def experiment_corner(
     id, and the tag of what it started. A run that does not exit 0 fails the test with its output."""
     spec = yaml.safe_load((REPO_ROOT / "experiments" / f"{name}.yaml").read_text())
     spec["cells"], spec["problem"]["steps"], spec["noise_floor"] = cells, steps, noise_floor
+    spec["detection_limit"] = noise_floor  # the instruments measure the run: with its floor, or not at all
     matrix = tmp_path / f"{name}.yaml"
     matrix.write_text(yaml.safe_dump(spec))
     proc, report, tag = gaeq_run_here(matrix, tmp_path / "run")

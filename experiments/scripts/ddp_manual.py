@@ -25,6 +25,7 @@ parser.add_argument("--lr", type=float, default=3e-3)
 parser.add_argument("--clip", type=float, default=1.0, help="max grad norm; 0 = off")
 parser.add_argument("--d_model", type=int, default=32, help="embedding width")
 parser.add_argument("--hidden", type=int, default=256, help="MLP width (640 and 8192: 10.8 M parameters)")
+parser.add_argument("--min_len", type=int, default=4, help="shortest sequence (23: every one 23 or 24 tokens long)")
 parser.add_argument(
     "--bug",
     default="none",
@@ -53,17 +54,17 @@ VOCAB, MAX_LEN, N = 32, 24, 4096
 
 
 class SyntheticSeqs(Dataset):
-    """Variable-length (4..24) modular arithmetic sequences; item i is a pure function of (seed, i)."""
+    """Variable-length (min_len..24) modular arithmetic sequences; item i is a pure function of (seed, i)."""
 
-    def __init__(self, n, seed):
-        self.n, self.seed = n, seed
+    def __init__(self, n, seed, min_len=4):
+        self.n, self.seed, self.min_len = n, seed, min_len
 
     def __len__(self):
         return self.n
 
     def __getitem__(self, i):
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
-        length = int(torch.randint(4, MAX_LEN + 1, (1,), generator=g))
+        length = int(torch.randint(self.min_len, MAX_LEN + 1, (1,), generator=g))
         start = torch.randint(1, VOCAB, (1,), generator=g)
         stride = torch.randint(1, 4, (1,), generator=g)
         toks = (start + stride * torch.arange(length)) % VOCAB
@@ -75,7 +76,7 @@ class SyntheticSeqs(Dataset):
         return x, y
 
 
-dataset = SyntheticSeqs(N, args.seed)
+dataset = SyntheticSeqs(N, args.seed, args.min_len)
 sampler_seed = args.seed
 if args.bug == "sampler_seeded_by_rank":
     sampler_seed = args.seed + rank  # BUG: each rank shuffles differently -> samples repeated/missing

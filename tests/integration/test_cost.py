@@ -70,7 +70,8 @@ def test_isolate_runs_one_group_per_cell_and_changes_no_number(write_matrix, tmp
         baseline={"trainer": "torch", "world_size": 2, "micro_batch_size": 16},
         variants={"gpt": {**gpt, "baseline": {"trainer": "torch", "world_size": 1, "micro_batch_size": 4}}},
         cells=[{"variant": "gpt", "trainer": "torch", "world_size": 1, "micro_batch_size": 4}],
-        noise_floor=False,  # cells of the default run only: their traces are the point, not verdicts
+        noise_floor=False,
+        detection_limit=False,  # cells of the default run only: their traces are the point, not verdicts
     )
     isolated = tmp_path / "isolated"
     proc, report_isolated, _ = gaeq_run_here(write_matrix(spec), isolated, extra=["--isolate"])

@@ -26,7 +26,8 @@ pytestmark = pytest.mark.integration
 SPEC = ga_spec(
     axes={"trainer": ["torch", "deepspeed"], "world_size": [2], "micro_batch_size": [8], "zero_stage": [1, 3]},
     cells=[{"trainer": "torch", "world_size": 2, "micro_batch_size": 4, "bug": "no_loss_division"}],
-    noise_floor=False,  # these tests compare launch paths: the default run's cells, without a twin of their own
+    noise_floor=False,
+    detection_limit=False,  # these tests compare launch paths: the default run's cells, without a twin of their own
 )
 # The world-2 half, judged against a world-2 baseline (a cell of the default matrix too): one
 # launch per test instead of two.
@@ -34,7 +35,8 @@ SPEC_W2 = ga_spec(
     axes={"trainer": ["torch", "deepspeed"], "world_size": [2], "micro_batch_size": [8], "zero_stage": [1, 3]},
     cells=[{"trainer": "torch", "world_size": 2, "micro_batch_size": 4, "bug": "no_loss_division"}],
     baseline={"trainer": "torch", "world_size": 2, "micro_batch_size": 16},
-    noise_floor=False,  # its baseline's twin (at world 2) is not a cell of the default matrix
+    noise_floor=False,
+    detection_limit=False,  # its baseline's twin (at world 2) is not a cell of the default matrix
 )
 
 
@@ -48,6 +50,7 @@ SPEC_W2_ZERO3 = ga_spec(
     axes={"trainer": ["deepspeed"], "world_size": [2], "micro_batch_size": [8], "zero_stage": [3]},
     baseline={"trainer": "torch", "world_size": 2, "micro_batch_size": 16},
     noise_floor=False,
+    detection_limit=False,
 )
 SAME = ("step", "loss", "grad_norm", "lr", "samples")  # seconds, bytes and memory are measurements
 

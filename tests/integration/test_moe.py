@@ -44,7 +44,9 @@ def test_moe_balance_over_the_global_batch_matches_and_over_micro_batches_does_n
     spec["cells"], spec["problem"]["steps"] = CELLS, 4
     for unused in ("buffered", "mixtral"):
         spec["variants"].pop(unused)
-    spec["noise_floor"] = False  # the dtype's own tolerances: 4 steps, the global cells within 6e-7 after 20
+    spec["noise_floor"] = spec["detection_limit"] = (
+        False  # the dtype's own tolerances: 4 steps, the global cells within 6e-7 after 20
+    )
     matrix, out = tmp_path / "moe.yaml", tmp_path / "run"
     matrix.write_text(yaml.safe_dump(spec))
     proc, report, tag = gaeq_run_here(matrix, out)

@@ -27,7 +27,8 @@ def run(tmp_path, experiment: str, cells: list[dict], *, args: list[str] = (), n
         if key in spec["script"]:
             spec["script"][key] = str(REPO / "experiments" / spec["script"][key])
     spec["script"]["args"] += list(args)
-    spec |= {"steps": 3, "train_batch_size": 16, "noise_floor": noise_floor, "cells": cells}
+    spec |= {"steps": 3, "train_batch_size": 16, "noise_floor": noise_floor, "detection_limit": noise_floor}
+    spec["cells"] = cells
     spec.pop("axes")
     (tmp_path / "mine.yaml").write_text(yaml.safe_dump(spec))
     proc, report, _ = gaeq_run_here(tmp_path / "mine.yaml", tmp_path / "run")

@@ -58,7 +58,7 @@ def corner(tmp_path, experiment: str, bug: str) -> dict:
     for key in ("path", "deepspeed_config"):
         if key in spec["script"]:
             spec["script"][key] = str(REPO / "experiments" / spec["script"][key])
-    spec |= {"steps": 3, "train_batch_size": 16, "noise_floor": False}
+    spec |= {"steps": 3, "train_batch_size": 16, "noise_floor": False, "detection_limit": False}
     spec["axes"] = {"world_size": [2], "micro_batch_size": [4]}
     spec["cells"] = [{"world_size": 2, "micro_batch_size": 4, "args": ["--bug", bug], "expect": "diverge"}]
     (tmp_path / "mine.yaml").write_text(yaml.safe_dump(spec))
@@ -229,7 +229,14 @@ def ranks_given(tmp_path_factory):
         assert proc.returncode == 0, out[-2000:] + err[-2000:]
         split = {"world_size": 2, "micro_batch_size": 1}
         script = {"path": "dump.py", "launcher": launcher, "args": ["--mine"], "env": {"DUMP": "gaeq"}}
-        spec = {"name": "dump", "steps": 1, "train_batch_size": 2, "noise_floor": False, "baseline": split}
+        spec = {
+            "name": "dump",
+            "steps": 1,
+            "train_batch_size": 2,
+            "noise_floor": False,
+            "detection_limit": False,
+            "baseline": split,
+        }
         spec |= {"axes": {k: [v] for k, v in split.items()}, "script": script}
         (here / "dump.yaml").write_text(yaml.safe_dump(spec))
         gaeq_run_here(here / "dump.yaml", here / "run")  # the script steps no optimizer: its cell is an error
@@ -303,7 +310,14 @@ def test_stopping_gaeq_takes_every_rank_of_the_script_and_what_they_started_with
 
     (tmp_path / "hangs.py").write_text(HANGS)
     split = {"world_size": 2, "micro_batch_size": 2}
-    spec = {"name": "hangs", "script": {"path": "hangs.py"}, "steps": 2, "train_batch_size": 4, "noise_floor": False}
+    spec = {
+        "name": "hangs",
+        "script": {"path": "hangs.py"},
+        "steps": 2,
+        "train_batch_size": 4,
+        "noise_floor": False,
+        "detection_limit": False,
+    }
     (tmp_path / "hangs.yaml").write_text(
         yaml.safe_dump(spec | {"axes": {k: [v] for k, v in split.items()}, "baseline": split})
     )
@@ -323,3 +337,37 @@ def test_stopping_gaeq_takes_every_rank_of_the_script_and_what_they_started_with
             proc.kill()
             proc.wait(timeout=10)
         assert leftovers(proc.tag, grace=10) == []
+
+
+def test_a_mistake_in_every_split_of_your_script_is_caught_and_the_floor_never_runs_it(tmp_path):
+    """experiments/your_script_every_split.yaml's corner: ddp_manual.py with its mean of micro-batch means
+    ON for the whole matrix (the script's own arguments, as a user has it), sequences differing by one token
+    — the baseline's split (GA 1, one rank) is clean by nature and so are the noise-floor twins, which train
+    it; every other split diverges. The same splits with the mistake off (`--bug none` after it) match. Each
+    group's report states its detection limit."""
+    import yaml
+
+    from tests.conftest import REPO
+    from tests.helpers import gaeq_run_here
+
+    spec = yaml.safe_load((REPO / "experiments" / "your_script_every_split.yaml").read_text())
+    spec["script"]["path"] = str(REPO / "experiments" / "scripts" / "ddp_manual.py")
+    spec |= {"steps": 3, "train_batch_size": 16}
+    splits = [(1, 2), (1, 8), (2, 8)]  # GA 8, 2, and 1 at world 2 (a mean of the ranks' means)
+    spec["cells"] = [{"world_size": w, "micro_batch_size": mb, "expect": "diverge"} for w, mb in splits]
+    spec["cells"] += [{"world_size": w, "micro_batch_size": mb, "args": ["--bug", "none"]} for w, mb in splits]
+    (tmp_path / "every.yaml").write_text(yaml.safe_dump(spec))
+    proc, report, _ = gaeq_run_here(tmp_path / "every.yaml", tmp_path / "run")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    cells = cells_by_id(report)
+    for w, mb in splits:
+        ga = 16 // (w * mb)
+        planted, clean = cells[f"script-w{w}-mb{mb}-ga{ga}"], cells[f"script-w{w}-mb{mb}-ga{ga}-args_bug_none"]
+        assert planted["verdict"] == "diverge" and planted["margin"] > 10, planted
+        assert clean["verdict"] == "match" and clean["margin"] < 0.5, clean
+    twins = report["noise_floors"]["fp32"]
+    assert twins["twins"] == ["script-w1-mb16-ga1-floor0", "script-w1-mb16-ga1-floor1"]
+    assert twins["max_abs_loss_diff"] < 1e-6  # rounding only: the mistake is not in the baseline's split
+    limit = report["detection_limits"]["fp32"]
+    assert limit["cell"] == "script-w1-mb16-ga1-weight1e-02" and 0 < limit["limit"] < 1e-3
+    assert "Detection limit fp32: detects half a batch weighed (1 + δ) for δ ≥" in proc.stdout
