@@ -139,6 +139,7 @@ def bare_vs_trainer(*, steps: int, repeats: int) -> dict[str, float]:
     from gaeq.problem.optim import build_optimizer, build_scheduler
     from gaeq.trainers import RunContext, trainer_for
     from gaeq.trainers import base as trainer_base
+    from gaeq.trainers.recorder import StepRecorder
 
     torch.set_num_threads(1)
     folder = tempfile.TemporaryDirectory()
@@ -202,7 +203,7 @@ def bare_vs_trainer(*, steps: int, repeats: int) -> dict[str, float]:
         cell_dir = tmp / f"rec-{time.perf_counter_ns()}"
         cell_dir.mkdir()
         ctx = RunContext(rank=0, world_size=1, device=torch.device("cpu"), cell_dir=cell_dir, run_dir=tmp)
-        recorder = trainer_base.StepRecorder(cell=cell, ctx=ctx, steps=calls, plan=plan)
+        recorder = StepRecorder(cell=cell, ctx=ctx, steps=calls, plan=plan)
         started = time.perf_counter()
         for step in range(calls):
             recorder.record(step=step, local_loss_sum=1.0, normaliser=32, grad_norm=1.0, lr=1e-3, seconds=1e-3)

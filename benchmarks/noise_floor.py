@@ -5,10 +5,12 @@
     python benchmarks/noise_floor.py --tiny     # trains a tiny scale-like run itself; the figure to a temp path
 
 For each group of the run (a model size × configuration × dtype): the parameters, how far the
-baseline's twin drifted by rounding alone (its max |Δloss| and max rel Δ‖g‖: the floor), the
-largest margin of a correct split (its largest share of its tolerance: < 1 is a match), and the
-smallest margin of a planted control (> 1 is caught). A verdict holds at a size when the first
-stays below 1 and the second above it.
+baseline's nudged twins drifted by rounding alone (their max |Δloss| and max rel Δ‖g‖: the floor), the
+largest margin of a correct split (its largest share of its tolerance: < 1 is a match), the smallest
+margin of a planted control (> 1 is caught), and the detection limit — the smallest δ of half a batch
+weighed (1 + δ) the run would have caught — beside what a split with that error planted really showed
+(weight_error cells: a verdict that contradicts the limit by 3× or more fails the benchmark). A verdict
+holds at a size when the first margin stays below 1 and the second above it.
 
 `--tiny` first trains experiments/scale.yaml cut to its two smallest models (the 3 k MLP and the 43 k
 GPT), world 1, 2 steps, into a temporary folder, then prints the same table and draws the same figure
@@ -79,9 +81,15 @@ def ladder(run_dir: Path) -> list[dict]:
     rows = []
     for group, cells in groups.items():
         floor = report["noise_floors"].get(group, {})
-        splits = [c for c in cells if c["role"] == "cell" and c["bug"] is None and c["verdict"] != "skipped"]
+        splits = [
+            c
+            for c in cells
+            if c["role"] == "cell" and c["bug"] is None and not c.get("weight_error") and c["verdict"] != "skipped"
+        ]
         controls = [c for c in cells if c["bug"] is not None]
         variant = cells[0]["variant"]
+        limit = report.get("detection_limits", {}).get(group, {}).get("limit")
+        planted = [c for c in cells if c["role"] == "cell" and c.get("weight_error") and c["verdict"] != "skipped"]
         rows.append({
             "group": group,
             "parameters": sizes[variant],
@@ -93,8 +101,20 @@ def ladder(run_dir: Path) -> list[dict]:
             "false_alarms": sum(c["verdict"] != "match" for c in splits),
             "weakest_control": min((c["margin"] for c in controls), default=None),
             "missed_controls": sum(c["verdict"] != "diverge" for c in controls),
+            "limit": limit,
+            "planted": [(c["weight_error"], c["verdict"]) for c in planted],
+            "contradicted": sum(contradicts(limit, c["weight_error"], c["verdict"]) for c in planted),
         })  # fmt: skip
     return sorted(rows, key=lambda r: (r["group"].split("@")[0], r["parameters"], r["group"]))
+
+
+def contradicts(limit: float | None, delta: float, verdict: str) -> bool:
+    """Whether a split with half of each micro-batch weighed (1 + delta) contradicts the detection limit
+    measured on the baseline's split: caught at a third of the limit or less, or missed at three times it or
+    more (between the two, the split's own samples decide: either verdict agrees)."""
+    if limit is None:
+        return False
+    return (delta <= limit / 3 and verdict == "diverge") or (delta >= 3 * limit and verdict != "diverge")
 
 
 def figure(rows: list[dict], path: Path) -> None:
@@ -163,7 +183,8 @@ def main() -> None:
 def table_and_figure(run_dir: Path, figure_path: Path) -> None:
     rows = ladder(run_dir)
     print(f"{'group':<22} {'params':>10} {'floor |Δloss|':>13} {'floor rel Δ‖g‖':>14} {'max |Δloss|':>11} "
-          f"{'worst split':>11} {'weakest control':>15}  false alarms / missed controls")  # fmt: skip
+          f"{'worst split':>11} {'weakest control':>15} {'detects δ ≥':>11} {'planted δ: verdict':>20}"
+          "  false alarms / missed controls / limit contradicted")  # fmt: skip
     for r in rows:
 
         def f(x, spec=".1e"):
@@ -172,12 +193,13 @@ def table_and_figure(run_dir: Path, figure_path: Path) -> None:
         print(
             f"{r['group']:<22} {r['parameters']:>10,} {f(r['floor_loss']):>13} {f(r['floor_grad']):>14} "
             f"{f(r['max_loss']):>11} "
-            f"{f(r['worst_split'], '.2f'):>11} {f(r['weakest_control'], '.3g'):>15}  {r['false_alarms']} / "
-            f"{r['missed_controls']}"
+            f"{f(r['worst_split'], '.2f'):>11} {f(r['weakest_control'], '.3g'):>15} {f(r['limit']):>11} "
+            f"{', '.join(f'{d:.0e}: {v}' for d, v in r['planted']) or '-':>20}  {r['false_alarms']} / "
+            f"{r['missed_controls']} / {r['contradicted']}"
         )
     figure(rows, figure_path)
     print(f"figure: {figure_path}")
-    if any(r["false_alarms"] or r["missed_controls"] for r in rows):
+    if any(r["false_alarms"] or r["missed_controls"] or r["contradicted"] for r in rows):
         sys.exit(1)
 
 

@@ -2,10 +2,13 @@
 planted error of known size. Both act on the baseline's own split (one process, the whole batch in one
 micro-batch), so no accumulation code sets what a run is judged by. A leaf: no gaeq imports.
 
-- **nudge** (the noise floor's twins): before each optimizer step, every gradient element × (1 ± one
-  unit in the last place of its dtype), the signs from a generator seeded per twin — one more rounding
-  per element and step, the size of what summing a batch in another order does to it. An optimizer
-  stepping another inside its own step nudges each gradient once.
+- **nudge** (the noise floor's twins): before each optimizer step, every gradient element ± a unit in the
+  last place — of the element, or of its tensor's typical element where that is larger (`nudge_`) —, the
+  signs from a generator seeded per twin: one more rounding per element and step. An optimizer stepping
+  another inside its own step nudges each gradient once.
+- **row order** (the twins too): each batch's rows in another order — the same samples, summed in another
+  order by every reduction over the batch, as a split sums them: gaeq's trainers reorder the data they own
+  (`row_order`), a script's model gets its rows reordered and its output's put back (`RowOrder`).
 - **weight** (the detection limit's probe, and a control of tunable size): the gradient that reaches the
   model's output for the first half of each forward's rows × (1 + δ) — half a batch weighed wrongly,
   the shape of every normalisation mistake, in every micro-batch the model sees.
@@ -53,30 +56,37 @@ class Nudge:
 
 
 def nudge_(grad: torch.Tensor, generator: torch.Generator) -> None:
-    """Each element of `grad` ± eps of its dtype × the larger of its own size and the tensor's root mean
-    square, in place (taken in float64, rounded once): a unit in the last place of the element — or of the
-    sums it came from, where terms cancelled (a sum's rounding is relative to its terms, not to the result:
-    an element near zero accumulated from terms of the tensor's typical size rounds at their scale)."""
+    """Each nonzero element of `grad` ± eps of its dtype × the larger of its own size and the tensor's root
+    mean square, in place (taken in float64, rounded once): a unit in the last place of the element — or of
+    the sums it came from, where terms cancelled (a sum's rounding is relative to its terms, not to the
+    result: an element near zero accumulated from terms of the tensor's typical size rounds at their scale).
+    An exact zero stays zero: zeros sum to zero in any order."""
     signs = torch.randint(0, 2, grad.shape, generator=generator, dtype=torch.int8).to(grad.device)
     exact = grad.double()
     scale = torch.maximum(exact.abs(), exact.square().mean().sqrt()) * torch.finfo(grad.dtype).eps
+    scale = torch.where(exact == 0, 0.0, scale)  # a sum of exact zeros is zero in any order: no rounding there
     grad.copy_(exact + scale * (signs.double() * 2 - 1))
 
 
-class Weight:
-    """The gradient at the model's output × (1 + delta) on the first half of each training forward's rows."""
+class Outermost:
+    """Calls `on_model(module, output)` after each training call of the model — the outermost module
+    called with gradients on that has trainable parameters — and `on_first(module)` before its first."""
 
-    def __init__(self, delta: float) -> None:
-        self.delta = delta
+    def __init__(self, *, on_model=None, on_first=None) -> None:
+        self.on_model, self.on_first = on_model, on_first
         self._calls: list[bool] = []
+        self._seen = False
 
     def before(self, module, args) -> None:
         outer = not self._calls and torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters())
+        if outer and not self._seen and self.on_first is not None:
+            self.on_first(module)
+        self._seen |= outer
         self._calls.append(outer)
 
     def after(self, module, args, output) -> None:
-        if self._calls.pop():
-            weigh_first_half(output, self.delta)
+        if self._calls.pop() and self.on_model is not None:
+            self.on_model(module, output)
 
 
 def weigh_first_half(output, delta: float) -> None:
@@ -100,18 +110,87 @@ def weigh_first_half(output, delta: float) -> None:
             weigh_first_half(item, delta)
 
 
+def row_order(rows: int, *, seed: int, at: tuple[int, ...]) -> list[int]:
+    """A noise-floor twin's order of a batch's `rows` at `at` (its step and micro-step): seeded per twin,
+    the same in every run."""
+    generator = torch.Generator().manual_seed(NUDGE_SEED_BASE * (seed + 1) + 1_000_003 * sum(at) + at[-1])
+    return torch.randperm(rows, generator=generator).tolist()
+
+
+class RowOrder:
+    """A script's model gets its rows in another order, from its second training call on (the first tells
+    which module it is), every tensor of its arguments with as many rows permuted alike and its output's put
+    back: the same samples, summed in another order by every reduction over the batch."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed, self.calls = seed, 0
+        self._order: list[list[int]] = []
+
+    def attach(self, model: torch.nn.Module) -> None:
+        model.register_forward_pre_hook(self.before, with_kwargs=True)
+        model.register_forward_hook(self.after, always_call=True)
+
+    def before(self, module, args, kwargs):
+        rows = _rows((args, kwargs))
+        if not torch.is_grad_enabled() or rows is None or rows < 2:
+            self._order.append([])
+            return None
+        self.calls += 1
+        order = row_order(rows, seed=self.seed, at=(self.calls,))
+        self._order.append(order)
+        return _take((args, kwargs), rows, torch.tensor(order))
+
+    def after(self, module, args, output):
+        if not self._order:
+            return None  # the first call: its hooks were attached during it, after its inputs were read
+        order = self._order.pop()
+        if not order:
+            return None
+        back = torch.argsort(torch.tensor(order))
+        return _take(output, len(order), back)
+
+
+def _rows(value) -> int | None:
+    """The rows of the first tensor of at least one dimension in `value` (nested tuples, lists, mappings)."""
+    if isinstance(value, torch.Tensor):
+        return value.shape[0] if value.dim() >= 1 else None
+    items = value.values() if isinstance(value, Mapping) else value if isinstance(value, (tuple, list)) else ()
+    return next((r for r in map(_rows, items) if r is not None), None)
+
+
+def _take(value, rows: int, order: torch.Tensor):
+    """`value` with every tensor of `rows` rows reordered by `order` (containers rebuilt, others as they are)."""
+    if isinstance(value, torch.Tensor):
+        return value[order.to(value.device)] if value.dim() >= 1 and value.shape[0] == rows else value
+    if isinstance(value, Mapping):
+        taken = {k: _take(v, rows, order) for k, v in value.items()}
+        try:
+            return taken if type(value) is dict else type(value)(**taken)  # a transformers ModelOutput too
+        except TypeError:
+            return taken
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
+        return type(value)(*(_take(v, rows, order) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(_take(v, rows, order) for v in value)
+    return value
+
+
 @contextlib.contextmanager
-def applied(*, nudge_seed: int | None = None, weight: float | None = None) -> Iterator[None]:
-    """While inside: the nudge of twin `nudge_seed` and/or the planted `weight` error (nothing for None)."""
+def applied(*, twin_seed: int | None = None, weight: float | None = None, reorder_rows: bool = False) -> Iterator[None]:
+    """While inside: twin `twin_seed`'s nudge — and, with `reorder_rows`, its model's rows in another order
+    (a script's: gaeq's trainers reorder the data they own) — and/or the planted `weight` error."""
     handles = []
-    if nudge_seed is not None:
-        nudge = Nudge(nudge_seed)
+    if twin_seed is not None:
+        nudge = Nudge(twin_seed)
         handles += [register_optimizer_step_pre_hook(nudge.before), register_optimizer_step_post_hook(nudge.after)]
-    if weight is not None:
-        weigh = Weight(weight)
+    watch = Outermost(
+        on_model=None if weight is None else lambda module, output: weigh_first_half(output, weight),
+        on_first=RowOrder(twin_seed).attach if reorder_rows and twin_seed is not None else None,
+    )
+    if watch.on_model is not None or watch.on_first is not None:
         handles += [
-            torch.nn.modules.module.register_module_forward_pre_hook(weigh.before),
-            torch.nn.modules.module.register_module_forward_hook(weigh.after, always_call=True),
+            torch.nn.modules.module.register_module_forward_pre_hook(watch.before),
+            torch.nn.modules.module.register_module_forward_hook(watch.after, always_call=True),
         ]
     try:
         yield

@@ -48,14 +48,14 @@ class Fault:
 class Perturbation:
     """What an instrument — or a control of tunable size — changes in its split (gaeq.perturb)."""
 
-    nudge_seed: int | None = None
+    twin_seed: int | None = None
     """Every gradient × (1 ± eps) before each optimizer step, signs seeded by this: a noise-floor twin."""
     weight: float | None = None
     """The gradient of the first half of every forward's rows × (1 + weight): an error of known size."""
 
     @property
     def id_part(self) -> str:
-        parts = [f"floor{self.nudge_seed}"] if self.nudge_seed is not None else []
+        parts = [f"floor{self.twin_seed}"] if self.twin_seed is not None else []
         return "-".join(parts + ([f"weight{self.weight:.0e}"] if self.weight is not None else []))
 
 

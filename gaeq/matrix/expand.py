@@ -182,7 +182,7 @@ class Expander:
             judged = (c for c in self.cells if c.group == key and c.role == Role.CELL and c.id != base_id)
             if not any(c.skip_reason is None for c in judged):
                 continue  # nothing of the group is judged but its baseline (the axes' copy of it)
-            instruments = [self.instrument(baseline, Role.FLOOR, nudge_seed=k) for k in range(twins)]
+            instruments = [self.instrument(baseline, Role.FLOOR, twin_seed=k) for k in range(twins)]
             if instruments:
                 self.floors[key] = tuple(c.id for c in instruments)
             if detection_limit:  # (its error is meant to be caught: that is what it measures)

@@ -131,6 +131,11 @@ class CellReport:
     def role(self) -> str:
         return self.cell.role.value
 
+    @property
+    def weight_error(self) -> float | None:
+        """The error of known size planted in the cell (half of each micro-batch's gradient × (1 + this))."""
+        return self.cell.perturbation.weight if self.cell.perturbation is not None else None
+
     # Its comparison with the baseline (gaeq.results.compare.Comparison).
     max_abs_loss_diff = Part[float]("comparison")
     max_rel_grad_norm_diff = Part[float]("comparison")
@@ -231,7 +236,7 @@ JSON_FIELDS = (
     "sequence_parallel",
     *("micro_batch_size", "grad_accum_steps"),
     "zero_stage",
-    *("offload", "dtype", "variant", "bug", "expect", "expect_detail", "role", "verdict"),
+    *("offload", "dtype", "variant", "bug", "weight_error", "expect", "expect_detail", "role", "verdict"),
     *("max_abs_loss_diff", "max_rel_grad_norm_diff", "max_abs_grad_diff", "max_abs_param_diff"),
     *("first_divergent_step", "caught_by", "divergence_steps", "not_checked", "margin", "reason", "seconds"),
     *("samples_per_s", "step_seconds", "peak_mem_bytes", "comm_bytes_per_step", "model_state_bytes"),

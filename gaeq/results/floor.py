@@ -46,11 +46,13 @@ class NoiseFloor:
     """max |Δloss| over the twins, up to each step."""
     grad_norm: tuple[float, ...]
     """max |Δ grad norm| / baseline grad norm over the twins, up to each step."""
+    per_twin: tuple[float, ...] = ()
+    """Each twin's largest |Δloss|: twins that disagree by far say rounding comes in rare large steps here."""
 
     @classmethod
     def measure(cls, base: Sequence[StepRecord], twins: Mapping[str, Sequence[StepRecord]]) -> NoiseFloor:
         """Raises ValueError when a twin's trace does not cover the baseline's steps."""
-        loss, grad = [0.0] * len(base), [0.0] * len(base)
+        loss, grad, per_twin = [0.0] * len(base), [0.0] * len(base), []
         for twin, other in twins.items():
             if [r.step for r in other] != [r.step for r in base]:
                 raise ValueError(f"the noise-floor twin {twin} has {len(other)} steps, the baseline {len(base)}")
@@ -58,7 +60,9 @@ class NoiseFloor:
                 loss[i] = nanmax(loss[i], abs(o.loss - b.loss))
                 if not (b.skipped or o.skipped):
                     grad[i] = nanmax(grad[i], rel_diff(o.grad_norm, b.grad_norm))
+            per_twin.append(max((abs(o.loss - b.loss) for b, o in zip(base, other)), default=0.0))
         return cls(
+            per_twin=tuple(per_twin),
             twins=tuple(twins),
             steps=tuple(r.step for r in base),
             loss=tuple(itertools.accumulate(loss, nanmax)),
@@ -81,9 +85,23 @@ class NoiseFloor:
                 )
         return None
 
+    def disagreement(self, tol, base: Sequence[StepRecord]) -> str | None:
+        """A warning when the twins disagree by more than FACTOR where it matters (their largest drift above
+        the constant): rounding that comes in rare large steps — a bf16 or fp16 stage, as torch's Muon's
+        Newton–Schulz — which a few twins may miss at some step; more twins make the floor sure."""
+        constant = min((tol.loss_tol(r.loss) for r in base), default=0.0)
+        low, high = min(self.per_twin, default=0.0), max(self.per_twin, default=0.0)
+        if len(self.per_twin) < 2 or high <= constant or high <= FACTOR * low:
+            return None
+        return (
+            f"its twins disagree (max |Δloss| {low:.1e} to {high:.1e}): rounding here comes in rare large steps "
+            f"(a bf16 or fp16 stage?) — raise floor_twins (now {len(self.twins)}) for a floor that hangs on no luck"
+        )
+
     def summary(self) -> dict:
         return {
             "twins": list(self.twins),
+            "per_twin_max_abs_loss_diff": list(self.per_twin),
             "max_abs_loss_diff": self.loss[-1] if self.loss else 0.0,
             "max_rel_grad_norm_diff": self.grad_norm[-1] if self.grad_norm else 0.0,
             "factor": FACTOR,

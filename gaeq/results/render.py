@@ -190,7 +190,10 @@ def floor_lines(report: Report) -> list[str]:
             f"tolerances are {f['factor']:g}× that where it is larger than the constants "
             f"(at most {f['ceiling']:g}× them)"
         )
-    lines += [f"Noise floor {group}: none — {why}" for group, why in report.floor_notes.items()]
+    lines += [
+        f"Noise floor {group}: {'warning' if group in report.floors else 'none'} — {why}"
+        for group, why in report.floor_notes.items()
+    ]
     lines += [f"Detection limit {group}: {limit.describe()}" for group, limit in report.detection_limits.items()]
     return lines
 

@@ -35,7 +35,8 @@ class Report:
     """group → the noise floor its cells were judged with (gaeq.results.floor); a group without one
     was judged with the constants alone."""
     floor_notes: dict[str, str] = field(default_factory=dict)
-    """group → why its twins set no floor (one failed, or they drifted beyond rounding)."""
+    """group → why its twins set no floor (one failed, or they drifted beyond rounding) — or, beside a floor,
+    what makes it unsure (twins that disagree by far)."""
     detection_limits: dict[str, DetectionLimit] = field(default_factory=dict)
     """group → the smallest error of the planted kind its run would have caught (gaeq.results.floor)."""
     versions: dict[str, str] = field(default_factory=dict)
@@ -148,10 +149,13 @@ def measure_floors(
         except (OSError, ValueError, TypeError) as exc:
             notes[group] = f"its twins' traces cannot be read ({exc}): judged by the constants alone"
             continue
-        if (why := floor.beyond_rounding(traces.get(base), tolerances[cells[base].dtype])) is not None:
+        tol = tolerances[cells[base].dtype]
+        if (why := floor.beyond_rounding(traces.get(base), tol)) is not None:
             notes[group] = why
         else:
             floors[group] = floor
+            if (warning := floor.disagreement(tol, traces.get(base))) is not None:
+                notes[group] = warning
     return floors, notes
 
 

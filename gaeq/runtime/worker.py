@@ -219,7 +219,7 @@ def perturbed(cell: Cell) -> contextlib.AbstractContextManager:
     import gaeq.perturb as perturb
 
     p = cell.perturbation
-    return perturb.applied(nudge_seed=p.nudge_seed, weight=p.weight) if p else contextlib.nullcontext()
+    return perturb.applied(twin_seed=p.twin_seed, weight=p.weight) if p else contextlib.nullcontext()
 
 
 def _exit(events: Any, code: int) -> None:

@@ -176,7 +176,7 @@ class Probe:
         register_optimizer_step_pre_hook(self._before_step)
         register_optimizer_step_post_hook(self._after_step)
         if self.perturbation:  # after the probe's own hooks: it reads each step's norm before a nudge
-            self._perturbed = perturb.applied(**self.perturbation)  # held: for the process's life
+            self._perturbed = perturb.applied(**self.perturbation, reorder_rows=True)  # held: the process's life
             self._perturbed.__enter__()
 
     def _called_by_script(self, scheduler, caller) -> bool:

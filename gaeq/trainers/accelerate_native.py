@@ -24,9 +24,10 @@ from gaeq.bugs import Bug
 from gaeq.matrix import Cell
 from gaeq.problem.optim import build_optimizer, build_scheduler, gradient_clipping
 from gaeq.problem.spec import ProblemSpec
-from gaeq.trainers.base import RunContext, StepRecorder, build_cell_problem, inject_fault
+from gaeq.trainers.base import RunContext, build_cell_problem, inject_fault
 from gaeq.trainers.library_state import reset_accelerate_state
 from gaeq.trainers.provenance import Provenance
+from gaeq.trainers.recorder import StepRecorder
 
 MIXED_PRECISION = {"fp32": "no", "bf16": "bf16"}
 """Cell dtype → accelerate's mixed_precision (autocast over fp32 weights, as in the torch trainer)."""

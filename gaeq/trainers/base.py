@@ -10,13 +10,14 @@ import contextlib
 import dataclasses
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+import gaeq.perturb as perturb
 from gaeq.bugs import GENERATION_STEPS, Bug
 from gaeq.matrix import Cell
 from gaeq.problem.build import BuiltProblem, build_problem
@@ -26,9 +27,6 @@ from gaeq.problem.loss import cross_entropy_row_means, mean_of_means_count
 from gaeq.problem.models import sample_keys
 from gaeq.problem.moe import Balance, moe_layers
 from gaeq.problem.spec import ProblemSpec
-from gaeq.results.snapshots import SnapshotWriter, wanted
-from gaeq.results.trace import StepRecord, TraceWriter
-from gaeq.trainers.cost import CommCounter, PeakMemory, PipelineCost, model_state_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,8 +49,8 @@ class MicroBatch:
     targets: torch.Tensor
     step: int
     """The optimizer step it belongs to."""
-    positions: range
-    """Global positions of its samples (keys of split-invariant dropout)."""
+    positions: Sequence[int]
+    """Global positions of its samples, in its rows' order (keys of split-invariant dropout)."""
     loss_elements: int
     """Loss elements in this micro-batch (samples, or valid tokens)."""
 
@@ -79,6 +77,9 @@ class CellProblem:
     """The tokens of each sample this rank holds: all of them, or its slice under sequence parallelism."""
     sequence_parallel: int = 1
     """Ranks each sample's tokens are split over (the slices of one micro-batch)."""
+    row_order: int | None = None
+    """A noise-floor twin's seed: each micro-batch's rows in another order (the same samples, summed in
+    another order by every reduction over the batch — rounding alone); None: the plan's order."""
 
     @property
     def model(self) -> torch.nn.Module:
@@ -182,6 +183,9 @@ class CellProblem:
         """This rank's micro-batch at (`step`, `micro_step`)."""
         positions = self.plan.positions(step=step, micro_step=micro_step, rank=self.data_rank)
         indices = self.plan.samples_at(positions)
+        if self.row_order is not None:  # a noise-floor twin: the same samples, in another order
+            order = perturb.row_order(len(indices), seed=self.row_order, at=(step, micro_step))
+            positions, indices = [positions[i] for i in order], [indices[i] for i in order]
         inputs, targets = self.built.dataset.batch(indices)
         if self.dtype in HALF_MODEL and inputs.is_floating_point():
             inputs = inputs.to(HALF_MODEL[self.dtype])  # DeepSpeed's bf16/fp16 engine holds a half model
@@ -230,6 +234,7 @@ def build_cell_problem(cell: Cell, problem: ProblemSpec, ctx: RunContext) -> Cel
         routers=RouterTokens(built.model) or None,  # a transformers mixture of experts' routers, if any
         tokens=slice(first, first + width) if sp > 1 else slice(None),
         sequence_parallel=sp,
+        row_order=cell.perturbation.twin_seed if cell.perturbation is not None else None,
     )
 
 
@@ -276,109 +281,6 @@ def autocast(dtype: str, device: torch.device) -> contextlib.AbstractContextMana
     if dtype in AUTOCAST:
         return torch.autocast(device_type=device.type, dtype=AUTOCAST[dtype])
     return contextlib.nullcontext()
-
-
-class StepRecorder:
-    """Every rank calls :meth:`record` (it sums the loss over ranks) and gathers the snapshots it
-    :meth:`wants` (gathering is a collective under ZeRO); rank 0 writes the trace and snapshots."""
-
-    def __init__(self, *, cell: Cell, ctx: RunContext, steps: int, plan: BatchPlan) -> None:
-        self.cell = cell
-        self.plan = plan
-        """The samples of each step (an epoch's short last step holds fewer)."""
-        self.ctx = ctx
-        self.steps = steps
-        self.writer = TraceWriter(ctx.cell_dir) if ctx.rank == 0 else None
-        self.snapshots = SnapshotWriter(ctx.cell_dir) if ctx.rank == 0 and cell.snapshots else None
-        self.comm = CommCounter()
-        self.pipeline = PipelineCost()
-        """A pipeline trainer's stages report their p2p transfers and compute time here."""
-        self.memory = PeakMemory(ctx.device)
-        self._model_state_bytes = 0
-
-    def count_collectives(self, wrapper) -> None:
-        """Count the bytes `wrapper` (DDP, a DeepSpeed engine, an FSDP2 module, a TensorParallel
-        split; None: nothing) communicates. Call it once per wrapper."""
-        self.comm.attach(wrapper)
-
-    def wants(self, kind: str, step: int) -> bool:
-        """Whether `kind` ("grads" or "params") is saved at `step`: the same answer on every rank."""
-        return kind in self.cell.snapshots and wanted(step, every=self.cell.snapshot_every, steps=self.steps)
-
-    def measure_model_state(self, *, step: int, micro_step: int, model: torch.nn.Module, optimizer: object) -> None:
-        """Call after every backward: once per cell — after the first micro-step of the second
-        optimizer step (the optimizer state exists from the first; with GA > 1, mid-accumulation) —
-        counts the parameters, gradients and optimizer state this rank holds (cost.model_state_bytes)."""
-        if self.writer is not None and (step, micro_step) == (min(1, self.steps - 1), 0):
-            self._model_state_bytes = model_state_bytes(model, optimizer)
-
-    def snapshot(self, *, step: int, kind: str, gather: Callable[[], Mapping[str, torch.Tensor]]) -> None:
-        """`gather()` runs on every rank (it may be a collective) and is not counted as training traffic."""
-        with self.comm.paused():
-            named = gather()
-        if self.snapshots is not None:
-            self.snapshots.add(step=step, kind=kind, named=named)
-
-    def record(
-        self,
-        *,
-        step: int,
-        local_loss_sum: float,
-        normaliser: int,
-        grad_norm: float,
-        lr: float,
-        seconds: float,
-        skipped: bool = False,
-    ) -> None:
-        # float64 end to end: the comparison must not be limited by the logging precision.
-        comm_bytes, a2a_bytes = self.comm.take(), self.comm.take_all_to_all()
-        p2p_bytes, computing, span = self.pipeline.take()
-        place = self.cell.place(self.ctx.rank)
-        if place.tensor or place.stage != self.cell.pipeline_parallel - 1:
-            # a tensor-parallel group saw one micro-batch: its first rank counts it; a pipeline's loss
-            # exists on its last stage only
-            local_loss_sum = 0.0
-        # the loss sum and (pipelines) the ranks' compute time; the pipeline's span is its longest rank's
-        total = torch.tensor([local_loss_sum, computing], dtype=torch.float64, device=self.ctx.device)
-        longest = torch.tensor([span], dtype=torch.float64, device=self.ctx.device)
-        if self.ctx.world_size > 1:
-            with self.comm.paused():  # the lab's own collectives, not training traffic
-                dist.all_reduce(total, op=dist.ReduceOp.SUM)
-                if self.cell.pipeline_parallel > 1:
-                    dist.all_reduce(longest, op=dist.ReduceOp.MAX)
-        if self.writer is None:
-            return
-        loss_sum, computing = total.tolist()
-        span = longest.item()
-        self.writer.write(
-            StepRecord(
-                step=step,
-                loss=loss_sum / normaliser,
-                grad_norm=float(grad_norm),
-                lr=float(lr),
-                samples=self.plan.step_positions(step).stop,  # trained through this step
-                seconds=seconds,
-                skipped=skipped,
-                comm_bytes=comm_bytes,
-                peak_mem_bytes=self.memory.peak_bytes(),
-                model_state_bytes=self._model_state_bytes,
-                p2p_bytes=p2p_bytes,
-                a2a_bytes=a2a_bytes,
-                # the mean share of the pipeline's span a rank did not compute
-                bubble=1.0 - computing / self.ctx.world_size / span if span > 0 else None,
-            )
-        )
-        self._model_state_bytes = 0
-        self.ctx.on_step(step)
-
-    def close(self) -> None:
-        self.comm.detach()
-        self.pipeline.detach()
-        self.memory.close()
-        if self.snapshots is not None:
-            self.snapshots.close()
-        if self.writer is not None:
-            self.writer.close()  # last: a published trace means a complete cell
 
 
 def inject_fault(cell: Cell, *, rank: int, step: int) -> None:

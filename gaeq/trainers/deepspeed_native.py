@@ -25,11 +25,12 @@ from gaeq.problem.optim import build_scheduler, gradient_clipping
 from gaeq.problem.spec import ProblemSpec
 from gaeq.problem.tp import tp_plan
 from gaeq.trainers import muon
-from gaeq.trainers.base import RunContext, StepRecorder, build_cell_problem, inject_fault, short_step_label
+from gaeq.trainers.base import RunContext, build_cell_problem, inject_fault, short_step_label
 from gaeq.trainers.checkpoint import load_deepspeed, save_deepspeed
 from gaeq.trainers.deepspeed_config import deepspeed_config
 from gaeq.trainers.library_state import forget_parallel_groups
 from gaeq.trainers.provenance import Provenance, engine_norm_dtype
+from gaeq.trainers.recorder import StepRecorder
 
 
 def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:

@@ -25,10 +25,11 @@ from gaeq.matrix import Cell
 from gaeq.problem.models import gpt_layers
 from gaeq.problem.optim import build_scheduler, gradient_clipping
 from gaeq.problem.spec import ProblemSpec
-from gaeq.trainers.base import RunContext, StepRecorder, build_cell_problem, inject_fault
+from gaeq.trainers.base import RunContext, build_cell_problem, inject_fault
 from gaeq.trainers.deepspeed_config import deepspeed_config
 from gaeq.trainers.library_state import forget_parallel_groups
 from gaeq.trainers.provenance import Provenance
+from gaeq.trainers.recorder import StepRecorder
 
 PARTITION = "type:Block"
 """How DeepSpeed cuts the layer list: the blocks balanced over the stages, the embeddings with the

@@ -26,8 +26,9 @@ from gaeq.matrix import Cell
 from gaeq.problem.optim import build_optimizer, build_scheduler, gradient_clipping
 from gaeq.problem.spec import ProblemSpec
 from gaeq.trainers import tensor_parallel
-from gaeq.trainers.base import RunContext, StepRecorder, build_cell_problem, inject_fault, short_step_label
+from gaeq.trainers.base import RunContext, build_cell_problem, inject_fault, short_step_label
 from gaeq.trainers.provenance import Provenance
+from gaeq.trainers.recorder import StepRecorder
 from gaeq.trainers.tensor_parallel import TensorParallel, full
 
 

@@ -30,10 +30,11 @@ from gaeq.problem.hf import is_token_classifier
 from gaeq.problem.models import sample_keys
 from gaeq.problem.spec import ProblemSpec
 from gaeq.registry import TRAINERS
-from gaeq.trainers.base import RunContext, StepRecorder, build_cell_problem, inject_fault
+from gaeq.trainers.base import RunContext, build_cell_problem, inject_fault
 from gaeq.trainers.deepspeed_config import deepspeed_config
 from gaeq.trainers.library_state import forget_parallel_groups, reset_accelerate_state
 from gaeq.trainers.provenance import Provenance, engine_norm_dtype
+from gaeq.trainers.recorder import StepRecorder
 
 SCHEDULES = {"constant": "constant", "warmup_cosine": "cosine_with_min_lr"}
 """gaeq's schedule → transformers' lr_scheduler_type: the same lr at every step, warmup included when

@@ -24,9 +24,10 @@ from gaeq.matrix import Cell, Role
 from gaeq.problem.optim import build_optimizer, build_scheduler, gradient_clipping
 from gaeq.problem.spec import ProblemSpec
 from gaeq.trainers import muon, tensor_parallel
-from gaeq.trainers.base import RunContext, StepRecorder, build_cell_problem, inject_fault, short_step_label
+from gaeq.trainers.base import RunContext, build_cell_problem, inject_fault, short_step_label
 from gaeq.trainers.checkpoint import load_torch, save_torch
 from gaeq.trainers.provenance import Provenance
+from gaeq.trainers.recorder import StepRecorder
 from gaeq.trainers.sequence_parallel import SequenceParallel
 from gaeq.trainers.tensor_parallel import TensorParallel, full
 

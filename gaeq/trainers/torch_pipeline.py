@@ -29,8 +29,9 @@ from gaeq.problem.optim import build_optimizer, build_scheduler, gradient_clippi
 from gaeq.problem.spec import ProblemSpec
 from gaeq.problem.stages import stages_per_rank
 from gaeq.trainers import tensor_parallel
-from gaeq.trainers.base import RunContext, StepRecorder, build_cell_problem, inject_fault
+from gaeq.trainers.base import RunContext, build_cell_problem, inject_fault
 from gaeq.trainers.provenance import Provenance
+from gaeq.trainers.recorder import StepRecorder
 from gaeq.trainers.tensor_parallel import TensorParallel
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}

@@ -61,7 +61,11 @@ def test_every_zero_stage_matches_with_clipping_active_and_the_controls_are_caug
         assert c["verdict"] == "diverge" and c["margin"] > 3, c
     base = report["baselines"]["fp32@mlp_1m"]
     assert min(r.grad_norm for r in _trace(out, base)) > 1.0  # clipping is active at every step
-    assert f"Noise floor fp32@mlp_1m: {report['noise_floors']['fp32@mlp_1m']['twin']} drifted" in proc.stdout
+    assert report["noise_floors"]["fp32@mlp_1m"]["twins"] == [
+        "torch-w1-mb8-ga1-floor0@mlp_1m",
+        "torch-w1-mb8-ga1-floor1@mlp_1m",
+    ]
+    assert "Noise floor fp32@mlp_1m: 2 nudged twin(s) of the baseline drifted" in proc.stdout
 
 
 def test_each_cell_says_in_which_precision_its_norm_was_summed(million_run):

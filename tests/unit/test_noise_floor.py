@@ -51,7 +51,7 @@ def test_every_group_gets_nudged_twins_of_its_baselines_own_split_and_a_detectio
     baseline = cells["torch-w1-mb16-ga1"]
     for twin_id, seed in (("torch-w1-mb16-ga1-floor0", 0), ("torch-w1-mb16-ga1-floor1", 1)):
         twin = cells[twin_id]
-        assert (twin.role, twin.perturbation) == (Role.FLOOR, Perturbation(nudge_seed=seed))
+        assert (twin.role, twin.perturbation) == (Role.FLOOR, Perturbation(twin_seed=seed))
         assert {a: getattr(twin, a) for a in SPLIT_AXES} == {a: getattr(baseline, a) for a in SPLIT_AXES}
     planted = cells["torch-w1-mb16-ga1-weight1e-02"]
     assert (planted.role, planted.perturbation.weight, planted.grad_accum_steps) == (Role.SENSITIVITY, 1e-2, 1)
@@ -83,7 +83,7 @@ def test_no_judged_cell_is_its_own_floor_in_any_experiment(experiment):
     for group, twins in matrix.floors.items():
         baseline = cells[matrix.baselines[group]]
         for twin in (cells[t] for t in twins):
-            assert twin.id not in judged_ids and twin.role == Role.FLOOR and twin.perturbation.nudge_seed is not None
+            assert twin.id not in judged_ids and twin.role == Role.FLOOR and twin.perturbation.twin_seed is not None
             assert {a: getattr(twin, a) for a in SPLIT_AXES} == {a: getattr(baseline, a) for a in SPLIT_AXES}
     runnable = {c.group for c in matrix.cells if c.role == Role.CELL and not c.skip_reason}
     assert set(matrix.floors) == (runnable if matrix.spec.noise_floor else set())
