@@ -128,7 +128,7 @@ def figure(rows: list[dict], path: Path) -> None:
         mine = [r for r in rows if r["group"].split("@")[0] == dtype and r["floor_loss"] is not None]
         x = [r["parameters"] for r in mine]
         left.scatter(
-            x, [max(r["floor_loss"], 1e-12) for r in mine], marker=marker, label=f"{dtype}: twin's drift (the floor)"
+            x, [max(r["floor_loss"], 1e-12) for r in mine], marker=marker, label=f"{dtype}: twins' drift (the floor)"
         )
         left.scatter(
             x,
@@ -149,7 +149,7 @@ def figure(rows: list[dict], path: Path) -> None:
         right.scatter([m[0] for m in margins if m[2]], [m[2] for m in margins if m[2]], marker=marker, color="C3",
                       label=f"{dtype}: weakest control")  # fmt: skip
     left.set(xscale="log", yscale="log", xlabel="parameters", ylabel="max |Δloss| vs baseline",
-             title="Rounding grows with the model; the twin measures it")  # fmt: skip
+             title="Rounding grows with the model; the twins measure it")  # fmt: skip
     right.axhline(1.0, color="black", lw=1)
     right.set(xscale="log", yscale="log", xlabel="parameters", ylabel="share of the tolerance used (margin)",
               title="Correct splits stay below 1, controls above it")  # fmt: skip
