@@ -68,21 +68,30 @@ def nudge_(grad: torch.Tensor, generator: torch.Generator) -> None:
     grad.copy_(exact + scale * (signs.double() * 2 - 1))
 
 
+WRAPPERS = ("DistributedDataParallel", "DataParallel", "DeepSpeedEngine")
+"""Modules that wrap the model (its `.module`) and may pass its output on through tensors of their own
+(DDP's with unused-parameter detection does): the perturbation goes on the model inside."""
+
+
 class Outermost:
-    """Calls `on_model(module, output)` after each training call of the model — the outermost module
-    called with gradients on that has trainable parameters — and `on_first(module)` before its first."""
+    """Finds the model — the outermost module called with gradients on that has trainable parameters, and
+    inside a known wrapper (WRAPPERS) the model it wraps —, calls `on_first(model)` before its first
+    training call and `on_model(model, output)` after each."""
 
     def __init__(self, *, on_model=None, on_first=None) -> None:
         self.on_model, self.on_first = on_model, on_first
+        self.model: torch.nn.Module | None = None
         self._calls: list[bool] = []
-        self._seen = False
 
     def before(self, module, args) -> None:
-        outer = not self._calls and torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters())
-        if outer and not self._seen and self.on_first is not None:
-            self.on_first(module)
-        self._seen |= outer
-        self._calls.append(outer)
+        if self.model is None and torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters()):
+            model = module
+            while type(model).__name__ in WRAPPERS and isinstance(getattr(model, "module", None), torch.nn.Module):
+                model = model.module
+            self.model = model  # (a wrapper's call: the model's own comes inside it)
+            if self.on_first is not None:
+                self.on_first(model)
+        self._calls.append(module is self.model and torch.is_grad_enabled())
 
     def after(self, module, args, output) -> None:
         if self._calls.pop() and self.on_model is not None:
@@ -101,7 +110,7 @@ def weigh_first_half(output, delta: float) -> None:
             weights[:half] += delta
             shape = [1] * output.dim()
             shape[dim] = -1
-            output.register_hook(lambda grad: grad * weights.view(shape))
+            output.register_hook(lambda grad: None if grad is None else grad * weights.view(shape))
         return
     if isinstance(output, Mapping):
         output = list(output.values())

@@ -138,3 +138,41 @@ def test_the_limit_is_what_the_run_catches_with_the_error_in_every_split(measure
     assert len(planted) == 4 and measured.above_rounding
     verdicts = {c.grad_accum_steps: (c.verdict, round(c.margin, 2)) for c in planted}
     assert all(v == ("diverge" if times > 1 else "match") for v, _ in verdicts.values()), (measured, verdicts)
+
+
+def test_inside_a_wrapper_the_weight_goes_on_the_model_it_wraps():
+    """DDP (with unused-parameter detection) hands the model's output on through tensors of its own, and a
+    transformers model computes its loss inside: the weight must sit on the wrapped model's output, where
+    the loss comes from — found on the Trainer script (experiments/your_trainer_padded_script.yaml), where
+    it sat on DDP's and weighed nothing."""
+    torch.manual_seed(0)
+
+    class WithLoss(torch.nn.Module):  # computes its loss inside, as a transformers model given labels
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            logits = self.linear(x)
+            return {"loss": logits.square().sum(), "logits": logits}
+
+    class DistributedDataParallel(torch.nn.Module):  # DDP's shape: `.module`, its output passed on anew
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, x):
+            return {k: v.clone() for k, v in self.module(x).items()}
+
+    inner, x = WithLoss(), torch.randn(8, 4)
+    wrapped = DistributedDataParallel(inner)
+
+    def grads(**kw):
+        inner.zero_grad()
+        with perturb.applied(**kw):
+            wrapped(x)["loss"].backward()
+        return inner.linear.weight.grad.clone()
+
+    plain, weighed = grads(), grads(weight=0.5)
+    logits = inner.linear(x).detach()
+    assert torch.allclose(weighed - plain, 0.5 * 2 * logits[:4].T @ x[:4], rtol=1e-5, atol=1e-6)
