@@ -22,8 +22,10 @@ Inputs without positions (images, features, per-sample values) are hashed row by
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import inspect
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,14 +68,16 @@ class SampleIdentity:
         """The micro-batch `module` (the model being trained) received, or None if it had no tensor input."""
         named = [
             (name, t)
-            for name, t in (*self._positional(module, args), *kwargs.items())
-            if isinstance(t, torch.Tensor) and t.ndim > 0 and name not in NOT_SAMPLES
+            for name, t in flatten([*self._positional(module, args), *kwargs.items()])
+            if t.ndim > 0 and _leaf(name) not in NOT_SAMPLES
         ]
         if not named:
             return None
         rows = named[0][1].shape[0]
         inputs = [(name, t.detach()) for name, t in named if t.shape[0] == rows]
-        mask = next((t for name, t in inputs if name in MASK_NAMES and t.ndim == 2 and not t.is_floating_point()), None)
+        mask = next(
+            (t for name, t in inputs if _leaf(name) in MASK_NAMES and t.ndim == 2 and not t.is_floating_point()), None
+        )
         length = _sequence_length(inputs, mask)
         laid_out = [length is not None and t.ndim >= 2 and t.shape[1] == length for _, t in inputs]
         positional = [x for x, p in zip(inputs, laid_out) if p]
@@ -118,6 +122,28 @@ class SampleIdentity:
             self._names[kind] = tuple(named)
         names = self._names[kind] or ()
         return [(names[i] if i < len(names) else f"arg{i}", a) for i, a in enumerate(args)]
+
+
+def flatten(named: list[tuple[str, Any]]) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of the inputs, wherever the batch holds them — in lists and tuples (Lightning hands its
+    module the batch as a list: ``([x, y], batch_idx)``), mappings (a dict, transformers' ``BatchEncoding``)
+    and dataclasses — each named by its path (``batch.input_ids``, ``arg0[1]``), in order."""
+    found: list[tuple[str, torch.Tensor]] = []
+    for name, value in named:
+        if isinstance(value, torch.Tensor):
+            found.append((name, value))
+        elif isinstance(value, Mapping):
+            found += flatten([(f"{name}.{key}" if name else str(key), v) for key, v in value.items()])
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            found += flatten([(f"{name}.{f.name}", getattr(value, f.name)) for f in dataclasses.fields(value)])
+        elif isinstance(value, (list, tuple)):
+            found += flatten([(f"{name}[{i}]", v) for i, v in enumerate(value)])
+    return found
+
+
+def _leaf(name: str) -> str:
+    """An input's own name, without the path to it (`batch.attention_mask` → `attention_mask`)."""
+    return name.rsplit(".", 1)[-1]
 
 
 def _hash(rows) -> str:

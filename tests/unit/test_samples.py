@@ -67,3 +67,43 @@ def test_inputs_without_positions_are_rows_hashed_whole():
     assert batch.length is None and batch.exact and len(set(batch.fingerprints)) == 2
     assert reader.read(net, (images[1:],), {}).fingerprints == batch.fingerprints[1:]
     assert reader.read(net, (), {"num_items_in_batch": torch.tensor([4])}) is None
+
+
+def test_a_batch_in_a_list_a_dict_or_a_dataclass_is_read_as_its_tensors():
+    """Lightning hands its module the batch as a list, `training_step([x, y], batch_idx)`; collators hand
+    dicts, transformers a BatchEncoding, some users a dataclass: the same rows, the same fingerprints and
+    padding rules, wherever they sit — before, a list held no tensor gaeq could see."""
+    import dataclasses
+
+    from transformers import BatchEncoding
+
+    class Step(torch.nn.Module):  # a LightningModule's training_step, called through its wrapper's forward
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(16, 2)
+
+        def forward(self, batch, batch_idx=0):
+            return self.emb(batch[0])
+
+    @dataclasses.dataclass
+    class Batch:
+        input_ids: torch.Tensor
+        attention_mask: torch.Tensor
+
+    reader, step = SampleIdentity(), Step()
+    flat = reader.read(LM(), (), padded(SAMPLES, to=6))
+    x = padded(SAMPLES, to=6)
+    for batch, exact in (
+        (([x["input_ids"], x["attention_mask"]], 3), False),  # a list: nothing names its mask a mask
+        (({"input_ids": x["input_ids"], "attention_mask": x["attention_mask"]}, 0), True),
+        ((BatchEncoding({"input_ids": x["input_ids"], "attention_mask": x["attention_mask"]}), 0), True),
+        ((Batch(input_ids=x["input_ids"], attention_mask=x["attention_mask"]), 0), True),
+    ):
+        read = reader.read(step, batch, {})
+        assert read is not None and len(read.fingerprints) == 3 and read.exact == exact, batch
+        assert (read.keys == flat.keys) == exact  # each sample by its token ids, its padding cut where named
+    # a mask inside the container is the mask: the same samples, another padding, the same fingerprints
+    wider = padded(SAMPLES, to=9)
+    a = reader.read(step, ({"input_ids": x["input_ids"], "attention_mask": x["attention_mask"]},), {})
+    b = reader.read(step, ({"input_ids": wider["input_ids"], "attention_mask": wider["attention_mask"]},), {})
+    assert a.fingerprints == b.fingerprints and a.names == ["batch.input_ids", "batch.attention_mask"]
