@@ -40,8 +40,12 @@ class Nudge:
         self._nudged: set[int] = set()
         """Gradients nudged in this outer step: a nested optimizer's own ones are nudged, once each."""
 
-    def before(self, optimizer, args, kwargs) -> None:
+    def before(self, optimizer, args, kwargs):
         self.depth += 1
+        # step(closure): the gradients are the closure's backward's — nudged after it ran
+        return after_closure(args, kwargs, lambda: self.nudge(optimizer)) or self.nudge(optimizer)
+
+    def nudge(self, optimizer) -> None:
         with torch.no_grad():
             for group in optimizer.param_groups:
                 for p in group["params"]:
@@ -53,6 +57,23 @@ class Nudge:
         self.depth -= 1
         if self.depth == 0:
             self._nudged.clear()
+
+
+def after_closure(args: tuple, kwargs: dict, then) -> tuple[tuple, dict] | None:
+    """An optimizer step's arguments — as a step pre-hook gets them, the optimizer first — with its closure
+    (`step(closure)`, positional or by keyword) made to call `then()` after it runs, for the hook to return;
+    None when the step has no closure."""
+    positional = "closure" not in kwargs and len(args) > 1
+    closure = args[1] if positional else kwargs.get("closure")
+    if closure is None:
+        return None
+
+    def closure_then(*a, **k):
+        result = closure(*a, **k)
+        then()
+        return result
+
+    return (args[:1] + args[2:] if positional else args), {**kwargs, "closure": closure_then}
 
 
 def nudge_(grad: torch.Tensor, generator: torch.Generator) -> None:
@@ -82,6 +103,9 @@ class Outermost:
         self.on_model, self.on_first = on_model, on_first
         self.model: torch.nn.Module | None = None
         self._calls: list[bool] = []
+        self.last_rows = None
+        """The last output with rows that a module inside the model's call produced (a model that returns its
+        loss alone — a LightningModule's training_step — is weighed there)."""
 
     def before(self, module, args) -> None:
         if self.model is None and torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters()):
@@ -94,14 +118,26 @@ class Outermost:
         self._calls.append(module is self.model and torch.is_grad_enabled())
 
     def after(self, module, args, output) -> None:
-        if self._calls.pop() and self.on_model is not None:
-            self.on_model(module, output)
+        if self._calls.pop():
+            if self.on_model is not None:
+                self.on_model(module, output, self.last_rows)
+            self.last_rows = None
+        elif any(self._calls) and isinstance(output, torch.Tensor) and output.dim() >= 1 and output.requires_grad:
+            self.last_rows = output
 
 
-def weigh_first_half(output, delta: float) -> None:
+def weigh_model(output, inside, delta: float) -> None:
+    """The model's output weighed (:func:`weigh_first_half`) — or, where it holds no tensor with rows (a
+    model that returns its loss), `inside`: the last output with rows a module inside it produced, from
+    which every parameter before it gets its gradient."""
+    if not weigh_first_half(output, delta) and inside is not None:
+        weigh_first_half(inside, delta)
+
+
+def weigh_first_half(output, delta: float) -> bool:
     """Hook every tensor of `output` that carries a gradient (in tuples, lists, mappings: a transformers
     ModelOutput's logits) so that its first half of rows — of positions, for a single row — passes
-    back its gradient × (1 + delta)."""
+    back its gradient × (1 + delta). Whether it hooked one."""
     if isinstance(output, torch.Tensor):
         if output.requires_grad and output.dim() >= 1:
             dim = 0 if output.shape[0] > 1 or output.dim() == 1 else 1
@@ -111,12 +147,13 @@ def weigh_first_half(output, delta: float) -> None:
             shape = [1] * output.dim()
             shape[dim] = -1
             output.register_hook(lambda grad: None if grad is None else grad * weights.view(shape))
-        return
+            return True
+        return False
     if isinstance(output, Mapping):
         output = list(output.values())
     if isinstance(output, (tuple, list)):
-        for item in output:
-            weigh_first_half(item, delta)
+        return any([weigh_first_half(item, delta) for item in output])  # (a list: every one hooked)
+    return False
 
 
 def row_order(rows: int, *, seed: int, at: tuple[int, ...]) -> list[int]:
@@ -193,7 +230,7 @@ def applied(*, twin_seed: int | None = None, weight: float | None = None, reorde
         nudge = Nudge(twin_seed)
         handles += [register_optimizer_step_pre_hook(nudge.before), register_optimizer_step_post_hook(nudge.after)]
     watch = Outermost(
-        on_model=None if weight is None else lambda module, output: weigh_first_half(output, weight),
+        on_model=None if weight is None else lambda module, output, inside: weigh_model(output, inside, weight),
         on_first=RowOrder(twin_seed).attach if reorder_rows and twin_seed is not None else None,
     )
     if watch.on_model is not None or watch.on_first is not None:

@@ -21,7 +21,8 @@ def run(script: str, args: list[str]) -> None:
     """The script under the probe, in this process (its environment already the rank's, with the fp16
     answer gaeq's run forces on DeepSpeed's accelerator, if any: gaeq/accelerator.py)."""
     from gaeq.accelerator import force_fp16_answer, forced_fp16
-    from gaeq.script.probe import Probe, _rank
+    from gaeq.script.probe import Probe
+    from gaeq.script.ranks import rank
 
     force_fp16_answer(forced_fp16())
     probe = Probe.from_env()
@@ -32,7 +33,7 @@ def run(script: str, args: list[str]) -> None:
         runpy.run_path(script, run_name="__main__")
     finally:
         # The script ended (or raised) before the asked steps: what was seen is saved, no trace.
-        if probe.step < probe.steps and _rank() == 0:
+        if probe.step < probe.steps and rank() == 0:
             probe.save(complete=False)
 
 

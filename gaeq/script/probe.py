@@ -46,6 +46,7 @@ import gaeq.newton_schulz as newton_schulz
 import gaeq.perturb as perturb
 from gaeq.accelerator import fp16_answer_record
 from gaeq.script.contract import ENV, PROBE_FILE
+from gaeq.script.ranks import gather, rank, versions
 from gaeq.script.samples import SampleIdentity
 from gaeq.script.weights import UpdateSketch, engine_norm, fingerprint, grad_norm
 
@@ -74,6 +75,8 @@ class Probe:
         self._scheduling = 0
         """Scheduler steps in progress (a scheduler stepping others inside its own step is one call)."""
         self._wrapper_call: Any = None
+        self._depth = 0
+        """Optimizer steps in progress (an optimizer stepping another inside its own step is one step)."""
         """The frame of the library wrapper's step that stepped the scheduler last (one call of the script's)."""
         self._memory: Any = None
         self._comm: Any = None
@@ -235,12 +238,21 @@ class Probe:
         if counter.attached:
             self._comm = counter
 
-    def _before_step(self, optimizer, args, kwargs) -> None:
+    def _before_step(self, optimizer, args, kwargs):
+        """Before an optimizer's step: the step's boundary is read now — or, for `step(closure)`, after the
+        closure ran (its forward's samples and its backward's gradients are this step's: Lightning's last
+        micro-batch runs inside the step). An optimizer stepping another inside its own step is one step."""
+        self._depth += 1
+        if self._depth > 1:
+            return None
+        return perturb.after_closure(args, kwargs, lambda: self._at_boundary(optimizer)) or self._at_boundary(optimizer)
+
+    def _at_boundary(self, optimizer) -> None:
         started = time.perf_counter()
         params = self._parameters(optimizer)
         if self.initial is None:
             self.initial = fingerprint(params)
-            if _rank() == 0:
+            if rank() == 0:
                 self._sketch.start(params)
         # the boundary's norm before clipping: the first clip's after the last backward, else now
         self.grad_norm = self._norm_after_backward
@@ -250,6 +262,9 @@ class Probe:
         self.spent += time.perf_counter() - started
 
     def _after_step(self, optimizer, args, kwargs) -> None:
+        self._depth -= 1
+        if self._depth:
+            return  # a step inside another optimizer's: part of its outer step
         entered = time.perf_counter()
         self.events["optimizer_step"] += 1
         if orthogonalised := newton_schulz.calls() - self._orthogonalised:  # Muon's, this step on this rank
@@ -269,8 +284,8 @@ class Probe:
             "events": dict(self.events),
         }
         comm = self._comm.take() if self._comm is not None else None  # before the probe's own gather
-        ranks = _gather(mine)
-        if _rank() == 0:
+        ranks = gather(mine)
+        if rank() == 0:
             peak = self._memory.peak_bytes() if self._memory is not None else None
             sketch = self._sketch(self._parameters(optimizer))
             self.spent += time.perf_counter() - entered
@@ -321,7 +336,7 @@ class Probe:
 
     def finish(self) -> None:
         """The asked steps are recorded: rank 0 publishes the trace, every rank leaves together."""
-        if _rank() == 0:
+        if rank() == 0:
             self.save(complete=True)
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
@@ -336,7 +351,7 @@ class Probe:
 
         self.out.mkdir(parents=True, exist_ok=True)
         facts = {"steps": self.record, "initial": self.initial, "dropout": self.dropout, "complete": complete}
-        facts["versions"], facts["accelerator_fp16"] = _versions(), fp16_answer_record()  # None: no DeepSpeed
+        facts["versions"], facts["accelerator_fp16"] = versions(), fp16_answer_record()  # None: no DeepSpeed
         atomic_write(self.out / PROBE_FILE, json.dumps(facts))
         if not complete:
             return
@@ -372,28 +387,3 @@ def active_dropout(model: torch.nn.Module) -> dict[str, float]:
 def _trainable(module: torch.nn.Module) -> bool:
     """Whether `module` has a parameter that trains (a loss or a metric has none; a frozen teacher's do not)."""
     return any(p.requires_grad for p in module.parameters())
-
-
-def _rank() -> int:
-    """This rank: the process group's, or — before it is joined or after it is destroyed — the launcher's."""
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
-
-
-def _gather(mine: dict[str, Any]) -> list[dict[str, Any]]:
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [mine]
-    ranks: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(ranks, mine)
-    return ranks
-
-
-def _versions() -> dict[str, str]:
-    from importlib import metadata
-
-    found = {}
-    for name in ("torch", "deepspeed", "accelerate", "transformers"):
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            pass
-    return found

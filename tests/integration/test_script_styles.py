@@ -120,3 +120,23 @@ def test_a_ddp_script_with_torchs_muon(tmp_path):
         probe = json.loads((tmp_path / "run" / "cells" / cell_id / "probe.json").read_text())
         assert [step["newton_schulz"] for step in probe["steps"]] == [ranks] * 3
     assert caught(cells["script-w1-mb4-ga4-args_bug_step_every_micro_batch"]) == ("split", 0)
+
+
+def test_a_loop_in_lightnings_shape_with_step_closure_and_a_list_batch(tmp_path):
+    """experiments/your_closure_script.yaml: the module's batch a list, the boundary's micro-batch inside
+    `optimizer.step(closure)`, clipping in the closure (PyTorch Lightning's automatic optimisation with
+    accumulate_grad_batches, written with torch alone). Before, every split was a false `diverge`: the list
+    held no sample gaeq could see, and the norm was read before the closure ran (NaN at GA 1). Now the
+    boundary is read after the closure: every split matches; zero_grad inside the closure is caught; and a
+    module that returns its loss alone is weighed inside for the detection limit."""
+    bug = {"world_size": 1, "micro_batch_size": 4, "args": ["--bug", "zero_grad_in_closure"], "expect": "diverge"}
+    cells = run(tmp_path, "your_closure_script.yaml", CLEAN + [bug], noise_floor=True)
+    for cell_id in ("script-w1-mb2-ga8", "script-w2-mb4-ga2"):
+        assert cells[cell_id]["verdict"] == "match", cells[cell_id]["reason"]
+        assert cells[cell_id]["ran"]["micro_batch_rows"] == [int(cell_id.split("-mb")[1].split("-")[0])]
+    base = cells["script-w1-mb16-ga1"]
+    assert base["ran"]["micro_steps"] == [1]  # the closure's backward counted in its step
+    planted = cells["script-w1-mb4-ga4-args_bug_zero_grad_in_closure"]
+    assert planted["verdict"] == "diverge" and planted["divergence_steps"]["grad_norm"] == 0, planted
+    weighed = cells["script-w1-mb16-ga1-weight1e-02"]  # the model returns its loss: weighed inside it
+    assert weighed["max_rel_grad_norm_diff"] > 1e-3, weighed
