@@ -52,9 +52,16 @@ def _load(path: Path, *, check: bool = True) -> Matrix:
 
 
 @app.command()
-def validate(matrix: Annotated[Path, typer.Argument(help="Matrix YAML file.")]) -> None:
+def validate(
+    matrix: Annotated[Path | None, typer.Argument(help="Matrix YAML file.")] = None,
+    matrix_option: Annotated[
+        Path | None, typer.Option("--matrix", help="The same, spelled as `gaeq run` takes it.")
+    ] = None,
+) -> None:
     """Validate a matrix and print its expanded cells, without training."""
-    m = _load(matrix)
+    if (matrix is None) == (matrix_option is None):
+        _bad_input("give the matrix file once: gaeq validate FILE, or gaeq validate --matrix FILE")
+    m = _load(matrix or matrix_option)
     console.print(cells_table(m))
     console.print(problem_line(m), highlight=False)
     if m.problem.script is not None:  # what each cell runs (gaeq's probe loaded first: -m gaeq.script.attach)

@@ -178,3 +178,20 @@ def test_a_world_size_this_machine_cannot_run_is_refused_before_any_process(tmp_
     result = CliRunner().invoke(app, ["run", "--matrix", str(path), "--out", str(tmp_path / "run")])
     assert_bad_input(result)
     assert "world size 1024 needs 1024 ranks on this machine" in result.stderr
+
+
+def test_validate_takes_the_matrix_as_run_takes_it_too(tmp_path):
+    """`gaeq run --matrix FILE`, so `gaeq validate --matrix FILE` as well as `gaeq validate FILE`; neither or
+    both is bad input, in one line."""
+    from typer.testing import CliRunner
+
+    from gaeq.cli import app
+    from tests.conftest import REPO
+
+    ga = str(REPO / "experiments" / "ga.yaml")
+    for args in (["validate", ga], ["validate", "--matrix", ga]):
+        result = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+        assert result.exit_code == 0 and "torch-w1-mb4-ga8-bug_no_loss_division" in result.output, result.output
+    for args in (["validate"], ["validate", ga, "--matrix", ga]):
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 2 and "give the matrix file once" in result.output, result.output
