@@ -265,8 +265,14 @@ class Probe:
         self._depth -= 1
         if self._depth:
             return  # a step inside another optimizer's: part of its outer step
+        if self.step and not self.events["backward"]:  # no backward since the last: another optimizer of that
+            if self.record:  # step (Muon for the matrices, AdamW for the rest): one step, its calls counted
+                self.record[-1]["events"]["optimizer_step"] += 1
+                self.record[-1]["events"].setdefault(f"stepped:{type(optimizer).__name__}", 1)
+            return
         entered = time.perf_counter()
         self.events["optimizer_step"] += 1
+        self.events[f"stepped:{type(optimizer).__name__}"] = 1  # which optimizers this step stepped
         if orthogonalised := newton_schulz.calls() - self._orthogonalised:  # Muon's, this step on this rank
             self.events["newton_schulz"] = orthogonalised
         # A DeepSpeed engine (the outermost module) clips inside its step and, at ZeRO ≥ 1, keeps no

@@ -231,8 +231,10 @@ def ran_another_split(cell: Any, first: dict) -> str | None:
         )
     if set(first["backward"]) != {cell.grad_accum_steps}:
         ran = ", ".join(map(str, sorted(set(first["backward"]))))
+        stepped = sorted(e.split(":", 1)[1] for e in first.get("events", {}) if e.startswith("stepped:"))
+        what = f"{' and '.join(stepped)} stepped" if stepped else "the optimizer stepped"
         return (
-            f"your script ignored {{grad_accum_steps}}: {ran} backward call(s) in its first optimizer step, the cell "
-            f"{cell.grad_accum_steps}"
+            f"{what} after {ran} backward call(s) in your script's first optimizer step, where the cell accumulates "
+            f"{cell.grad_accum_steps}: a step per micro-batch, or {{grad_accum_steps}} ignored"
         )
     return None

@@ -140,3 +140,26 @@ def test_a_loop_in_lightnings_shape_with_step_closure_and_a_list_batch(tmp_path)
     assert planted["verdict"] == "diverge" and planted["divergence_steps"]["grad_norm"] == 0, planted
     weighed = cells["script-w1-mb16-ga1-weight1e-02"]  # the model returns its loss: weighed inside it
     assert weighed["max_rel_grad_norm_diff"] > 1e-3, weighed
+
+
+def test_a_ddp_script_with_two_optimizers_a_step(tmp_path):
+    """experiments/your_two_optimizer_script.yaml: torch's Muon for the hidden matrices and AdamW for the rest,
+    both stepped once per optimizer step with no backward between them — one training step, one record with
+    its real loss (before, each optimizer.step() was a step: every other record's loss was 0 and the script
+    was stopped after half its steps). Every split matches within the twins' floor (bf16 Newton–Schulz); the
+    AdamW half stepped after every micro-batch is another split, and the reason names what stepped."""
+    import json
+
+    bug = {"world_size": 1, "micro_batch_size": 4, "args": ["--bug", "adamw_every_micro_batch"], "expect": "diverge"}
+    cells = run(tmp_path, "your_two_optimizer_script.yaml", CLEAN + [bug], noise_floor=True)
+    for cell_id in ("script-w1-mb16-ga1", "script-w1-mb2-ga8", "script-w2-mb4-ga2"):
+        assert cells[cell_id]["verdict"] == "match", cells[cell_id]["reason"]
+    probe = json.loads((tmp_path / "run" / "cells" / "script-w1-mb16-ga1" / "probe.json").read_text())
+    assert [s["step"] for s in probe["steps"]] == [0, 1, 2] and all(s["objective"] > 0.5 for s in probe["steps"])
+    # both optimizers counted in one step (the last one's second is not waited for: the script stops at the
+    # first optimizer step of the last step, in every cell alike)
+    assert [s["events"]["optimizer_step"] for s in probe["steps"]] == [2, 2, 1]
+    assert all(s["backward"] == [1] for s in probe["steps"])
+    assert {"stepped:Muon", "stepped:AdamW"} <= set(probe["steps"][1]["events"])
+    planted = cells["script-w1-mb4-ga4-args_bug_adamw_every_micro_batch"]
+    assert planted["caught_by"] == "split" and planted["reason"].startswith("AdamW stepped after 1 backward call(s)")

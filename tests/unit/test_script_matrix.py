@@ -209,7 +209,12 @@ def test_a_script_that_ignores_the_split_is_told_so(tmp_path):
     assert "ignored {micro_batch_size}: it ran micro-batches of 8" in ran_another_split(
         cell, first | {"rows": [[8], [8]], "backward": [1, 1]}
     )
-    assert "ignored {grad_accum_steps}: 1 backward call(s)" in ran_another_split(cell, first | {"backward": [1, 1]})
+    assert ran_another_split(cell, first | {"backward": [1, 1]}) == (
+        "the optimizer stepped after 1 backward call(s) in your script's first optimizer step, where the cell "
+        "accumulates 2: a step per micro-batch, or {grad_accum_steps} ignored"
+    )
+    named = first | {"backward": [1, 1], "events": {"stepped:AdamW": 1, "backward": 1}}
+    assert ran_another_split(cell, named).startswith("AdamW stepped after 1 backward call(s)")
     assert ran_another_split(cell, first | {"world_size": 1}) == "your script ran 1 ranks, the cell 2"
 
 
