@@ -273,12 +273,18 @@ def _no_run_in(out: str | Path | None) -> dict[str, CellOutcome]:
     return {}
 
 
+def write_matrix(run_dir: Path, m: Matrix) -> None:
+    """The run directory's copy of the matrix: what was validated — paths made absolute, files and configs
+    read in — so that `gaeq report` and `--resume` read it from anywhere, on whichever node wrote it."""
+    atomic_write(run_dir / MATRIX_FILE, yaml.safe_dump(m.source, sort_keys=False, allow_unicode=True))
+
+
 def _prepare_run_dir(m: Matrix, out: str | Path | None, *, kept: Mapping[str, CellOutcome]) -> Path:
     """The run directory, holding the matrix and the library versions — and of the cells it will
     train, nothing an interrupted attempt left (a partial trace, logs)."""
     run_dir = Path(out) if out is not None else new_run_dir(m.spec.name)
     run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write(run_dir / MATRIX_FILE, yaml.safe_dump(m.source, sort_keys=False, allow_unicode=True))
+    write_matrix(run_dir, m)
     record_versions(run_dir)
     for cell in m.runnable():
         if cell.id not in kept:

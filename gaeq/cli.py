@@ -325,7 +325,7 @@ def worker(
         _bad_input(f"{matrix}: {exc}")
     out.mkdir(parents=True, exist_ok=True)
     if me.rank == 0 and not (out / MATRIX_FILE).exists():
-        atomic_write(out / MATRIX_FILE, matrix.read_text())  # other ranks may read it: never half-written
+        api.write_matrix(out, m)  # as validated (absolute paths); other ranks may read it: never half-written
         record_versions(out)
     code = launched_main(matrix=m, run_dir=out, only=cell)
     # Every outcome is written: leave without the interpreter's and C++'s teardown, where a

@@ -4,7 +4,8 @@
     torchrun --standalone --nproc_per_node 2 trainer_padded.py --batch_size 8 --grad_accum 2 --max_steps 5
 
 CPU only (gloo). Global batch = batch_size * grad_accum * world size. Nothing is downloaded: the tokenizer
-and the model are built in code. --padding_side left|right; --bug injects a common mistake.
+and the model are built in code. --padding_side left|right; --padding_free packs each micro-batch into
+one row (TRL's padding_free); --bug injects a common mistake.
 """
 
 import argparse
@@ -20,6 +21,7 @@ from tokenizers.pre_tokenizers import WhitespaceSplit
 from torch.utils.data import Dataset
 from transformers import (
     DataCollatorForSeq2Seq,
+    DataCollatorWithFlattening,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedTokenizerFast,
@@ -35,6 +37,9 @@ parser.add_argument("--grad_accum", type=int, default=4)
 parser.add_argument("--max_steps", type=int, default=5)
 parser.add_argument("--seed", type=int, default=42)
 parser.add_argument("--padding_side", default="right", choices=["left", "right"])
+parser.add_argument(
+    "--padding_free", action="store_true", help="pack each micro-batch into one row (TRL's padding_free)"
+)
 parser.add_argument("--output_dir", default="trainer_padded_out")
 parser.add_argument(
     "--bug", default="none", choices=["none", "model_without_loss_kwargs", "tokens_per_device", "bos_is_target"]
@@ -139,7 +144,11 @@ trainer = trainer_cls(
     model=model,
     args=training_args,
     train_dataset=CountingText(4096),
-    data_collator=DataCollatorForSeq2Seq(tokenizer, padding="longest", label_pad_token_id=-100),
+    # padding_free: each micro-batch's sequences end to end in one row, position_ids restarting at each, no
+    # attention mask (the model masks across sequences from the positions); else padded to the batch's longest
+    data_collator=DataCollatorWithFlattening()
+    if args.padding_free
+    else DataCollatorForSeq2Seq(tokenizer, padding="longest", label_pad_token_id=-100),
     callbacks=[PrintLoss()],
 )
 trainer.train()

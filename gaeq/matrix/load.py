@@ -76,12 +76,29 @@ def _script_matrix(raw: dict, base_dir: Path) -> dict:
             script["deepspeed_config"] = read_config(base_dir / script["deepspeed_config"])
         except ConfigError as exc:
             raise MatrixError(f"script.deepspeed_config: {exc}") from None
+    if isinstance(script.get("files"), list):  # read here: the run directory's copy holds what ran
+        script["files"] = _read_files(script["files"], base_dir)
     raw["problem"] = {"script": script} | {k: raw.pop(k) for k in SCRIPT_PROBLEM_KEYS if k in raw}
     if isinstance(raw.get("axes"), dict):
         raw["axes"].setdefault("trainer", ["script"])
     raw["baseline"] = {"trainer": "script"} | (raw.get("baseline") or {})
     raw["cells"] = [{"trainer": "script"} | c if isinstance(c, dict) else c for c in raw.get("cells") or []]
     return raw
+
+
+def _read_files(paths: list, base_dir: Path) -> dict[str, str]:
+    """`script.files` as written (paths relative to the matrix file) → name → content."""
+    files: dict[str, str] = {}
+    for path in paths:
+        if not isinstance(path, str):
+            raise MatrixError(f"script.files: {path!r}: a path to a config file the script reads")
+        found = base_dir / path
+        if not found.is_file():
+            raise MatrixError(f"script.files: {path}: no such file")
+        if found.name in files:
+            raise MatrixError(f"script.files: two files named {found.name}: each cell's copy is its name")
+        files[found.name] = found.read_text()
+    return files
 
 
 def _inline_deepspeed_configs(raw: dict, base_dir: Path) -> dict:

@@ -34,8 +34,13 @@ def script_args(cell: Cell, problem: ProblemSpec, *, out: Path) -> list[str]:
     """The script's arguments for the cell, filled for its split: every rank is what ``python -m
     gaeq.script.attach SCRIPT ARGS`` would be (the script as ``python SCRIPT ARGS`` runs it, the probe
     loaded first)."""
-    script = problem.script
-    values = {
+    values = placeholder_values(cell, problem, out=out)
+    return [fill(a, values) for a in (*problem.script.args, *cell.script_args)]
+
+
+def placeholder_values(cell: Cell, problem: ProblemSpec, *, out: Path) -> dict[str, object]:
+    """What each placeholder of a script's arguments and files is in `cell`."""
+    return {
         "micro_batch_size": cell.micro_batch_size,
         "grad_accum_steps": cell.grad_accum_steps,
         "world_size": cell.world_size,
@@ -45,7 +50,6 @@ def script_args(cell: Cell, problem: ProblemSpec, *, out: Path) -> list[str]:
         "deepspeed_config": out / DEEPSPEED_CONFIG_FILE,
         "cell_dir": out,
     }
-    return [fill(a, values) for a in (*script.args, *cell.script_args)]
 
 
 def command_line(cell: Cell, problem: ProblemSpec, *, out: Path) -> str:
@@ -73,6 +77,9 @@ def prepare(cell: Cell, problem: ProblemSpec, *, run_dir: Path) -> tuple[Path, l
             "gradient_accumulation_steps": cell.grad_accum_steps,
         }
         atomic_write(out / DEEPSPEED_CONFIG_FILE, json.dumps(config, indent=1))
+    values = placeholder_values(cell, problem, out=out)
+    for name, content in problem.script.files.items():  # the config files it reads, filled for the split
+        atomic_write(out / name, "".join(fill(line, values) for line in content.splitlines(keepends=True)))
     probe = {"out": str(out), "steps": problem.steps}
     if cell.perturbation is not None:  # a noise-floor twin's nudge, or an error of known size (gaeq.perturb)
         probe["perturbation"] = dataclasses.asdict(cell.perturbation)

@@ -82,6 +82,8 @@ class SampleIdentity:
         laid_out = [length is not None and t.ndim >= 2 and t.shape[1] == length for _, t in inputs]
         positional = [x for x, p in zip(inputs, laid_out) if p]
         by_row = [x for x, p in zip(inputs, laid_out) if not p]
+        if mask is None and (packed := _packed(positional)) is not None:
+            return packed
         exact = True
         if mask is not None:
             keep = mask.cpu() != 0
@@ -139,6 +141,31 @@ def flatten(named: list[tuple[str, Any]]) -> list[tuple[str, torch.Tensor]]:
         elif isinstance(value, (list, tuple)):
             found += flatten([(f"{name}[{i}]", v) for i, v in enumerate(value)])
     return found
+
+
+def _packed(positional: list[tuple[str, torch.Tensor]]) -> MicroBatch | None:
+    """Rows that pack sequences end to end, told by their `position_ids` (no attention mask, on purpose: TRL's
+    padding_free, a packing collator) — restarting at 0 inside a row, or counting a batch's single row from 0
+    (one sequence packed alone: a single row needs no padding) — read as their sequences: each one a sample,
+    exactly delimited by the script's own positions, the same whichever sequences share its row. None where
+    positions say neither."""
+    positions = next((t for name, t in positional if _leaf(name) == "position_ids" and t.ndim == 2), None)
+    if positions is None or positions.is_floating_point():
+        return None
+    positions = positions.cpu()
+    counting = positions.shape[0] == 1 and bool((positions == torch.arange(positions.shape[1])).all())
+    if not counting and not bool((positions[:, 1:] == 0).any()):
+        return None
+    others = [(name, t.cpu()) for name, t in positional if _leaf(name) != "position_ids"]
+    fingerprints, keys = [], []
+    for row, starts in enumerate(positions == 0):
+        bounds = [*starts.nonzero().flatten().tolist(), positions.shape[1]]
+        for start, stop in zip(bounds, bounds[1:]):
+            pieces = [t[row, start:stop] for _, t in others]
+            fingerprints.append(_hash(pieces))
+            keys.append(_hash(pieces[:1]))
+    names = [name for name, _ in others]
+    return MicroBatch(fingerprints=fingerprints, keys=keys, names=names, length=positions.shape[1], exact=True)
 
 
 def _leaf(name: str) -> str:

@@ -47,6 +47,12 @@ class ScriptSpec(BaseModel):
         description="A DeepSpeed config (a path relative to the matrix file, or a mapping): each cell gets a copy "
         "with its batch triple, passed as {deepspeed_config}.",
     )
+    files: dict[str, str] = Field(
+        {},
+        description="Config files the script reads (paths relative to the matrix file, or name → content): each "
+        "cell gets its own copy in its folder, {placeholders} filled as in args — a JSON, YAML or TOML config "
+        "of picotron, torchtitan, axolotl or LLaMA-Factory driven per split; pass it as {cell_dir}/NAME.",
+    )
     cwd: str | None = Field(None, description="The folder it runs in (default: the script's own folder).")
     env: dict[str, str] = Field({}, description="Extra environment for every rank.")
     imports: list[str] | None = Field(
@@ -90,6 +96,19 @@ class ScriptSpec(BaseModel):
             except PlaceholderError as exc:
                 raise ValueError(str(exc)) from None
         return args
+
+    @field_validator("files")
+    @classmethod
+    def _files(cls, files: dict[str, str]) -> dict[str, str]:
+        for name, content in files.items():
+            if not name or "/" in name or name in (".", ".."):
+                raise ValueError(f"files: {name!r}: a file's name, written into each cell's folder")
+            for line in content.splitlines():
+                try:
+                    check(line)
+                except PlaceholderError as exc:
+                    raise ValueError(f"files: {name}: {exc}") from None
+        return files
 
 
 def _findable(name: str) -> bool:

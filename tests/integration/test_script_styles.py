@@ -26,6 +26,7 @@ def run(tmp_path, experiment: str, cells: list[dict], *, args: list[str] = (), n
     for key in ("path", "deepspeed_config"):
         if key in spec["script"]:
             spec["script"][key] = str(REPO / "experiments" / spec["script"][key])
+    spec["script"]["files"] = [str(REPO / "experiments" / f) for f in spec["script"].get("files", [])]
     spec["script"]["args"] += list(args)
     spec |= {"steps": 3, "train_batch_size": 16, "noise_floor": noise_floor, "detection_limit": noise_floor}
     spec.setdefault("floor_twins", 2)  # the experiment's own where it says
@@ -163,3 +164,27 @@ def test_a_ddp_script_with_two_optimizers_a_step(tmp_path):
     assert {"stepped:Muon", "stepped:AdamW"} <= set(probe["steps"][1]["events"])
     planted = cells["script-w1-mb4-ga4-args_bug_adamw_every_micro_batch"]
     assert planted["caught_by"] == "split" and planted["reason"].startswith("AdamW stepped after 1 backward call(s)")
+
+
+def test_a_script_driven_by_a_config_file(tmp_path):
+    """experiments/your_config_file_script.yaml: the split in a JSON config the script reads (picotron's
+    way), each cell's copy filled by gaeq (script.files) — every split matches, and a loss never ÷ GA,
+    set on the command line beside the config, is caught at step 0 (the objective GA ×)."""
+    bug = {"world_size": 1, "micro_batch_size": 4, "args": ["--bug", "loss_not_divided"], "expect": "diverge"}
+    cells = run(tmp_path, "your_config_file_script.yaml", CLEAN + [bug])
+    for cell_id in ("script-w1-mb2-ga8", "script-w2-mb4-ga2"):
+        assert cells[cell_id]["verdict"] == "match", cells[cell_id]["reason"]
+    assert cells["script-w2-mb4-ga2"]["ran"]["micro_steps"] == [2]  # the config's GA, as the probe saw it
+    assert caught(cells["script-w1-mb4-ga4-args_bug_loss_not_divided"]) == ("loss", 0)  # GA × the objective
+
+
+def test_a_trainer_script_packing_each_micro_batch_into_one_row(tmp_path):
+    """The Trainer script with --padding_free (TRL's padding_free: DataCollatorWithFlattening packs each
+    micro-batch into one row, position_ids restarting at each sequence, no attention mask on purpose): each
+    sequence is a sample, so the split is the cell's and the data the baseline's — before, every split was a
+    false `diverge` ("it ran micro-batches of 1"), the baseline's too."""
+    cells = run(tmp_path, "your_trainer_padded_script.yaml", CLEAN, args=["--padding_free"])
+    for cell_id, rows in (("script-w1-mb16-ga1", 16), ("script-w1-mb2-ga8", 2), ("script-w2-mb4-ga2", 4)):
+        assert cells[cell_id]["verdict"] == "match", cells[cell_id]["reason"]
+        assert cells[cell_id]["ran"]["micro_batch_rows"] == [rows]  # sequences, read from the packed row
+        assert cells[cell_id]["not_checked"] == {}  # the data was checked: sequences exactly delimited

@@ -107,3 +107,31 @@ def test_a_batch_in_a_list_a_dict_or_a_dataclass_is_read_as_its_tensors():
     a = reader.read(step, ({"input_ids": x["input_ids"], "attention_mask": x["attention_mask"]},), {})
     b = reader.read(step, ({"input_ids": wider["input_ids"], "attention_mask": wider["attention_mask"]},), {})
     assert a.fingerprints == b.fingerprints and a.names == ["batch.input_ids", "batch.attention_mask"]
+
+
+def test_packed_rows_are_read_as_their_sequences():
+    """TRL's padding_free: a micro-batch of several sequences laid end to end in one row, position_ids
+    restarting at each (no attention mask, on purpose). Each sequence is a sample — the same fingerprint
+    as that sequence alone, whichever sequences share its row — and the rows the split check counts are
+    the sequences (before: "it ran micro-batches of 1")."""
+
+    class Packed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(16, 2)
+
+        def forward(self, input_ids, position_ids=None, labels=None):
+            return self.emb(input_ids)
+
+    def pack(samples):
+        ids = torch.tensor([[t for s in samples for t in s]])
+        positions = torch.tensor([[i for s in samples for i in range(len(s))]])
+        return {"input_ids": ids, "position_ids": positions, "labels": ids.clone()}
+
+    reader, model = SampleIdentity(), Packed()
+    alone = [reader.read(model, (), pack([s])).fingerprints[0] for s in SAMPLES]
+    together = reader.read(model, (), pack(SAMPLES))
+    assert together.fingerprints == alone and together.exact and len(together.fingerprints) == 3
+    swapped = reader.read(model, (), pack(SAMPLES[::-1]))
+    assert sorted(swapped.fingerprints) == sorted(alone)
+    assert reader.read(model, (), pack([SAMPLES[1]])).fingerprints == [alone[1]]  # one sequence: one sample

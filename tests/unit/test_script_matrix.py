@@ -460,3 +460,61 @@ def test_a_scripts_muon_orthogonalises_each_matrix_once_a_step_however_its_ranks
         step, why = orthogonalisation_differs([(base, {"step": 0, "newton_schulz": ranks})])
         assert step == 0 and why.endswith(f"your Muon orthogonalised {said}"), why
     assert orthogonalisation_differs([({"step": 0}, {"step": 0})]) is None  # no Muon, or a probe of before
+
+
+def test_a_config_file_the_script_reads_is_filled_per_cell(tmp_path):
+    """script.files: picotron's, torchtitan's, axolotl's way — the split lives in a config file, not on the
+    command line. Each cell gets its own copy in its folder, placeholders filled as in args (JSON's own
+    braces untouched); a name no cell could fill is bad input when the matrix loads."""
+    import json
+
+    from gaeq.script.launch import prepare
+
+    m = load_matrix(REPO / "experiments" / "your_config_file_script.yaml")
+    assert list(m.problem.script.files) == ["config_driven.json"]
+    cell = next(c for c in m.cells if c.id == "script-w2-mb4-ga4")
+    out, args, _ = prepare(cell, m.problem, run_dir=tmp_path)
+    assert args == ["--config", str(out / "config_driven.json")]
+    config = json.loads((out / "config_driven.json").read_text())
+    assert config["training"] == {
+        "micro_batch_size": 4, "gradient_accumulation_steps": 4, "total_train_steps": 6, "seed": 0
+    }  # fmt: skip
+    assert config["optimizer"]["learning_rate"] == 0.01
+    (tmp_path / "bad.json").write_text('{"micro": {micro_batch}}\n')
+    (tmp_path / "bad.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "name": "bad",
+                "script": {"path": str(SCRIPT), "files": ["bad.json"]},
+                "steps": 2,
+                "train_batch_size": 4,
+                "axes": {"world_size": [1], "micro_batch_size": [2]},
+            }
+        )  # fmt: skip
+    )
+    with pytest.raises(MatrixError, match=r"files: bad.json: .*unknown name 'micro_batch'"):
+        load_matrix(tmp_path / "bad.yaml")
+    (tmp_path / "missing.yaml").write_text((tmp_path / "bad.yaml").read_text().replace("bad.json", "nope.json"))
+    with pytest.raises(MatrixError, match="script.files: nope.json: no such file"):
+        load_matrix(tmp_path / "missing.yaml")
+
+
+def test_the_run_directorys_matrix_holds_what_was_validated_whoever_wrote_it(tmp_path):
+    """`gaeq worker` on each node of a cluster wrote the matrix file as it was given — a script path
+    relative to the matrix, which `gaeq report RUN` then looked for beside RUN. Every writer now writes
+    what was validated (api.write_matrix): the script's absolute path, its config files read in."""
+    from gaeq import api
+
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "train.py").write_text(TINY)
+    (tmp_path / "mine" / "cfg.json").write_text('{"mb": {micro_batch_size}}\n')
+    spec = {"name": "mine", "script": {"path": "train.py", "files": ["cfg.json"]}, "steps": 2, "train_batch_size": 4,
+            "axes": {"world_size": [1], "micro_batch_size": [2]}}  # fmt: skip
+    (tmp_path / "mine" / "m.yaml").write_text(yaml.safe_dump(spec))
+    m = load_matrix(tmp_path / "mine" / "m.yaml")
+    (tmp_path / "run").mkdir()
+    api.write_matrix(tmp_path / "run", m)
+    again = load_matrix(tmp_path / "run" / "matrix.yaml")  # read from elsewhere, as gaeq report does
+    assert again.problem.script.path == str(tmp_path / "mine" / "train.py")
+    assert again.problem.script.files == {"cfg.json": '{"mb": {micro_batch_size}}\n'}
+    assert [c.id for c in again.cells] == [c.id for c in m.cells]
