@@ -26,6 +26,8 @@ def probe(*, model=None, engine=None, pad_id=None) -> None:
         return
     if engine is not None or model is not None:
         probing.ACTIVE.model = engine if engine is not None else model
+    if model is not None:  # its inputs are the samples (an engine's are read inside it, at its module)
+        probing.ACTIVE.reads = model
     if pad_id is not None:
         probing.ACTIVE.samples.pad_values.add(pad_id)
 

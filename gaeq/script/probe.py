@@ -47,8 +47,8 @@ import gaeq.perturb as perturb
 from gaeq.accelerator import fp16_answer_record
 from gaeq.script.contract import ENV, PROBE_FILE
 from gaeq.script.ranks import gather, rank, versions
-from gaeq.script.samples import SampleIdentity
-from gaeq.script.weights import UpdateSketch, engine_norm, fingerprint, grad_norm
+from gaeq.script.samples import SampleIdentity, trainable, wraps
+from gaeq.script.weights import UpdateSketch, active_dropout, engine_norm, fingerprint, grad_norm
 
 ACTIVE: Probe | None = None
 """The probe of this process, once installed (what ``gaeq.probe(model=…)`` tells)."""
@@ -63,6 +63,9 @@ class Probe:
         self.model: torch.nn.Module | None = None
         """The module being trained: the first called with gradients on that has trainable parameters
         (DDP's wrapper or DeepSpeed's engine, if there is one), or the one gaeq.probe(model=…) names."""
+        self.reads: torch.nn.Module | None = None
+        """The module whose inputs are the samples: the model, inside any wrapper (DDP, a DeepSpeed engine, a
+        LightningModule whose training_step Lightning calls) — the same module at every split."""
         self.initial: str | None = None
         self.dropout: dict[str, float] = {}
         """The model's dropout modules active in its first training forward: name → p."""
@@ -198,10 +201,12 @@ class Probe:
         if any(self._calls):  # inside the model: its own modules
             self._calls.append(False)
             return
-        if self.model is None and torch.is_grad_enabled() and _trainable(module):
+        if self.model is None and torch.is_grad_enabled() and trainable(module):
             self.model = module
             self._attach_cost(module)
-        self._calls.append(module is self.model and torch.is_grad_enabled())
+        if self.reads is None and torch.is_grad_enabled() and trainable(module) and not wraps(module):
+            self.reads = module  # (inside a wrapper's call: what it calls is the model that gets the batch)
+        self._calls.append(module is self.reads and torch.is_grad_enabled())
 
     def _after_forward(self, module, args, kwargs, output) -> None:
         if not self._calls.pop():
@@ -378,18 +383,3 @@ class Probe:
                 )
             )
         writer.close()
-
-
-def active_dropout(model: torch.nn.Module) -> dict[str, float]:
-    """Dropout modules in training mode with p > 0: their masks come from torch's global RNG, which
-    draws them for other rows in every split — a split-dependent update, named in the verdict."""
-    return {
-        name or type(m).__name__: float(m.p)
-        for name, m in model.named_modules()
-        if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.training and m.p > 0
-    }
-
-
-def _trainable(module: torch.nn.Module) -> bool:
-    """Whether `module` has a parameter that trains (a loss or a metric has none; a frozen teacher's do not)."""
-    return any(p.requires_grad for p in module.parameters())

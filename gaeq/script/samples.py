@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+import gaeq.perturb as perturb
+
 IGNORE_INDEX = -100
 """The label ignore index of torch's cross-entropy and of transformers' collators: label padding."""
 MASK_NAMES = ("attention_mask",)
@@ -202,3 +204,18 @@ def _strip(row: torch.Tensor, pads: set[float]) -> torch.Tensor:
     if kept.numel() == 0:
         return row[:0]
     return row[int(kept[0]) : int(kept[-1]) + 1]
+
+
+CALL_WRAPPERS = (*perturb.WRAPPERS, "LightningModule", "_FabricModule")
+"""Modules a training call goes through to reach the model: DDP's and DeepSpeed's wrappers, and a
+LightningModule (Lightning calls its training_step through DDP at world 2 and directly at world 1; the
+model it calls inside is the same at both)."""
+
+
+def wraps(module: torch.nn.Module) -> bool:
+    return any(kind.__name__ in CALL_WRAPPERS for kind in type(module).__mro__)
+
+
+def trainable(module: torch.nn.Module) -> bool:
+    """Whether `module` has a parameter that trains (a loss or a metric has none; a frozen teacher's do not)."""
+    return any(p.requires_grad for p in module.parameters())

@@ -78,3 +78,13 @@ def engine_norm(model: torch.nn.Module | None) -> float | None:
     engine = getattr(model, "get_global_grad_norm", None)
     norm = engine() if callable(engine) else None
     return None if norm is None else float(norm)
+
+
+def active_dropout(model: torch.nn.Module) -> dict[str, float]:
+    """Dropout modules in training mode with p > 0: their masks come from torch's global RNG, which
+    draws them for other rows in every split — a split-dependent update, named in the verdict."""
+    return {
+        name or type(m).__name__: float(m.p)
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.training and m.p > 0
+    }

@@ -31,7 +31,7 @@ def run(tmp_path, experiment: str, cells: list[dict], *, args: list[str] = (), n
     spec |= {"steps": 3, "train_batch_size": 16, "noise_floor": noise_floor, "detection_limit": noise_floor}
     spec.setdefault("floor_twins", 2)  # the experiment's own where it says
     spec["cells"] = cells
-    spec.pop("axes")
+    spec.pop("axes", None)
     (tmp_path / "mine.yaml").write_text(yaml.safe_dump(spec))
     proc, report, _ = gaeq_run_here(tmp_path / "mine.yaml", tmp_path / "run")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -188,3 +188,23 @@ def test_a_trainer_script_packing_each_micro_batch_into_one_row(tmp_path):
         assert cells[cell_id]["verdict"] == "match", cells[cell_id]["reason"]
         assert cells[cell_id]["ran"]["micro_batch_rows"] == [rows]  # sequences, read from the packed row
         assert cells[cell_id]["not_checked"] == {}  # the data was checked: sequences exactly delimited
+
+
+def test_a_pytorch_lightning_script(tmp_path):
+    """experiments/your_lightning_script.yaml: a real PyTorch Lightning Trainer (accumulate_grad_batches,
+    gradient_clip_val, strategy="ddp" on two devices), unchanged. On one device every split matches — the
+    closure and the list batch read where they are (before: every split a false `diverge`, the baseline's too).
+    On two, Lightning swaps the script's sequential DataLoader for a shuffling DistributedSampler: other
+    samples from step 0, caught as data first, as the matrix expects."""
+    shuffled = {
+        "world_size": 2,
+        "micro_batch_size": 4,
+        "expect": {"verdict": "diverge", "caught_by": "data", "step": 0},
+    }
+    splits = [{"world_size": 1, "micro_batch_size": 2}, {"world_size": 1, "micro_batch_size": 4}, shuffled]
+    cells = run(tmp_path, "your_lightning_script.yaml", splits)
+    for cell_id in ("script-w1-mb16-ga1", "script-w1-mb2-ga8", "script-w1-mb4-ga4"):
+        assert cells[cell_id]["verdict"] == "match", cells[cell_id]["reason"]
+    sampled = cells["script-w2-mb4-ga2"]
+    assert (sampled["verdict"], sampled["caught_by"], sampled["first_divergent_step"]) == ("diverge", "data", 0)
+    assert "samples missing" in sampled["reason"]
