@@ -39,7 +39,18 @@ def replacing(path: str | Path) -> Iterator[Path]:
     publish(path)
 
 
-def atomic_write(path: str | Path, data: str | bytes) -> None:
-    """Write `data` (text or bytes) to `path` through its partial file."""
-    with replacing(path) as partial:
-        partial.write_bytes(data) if isinstance(data, bytes) else partial.write_text(data)
+def atomic_write(path: str | Path, data: str | bytes, *, shared: bool = False) -> None:
+    """Write `data` (text or bytes) to `path` through its partial file — with `shared`, through a partial
+    of this process's own (`NAME.<pid>.partial`): several processes write the same file at once (every rank
+    of a script cell under a real launcher writes the cell's config files), the last rename wins."""
+    if not shared:
+        with replacing(path) as partial:
+            partial.write_bytes(data) if isinstance(data, bytes) else partial.write_text(data)
+        return
+    path = Path(path)
+    own = path.with_name(f"{path.name}.{os.getpid()}{PARTIAL}")
+    try:
+        own.write_bytes(data) if isinstance(data, bytes) else own.write_text(data)
+        os.replace(own, path)
+    finally:
+        own.unlink(missing_ok=True)

@@ -76,10 +76,10 @@ def prepare(cell: Cell, problem: ProblemSpec, *, run_dir: Path) -> tuple[Path, l
             "train_micro_batch_size_per_gpu": cell.micro_batch_size,
             "gradient_accumulation_steps": cell.grad_accum_steps,
         }
-        atomic_write(out / DEEPSPEED_CONFIG_FILE, json.dumps(config, indent=1))
+        atomic_write(out / DEEPSPEED_CONFIG_FILE, json.dumps(config, indent=1), shared=True)  # every launched rank
     values = placeholder_values(cell, problem, out=out)
     for name, content in problem.script.files.items():  # the config files it reads, filled for the split
-        atomic_write(out / name, "".join(fill(line, values) for line in content.splitlines(keepends=True)))
+        atomic_write(out / name, "".join(fill(line, values) for line in content.splitlines(keepends=True)), shared=True)
     probe = {"out": str(out), "steps": problem.steps}
     if cell.perturbation is not None:  # a noise-floor twin's nudge, or an error of known size (gaeq.perturb)
         probe["perturbation"] = dataclasses.asdict(cell.perturbation)
