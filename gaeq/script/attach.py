@@ -30,7 +30,12 @@ def run(script: str, args: list[str]) -> None:
     sys.argv = [script, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python SCRIPT` puts its folder first
     try:
-        runpy.run_path(script, run_name="__main__")
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as exc:
+            if exc.code not in (None, 0):
+                raise
+        probe.end_of_script()  # ended of itself: a training step still open is complete
     finally:
         # The script ended (or raised) before the asked steps: what was seen is saved, no trace.
         if probe.step < probe.steps and rank() == 0:

@@ -8,7 +8,8 @@ writes, per optimizer step, what was really optimised and on which data.
   as × GA even when the logged loss looks right;
 - **the grad norm at the boundary, before clipping**, in float64: at the first ``clip_grad_norm_``
   after the step's last backward (whatever the script clipped before it), or at the optimizer step
-  when nothing clips after it — a DeepSpeed engine's own (``get_global_grad_norm``: it clips inside
+  when nothing clips after it — over every optimizer of the training step, each gradient read once
+  (gaeq.script.steps) — or a DeepSpeed engine's own (``get_global_grad_norm``: it clips inside
   its step, and ZeRO ≥ 1 keeps no ``.grad``);
 - **events**: the calls the script makes per optimizer step — backward, clip, zero_grad, scheduler,
   optimizer step; a library wrapper that steps the scheduler it wraps several times (accelerate's
@@ -23,8 +24,10 @@ writes, per optimizer step, what was really optimised and on which data.
 - **the weights**: a fingerprint of the initial parameters and, after each step, a fixed random
   projection of how far they moved (an update sketch).
 
-Rank 0 writes the trace (``trace.jsonl``, as gaeq's own trainers do, the objective as its loss)
-and ``probe.json``; after the asked number of steps every rank leaves (the script is stopped).
+A record is a training step — what consumes the accumulated gradients, one optimizer's step or several
+(gaeq.script.steps) — and ``step(closure)`` is read after its closure ran. Rank 0 writes the trace
+(``trace.jsonl``, as gaeq's own trainers do, the objective as its loss) and ``probe.json``; after the
+asked number of steps every rank leaves (the script is stopped).
 """
 
 from __future__ import annotations
@@ -34,7 +37,6 @@ import json
 import os
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +50,7 @@ from gaeq.accelerator import fp16_answer_record
 from gaeq.script.contract import ENV, PROBE_FILE
 from gaeq.script.ranks import gather, rank, versions
 from gaeq.script.samples import SampleIdentity, trainable, wraps
+from gaeq.script.steps import Boundary, Seen, TrainingSteps, record
 from gaeq.script.weights import UpdateSketch, active_dropout, engine_norm, fingerprint, grad_norm
 
 ACTIVE: Probe | None = None
@@ -71,42 +74,44 @@ class Probe:
         """The model's dropout modules active in its first training forward: name → p."""
         self.record: list[dict[str, Any]] = []
         self.samples = SampleIdentity()
+        self.steps_of = TrainingSteps()
+        self.open: tuple[Seen, Boundary] | None = None
+        """The open training step: what this rank saw in its phases so far, what rank 0 read at their ends."""
         self._calls: list[bool] = []
         """Per module call in progress: whether it is a training call of the model (its inputs are read)."""
-        self._seen = False
+        self._first_forward = True
         self._sketch = UpdateSketch()
         self._scheduling = 0
         """Scheduler steps in progress (a scheduler stepping others inside its own step is one call)."""
         self._wrapper_call: Any = None
+        """The frame of the library wrapper's step that stepped the scheduler last (one call of the script's)."""
         self._depth = 0
         """Optimizer steps in progress (an optimizer stepping another inside its own step is one step)."""
-        """The frame of the library wrapper's step that stepped the scheduler last (one call of the script's)."""
         self._memory: Any = None
         self._comm: Any = None
-        self._new_step()
+        self._optimizer: Any = None
+        self._clip: tuple[float, set[int]] | None = None
+        """The norm the first clip after the last backward read, and of which parameters (until a step reads it)."""
+        self._clipped = False
+        self._read: set[int] = set()
+        """The parameters whose gradient this training step's norm has read since the last backward."""
+        self._orthogonalised_by_backward = 0
+        self._new_phase()
 
     @classmethod
     def from_env(cls) -> Probe:
         config = json.loads(os.environ[ENV])
         return cls(Path(config["out"]), int(config["steps"]), config.get("perturbation"))
 
-    def _new_step(self) -> None:
-        self.losses: list[float] = []
-        self.rows: list[int] = []
-        self.fingerprints: list[str] = []
-        self.keys: list[str] = []
-        self.inputs: list[str] = []
-        self.lengths: list[int | None] = []
-        self.exact = True
-        self.events: Counter[str] = Counter()
+    def _new_phase(self) -> None:
+        """From one optimizer step to the next: what this rank sees, what rank 0 reads at its end."""
+        self.seen, self.boundary = Seen(), Boundary()
         self._orthogonalised = newton_schulz.calls()
-        self.grad_norm: float | None = None
-        self._norm_after_backward: float | None = None
-        """The norm at the first clip since the last backward (the boundary's, when no backward follows)."""
-        self.lr: float | None = None
-        self.spent = 0.0
-        """Seconds the probe's own work took in this step (hashing, norms, gathering, writing)."""
         self.started = time.perf_counter()
+
+    @property
+    def events(self):
+        return self.seen.events
 
     # --- the hooks ------------------------------------------------------------------------------
 
@@ -119,11 +124,12 @@ class Probe:
         def probed_backward(tensors, *args, **kwargs):
             if isinstance(tensors, torch.Tensor) and tensors.numel() == 1:
                 started = time.perf_counter()
-                self.losses.append(float(tensors.detach().double()))
-                self.spent += time.perf_counter() - started
+                self.seen.losses.append(float(tensors.detach().double()))
+                self.boundary.spent += time.perf_counter() - started
             self.events["backward"] += 1
             newton_schulz.count(loaded_only=True)  # a Muon the script has imported by now: its kernels counted
-            self._norm_after_backward = None  # the gradient changes: a clip after this one reads the new norm
+            self._orthogonalised_by_backward = newton_schulz.calls()  # before it: on a partial gradient
+            self._clip, self._clipped, self._read = None, False, set()  # the gradient changes: read anew
             return backward(tensors, *args, **kwargs)
 
         torch.autograd.backward = probed_backward  # Tensor.backward calls it too
@@ -134,10 +140,12 @@ class Probe:
         def probed_clip(parameters, *args, **kwargs):
             parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
             self.events["clip"] += 1
-            if self._norm_after_backward is None:  # before it clips: a clip per micro-step reads each one's
+            if not self._clipped:  # before it clips: a clip per micro-step reads each one's
                 started = time.perf_counter()
-                self._norm_after_backward = grad_norm([p.grad for p in parameters if p.grad is not None])
-                self.spent += time.perf_counter() - started
+                self._clipped = True
+                with_grad = [p for p in parameters if p.grad is not None]
+                self._clip = grad_norm([p.grad for p in with_grad]), {id(p) for p in with_grad}
+                self.boundary.spent += time.perf_counter() - started
             return clip(parameters, *args, **kwargs)
 
         torch.nn.utils.clip_grad_norm_ = probed_clip
@@ -212,19 +220,20 @@ class Probe:
         if not self._calls.pop():
             return  # another module than the model (a loss, a metric, a teacher), or an evaluation forward
         started = time.perf_counter()
-        if not self._seen:  # the first training forward: the model's dropout, as it trains
-            self._seen = True
+        if self._first_forward:  # the first training forward: the model's dropout, as it trains
+            self._first_forward = False
             self.dropout = active_dropout(self.model)
         batch = self.samples.read(module, args, kwargs)
-        self.spent += time.perf_counter() - started
+        self.boundary.spent += time.perf_counter() - started
         if batch is None:
             return
-        self.rows.append(len(batch.fingerprints))
-        self.fingerprints.extend(batch.fingerprints)
-        self.keys.extend(batch.keys)
-        self.inputs = self.inputs or batch.names
-        self.lengths.append(batch.length)
-        self.exact &= batch.exact
+        seen = self.seen
+        seen.rows.append(len(batch.fingerprints))
+        seen.samples.extend(batch.fingerprints)
+        seen.keys.extend(batch.keys)
+        seen.inputs = seen.inputs or batch.names
+        seen.lengths.append(batch.length)
+        seen.exact &= batch.exact
 
     def _attach_cost(self, model: torch.nn.Module) -> None:
         """Count what the model's training wrapper sends (before its first backward: DDP takes a comm
@@ -253,97 +262,101 @@ class Probe:
         return perturb.after_closure(args, kwargs, lambda: self._at_boundary(optimizer)) or self._at_boundary(optimizer)
 
     def _at_boundary(self, optimizer) -> None:
+        if self.steps_of.ends_open(id(optimizer), backward_since=self.events["backward"] > 0):
+            self._close()  # the next accumulation's step: the open training step is over
         started = time.perf_counter()
-        params = self._parameters(optimizer)
         if self.initial is None:
+            params = self._parameters(optimizer)
             self.initial = fingerprint(params)
             if rank() == 0:
                 self._sketch.start(params)
-        # the boundary's norm before clipping: the first clip's after the last backward, else now
-        self.grad_norm = self._norm_after_backward
-        if self.grad_norm is None:
-            self.grad_norm = grad_norm([p.grad for p in params if p.grad is not None])
-        self.lr = float(optimizer.param_groups[0]["lr"])
-        self.spent += time.perf_counter() - started
+        # the boundary's norm before clipping: the first clip's after the last backward, else now — of
+        # the gradients no earlier optimizer of this training step read since that backward
+        read = self.boundary
+        if self._clip is not None:
+            norm, ids = self._clip
+            read.norm_squared, self._clip = (read.norm_squared or 0.0) + norm**2, None
+            self._read |= ids
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        fresh = [p for p in params if p.grad is not None and id(p) not in self._read]
+        if fresh:
+            read.norm_squared = (read.norm_squared or 0.0) + grad_norm([p.grad for p in fresh]) ** 2
+            self._read |= {id(p) for p in fresh}
+        read.lr = float(optimizer.param_groups[0]["lr"])
+        read.spent += time.perf_counter() - started
 
     def _after_step(self, optimizer, args, kwargs) -> None:
         self._depth -= 1
         if self._depth:
             return  # a step inside another optimizer's: part of its outer step
-        if self.step and not self.events["backward"]:  # no backward since the last: another optimizer of that
-            if self.record:  # step (Muon for the matrices, AdamW for the rest): one step, its calls counted
-                self.record[-1]["events"]["optimizer_step"] += 1
-                self.record[-1]["events"].setdefault(f"stepped:{type(optimizer).__name__}", 1)
+        name = type(optimizer).__name__
+        if self.record and self.open is None and not self.events["backward"]:  # after a closed training step,
+            self.record[-1]["events"]["optimizer_step"] += 1  # no backward since: another optimizer of that one
+            self.record[-1]["events"].setdefault(f"stepped:{name}", 1)
+            self.boundary = Boundary(spent=self.boundary.spent)
             return
         entered = time.perf_counter()
-        self.events["optimizer_step"] += 1
-        self.events[f"stepped:{type(optimizer).__name__}"] = 1  # which optimizers this step stepped
-        if orthogonalised := newton_schulz.calls() - self._orthogonalised:  # Muon's, this step on this rank
-            self.events["newton_schulz"] = orthogonalised
+        seen, read = self.seen, self.boundary
+        seen.ended_by_step(name)
+        if orthogonalised := newton_schulz.calls() - self._orthogonalised:  # Muon's, this phase on this rank
+            seen.newton_schulz = orthogonalised
+            if seen.events["backward"]:
+                seen.newton_schulz_early = max(0, self._orthogonalised_by_backward - self._orthogonalised)
         # A DeepSpeed engine (the outermost module) clips inside its step and, at ZeRO ≥ 1, keeps no
         # gradient in .grad: the norm it computed before clipping is the one to compare.
-        if (norm := engine_norm(self.model)) is not None:
-            self.grad_norm = norm
-        mine = {
-            "losses": self.losses,
-            "rows": self.rows,
-            "samples": self.fingerprints,
-            "keys": self.keys,
-            "inputs": self.inputs,
-            "lengths": self.lengths,
-            "exact": self.exact,
-            "events": dict(self.events),
-        }
-        comm = self._comm.take() if self._comm is not None else None  # before the probe's own gather
-        ranks = gather(mine)
+        read.engine_norm = engine_norm(self.model)
+        read.comm = self._comm.take() if self._comm is not None else None
+        read.peak = self._memory.peak_bytes() if self._memory is not None else None
+        read.seconds = time.perf_counter() - self.started
+        read.spent += time.perf_counter() - entered
+        if self.open is None:
+            self.open = (seen, read)
+        else:
+            self.open[0].add(seen)
+            self.open[1].add(read)
+        self._new_phase()
+        if self.steps_of.stepped(id(optimizer)):
+            self._close()
+
+    def _close(self) -> None:
+        """The open training step is complete: gathered over ranks, written by rank 0 (its sketch of the
+        weights before any later step moves them), and the script stopped after the asked steps."""
+        if self.open is None:
+            return
+        seen, read = self.open
+        entered = time.perf_counter()
+        if self._comm is not None:
+            with self._comm.paused():
+                ranks = gather(seen.shared())
+        else:
+            ranks = gather(seen.shared())
         if rank() == 0:
-            peak = self._memory.peak_bytes() if self._memory is not None else None
-            sketch = self._sketch(self._parameters(optimizer))
-            self.spent += time.perf_counter() - entered
-            self._write(ranks, sketch=sketch, comm=comm, peak=peak)
+            sketch = self._sketch(self._parameters(None))
+            read.spent += time.perf_counter() - entered
+            self.record.append(record(self.step, ranks, read, sketch=sketch))
+        self.open = None
+        self.steps_of.close()
         self.step += 1
-        self._new_step()
         if self.step == self.steps:
             self.finish()
 
+    def end_of_script(self) -> None:
+        """The script ended of itself (every rank): a training step still open is complete — where the
+        ranks can still meet to gather it (the script may have left its process group)."""
+        alone = int(os.environ.get("WORLD_SIZE", "1")) == 1
+        if alone or (dist.is_available() and dist.is_initialized()):
+            self._close()
+
     def _parameters(self, optimizer) -> list[torch.Tensor]:
-        """The model's parameters (the outermost module's, in its order), else the optimizer's."""
+        """The model's parameters (the outermost module's, in its order), else the optimizer's (the
+        first training step's first)."""
         if self.model is not None:
             return list(self.model.parameters())
-        return [p for group in optimizer.param_groups for p in group["params"]]
+        if optimizer is not None:
+            self._optimizer = optimizer
+        return [p for group in self._optimizer.param_groups for p in group["params"]]
 
     # --- what is written ------------------------------------------------------------------------
-
-    def _write(
-        self, ranks: list[dict[str, Any]], *, sketch: tuple[float, float], comm: int | None, peak: int | None
-    ) -> None:
-        world = len(ranks)
-        objective = sum(sum(r["losses"]) for r in ranks) / world  # DDP averages the ranks' gradients
-        samples = sorted(s for r in ranks for s in r["samples"])
-        self.record.append(
-            {
-                "step": self.step,
-                "objective": objective,
-                "grad_norm": self.grad_norm,
-                "lr": self.lr,
-                "sketch": sketch[0],
-                "sketch_scale": sketch[1],
-                "world_size": world,
-                "rows": [r["rows"] for r in ranks],
-                "backward": [r["events"].get("backward", 0) for r in ranks],
-                "newton_schulz": [r["events"].get("newton_schulz", 0) for r in ranks],
-                "events": ranks[0]["events"],
-                "samples": samples,
-                "keys": sorted(k for r in ranks for k in r["keys"]),
-                "inputs": ranks[0]["inputs"],
-                "lengths": sorted({n for r in ranks for n in r["lengths"] if n is not None}),
-                "exact": all(r["exact"] for r in ranks),
-                "comm_bytes": comm,
-                "peak_mem_bytes": peak,
-                "seconds": time.perf_counter() - self.started,
-                "probe_seconds": self.spent,
-            }
-        )
 
     def finish(self) -> None:
         """The asked steps are recorded: rank 0 publishes the trace, every rank leaves together."""

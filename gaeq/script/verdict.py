@@ -62,7 +62,7 @@ def script_checks(
     agrees to `lr_rtol`, as the trace comparison asks."""
     found: dict[str, tuple[int, str] | None] = dict.fromkeys(SCRIPT_METRICS)
     not_checked: dict[str, str] = {}
-    if split is not None and cell["steps"] and (why := ran_another_split(split, cell["steps"][0])):
+    if split is not None and cell["steps"] and (why := ran_another_split(split, cell["steps"])):
         found["split"] = (0, why)
     steps = list(zip(base["steps"], cell["steps"]))
     for b, c in steps:
@@ -101,12 +101,22 @@ def script_checks(
 
 def orthogonalisation_differs(steps: list[tuple[dict, dict]]) -> tuple[int, str] | None:
     """A Muon's Newton–Schulz calls per optimizer step, against the baseline's (one rank: each of its
-    matrices once). Ranks share the work differently — every rank every matrix (DDP, ZeRO-0), or each
-    its partition's (ZeRO ≥ 1) — so a split orthogonalised each matrix once when no rank ran more calls
-    than the baseline and the ranks together no fewer; more on a rank is per micro-batch
-    (DeepSpeed#8443's shape), fewer in all skipped matrices (none at all: #8441's)."""
+    matrices once, after the step's last backward). Ranks share the work differently — every rank every
+    matrix (DDP, ZeRO-0), or each its partition's (ZeRO ≥ 1) — so a split orthogonalised each matrix once
+    when no rank ran more calls than the baseline and the ranks together no fewer, and none ran before its
+    step's last backward began where the baseline ran none there: that one orthogonalised a partial
+    gradient — per micro-batch (DeepSpeed#8443's shape), seen at any GA ≥ 2 and world, however evenly
+    the matrices split; fewer in all skipped matrices (none at all: #8441's)."""
     for b, c in steps:
         whole, mine = sum(b.get("newton_schulz", [0])), c.get("newton_schulz", [0])
+        early, theirs = max(c.get("newton_schulz_early", [0])), max(b.get("newton_schulz_early", [0]))
+        if early and not theirs:
+            return (
+                c["step"],
+                f"Newton–Schulz ran {early}× on one rank in optimizer step {c['step']} before the step's last "
+                "backward call, the baseline never: your Muon orthogonalised each micro-batch's gradient, not the "
+                "accumulated one",
+            )
         if max(mine) > whole or sum(mine) < whole:
             said = "more than once a step" if max(mine) > whole else "never" if sum(mine) == 0 else "not every matrix"
             return (
@@ -219,22 +229,44 @@ def _samples_differ(base_step: dict, cell_step: dict) -> str | None:
     return why
 
 
-def ran_another_split(cell: Any, first: dict) -> str | None:
-    """The split the script really ran at its first optimizer step, against the cell's."""
+def ran_another_split(cell: Any, steps: list[dict]) -> str | None:
+    """The split the script really ran in its first training step, against the cell's; what stepped
+    after how many micro-batches is told from the first steps, and "ignored" only where the forwards
+    the probe saw prove it."""
+    first = steps[0]
     if first["world_size"] != cell.world_size:
         return f"your script ran {first['world_size']} ranks, the cell {cell.world_size}"
     rows = {r for ranks in first["rows"] for r in ranks}
     if rows != {cell.micro_batch_size}:
-        ran = ", ".join(map(str, sorted(rows))) or "no forward pass gaeq could see"
+        if not rows:
+            return (
+                f"the probe saw no training forward of your model in its first step (the cell's micro-batches are "
+                f"{cell.micro_batch_size} rows): name the model with gaeq.probe(model=…)"
+            )
         return (
-            f"your script ignored {{micro_batch_size}}: it ran micro-batches of {ran}, the cell {cell.micro_batch_size}"
+            f"your script ignored {{micro_batch_size}}: it ran micro-batches of {', '.join(map(str, sorted(rows)))}, "
+            f"the cell {cell.micro_batch_size}"
         )
-    if set(first["backward"]) != {cell.grad_accum_steps}:
-        ran = ", ".join(map(str, sorted(set(first["backward"]))))
-        stepped = sorted(e.split(":", 1)[1] for e in first.get("events", {}) if e.startswith("stepped:"))
-        what = f"{' and '.join(stepped)} stepped" if stepped else "the optimizer stepped"
-        return (
-            f"{what} after {ran} backward call(s) in your script's first optimizer step, where the cell accumulates "
-            f"{cell.grad_accum_steps}: a step per micro-batch, or {{grad_accum_steps}} ignored"
-        )
-    return None
+    phases = first.get("phases") or [[n] for n in first["backward"]]
+    accumulated = {n for ranks in phases for n in ranks}
+    ga = cell.grad_accum_steps
+    if accumulated == {ga}:
+        return None
+    forwards = {len(ranks) for ranks in first["rows"]}
+    if accumulated == {1}:
+        window = steps[:ga]  # the micro-batches of one of the cell's steps
+        stepped = Counter(e.split(":", 1)[1] for s in window for e in s["events"] if e.startswith("stepped:"))
+        every = sorted(name for name, n in stepped.items() if n == len(window)) or ["the optimizer"]
+        rest = sorted(name for name in stepped if name not in every)
+        said = f"{' and '.join(every)} stepped after every micro-batch"
+        if rest:
+            return f"{said}, {' and '.join(rest)} after {ga}: each micro-batch's gradient applied on its own"
+        ignored = ": {grad_accum_steps} ignored, or a step per micro-batch" if forwards == {1} else ""
+        return f"{said} (one backward call per step on each rank), where the cell accumulates {ga}{ignored}"
+    ran = ", ".join(map(str, sorted(accumulated)))
+    proven = forwards == accumulated
+    return (
+        f"your script accumulated {ran} micro-batches per optimizer step ({ran} {'forward and ' if proven else ''}"
+        f"backward calls on each rank in its first), where the cell accumulates {ga}"
+        + (": {grad_accum_steps} ignored" if proven else "")
+    )

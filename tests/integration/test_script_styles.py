@@ -120,6 +120,7 @@ def test_a_ddp_script_with_torchs_muon(tmp_path):
     for cell_id, ranks in (("script-w1-mb16-ga1", [3]), ("script-w2-mb4-ga2", [3, 3])):
         probe = json.loads((tmp_path / "run" / "cells" / cell_id / "probe.json").read_text())
         assert [step["newton_schulz"] for step in probe["steps"]] == [ranks] * 3
+        assert [step["newton_schulz_early"] for step in probe["steps"]] == [[0] * len(ranks)] * 3  # all after
     assert caught(cells["script-w1-mb4-ga4-args_bug_step_every_micro_batch"]) == ("split", 0)
 
 
@@ -157,13 +158,16 @@ def test_a_ddp_script_with_two_optimizers_a_step(tmp_path):
         assert cells[cell_id]["verdict"] == "match", cells[cell_id]["reason"]
     probe = json.loads((tmp_path / "run" / "cells" / "script-w1-mb16-ga1" / "probe.json").read_text())
     assert [s["step"] for s in probe["steps"]] == [0, 1, 2] and all(s["objective"] > 0.5 for s in probe["steps"])
-    # both optimizers counted in one step (the last one's second is not waited for: the script stops at the
-    # first optimizer step of the last step, in every cell alike)
-    assert [s["events"]["optimizer_step"] for s in probe["steps"]] == [2, 2, 1]
+    # both optimizers in each step, the last one's too (the script is stopped once every optimizer of its
+    # first step has stepped)
+    assert [s["events"]["optimizer_step"] for s in probe["steps"]] == [2, 2, 2]
     assert all(s["backward"] == [1] for s in probe["steps"])
-    assert {"stepped:Muon", "stepped:AdamW"} <= set(probe["steps"][1]["events"])
+    assert all({"stepped:Muon", "stepped:AdamW"} <= set(s["events"]) for s in probe["steps"])
     planted = cells["script-w1-mb4-ga4-args_bug_adamw_every_micro_batch"]
-    assert planted["caught_by"] == "split" and planted["reason"].startswith("AdamW stepped after 1 backward call(s)")
+    # (the 3 steps asked end before Muon's first: the reason names what the probe saw step)
+    assert caught(planted) == ("split", 0) and planted["reason"].startswith(
+        "AdamW stepped after every micro-batch (one backward call per step on each rank), where the cell accumulates 4"
+    ), planted["reason"]
 
 
 def test_a_script_driven_by_a_config_file(tmp_path):

@@ -108,3 +108,109 @@ def test_a_wrappers_repeats_are_one_call_of_the_scripts_and_the_schedule_advance
     after_first = probe["steps"][1]["events"]
     assert after_first["scheduler"] == 1 and after_first["schedule_advanced"] == 2
     assert after_first["wrapper:__main__.Wrapper"] == 1
+
+
+TWO_OPTIMIZERS = """
+import json, sys
+import torch
+import torch.nn as nn
+
+style, ga = sys.argv[1], int(sys.argv[2])
+torch.manual_seed(0)
+G, D = nn.Linear(4, 6), nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+opt_g, opt_d = torch.optim.Adam(G.parameters(), lr=1e-3), torch.optim.SGD(D.parameters(), lr=1e-2)
+noise, real = torch.randn(512, 4), torch.randn(512, 6)
+bce = nn.BCEWithLogitsLoss()
+norms = []
+
+
+def sq(module):
+    return sum(float(p.grad.double().square().sum()) for p in module.parameters() if p.grad is not None)
+
+
+for step in range(10):  # the probe stops it after its steps
+    rows = range(step * 8, step * 8 + 8)
+    chunks = [list(rows)[k::ga] for k in range(ga)]
+    if style == "gan":  # the discriminator after its own accumulation, then the generator after its own
+        for idx in chunks:
+            fake = G(noise[idx])
+            loss_d = (bce(D(real[idx]), torch.ones(len(idx), 1)) + bce(D(fake.detach()), torch.zeros(len(idx), 1))) / ga
+            loss_d.backward()
+        norm_d = sq(D)
+        opt_d.step()
+        opt_d.zero_grad()
+        for idx in chunks:
+            loss_g = bce(D(G(noise[idx])), torch.ones(len(idx), 1)) / ga
+            loss_g.backward()
+        norms.append((norm_d + sq(G)) ** 0.5)
+        json.dump(norms, open("norms.json", "w"))
+        opt_g.step()
+        opt_g.zero_grad()
+        D.zero_grad()
+    else:  # one accumulation, both optimizers stepped on it (Muon + AdamW's shape); "per_micro": Adam every micro-batch
+        for idx in chunks:
+            loss = bce(D(G(noise[idx])), torch.ones(len(idx), 1)) / ga
+            loss.backward()
+            if style == "per_micro":
+                opt_g.step()
+                opt_g.zero_grad()
+        norms.append((sq(G) + sq(D)) ** 0.5)
+        json.dump(norms, open("norms.json", "w"))
+        if style != "per_micro":
+            opt_g.step()
+        opt_d.step()
+        opt_g.zero_grad()
+        opt_d.zero_grad()
+"""
+
+
+@pytest.fixture(scope="module")
+def two_optimizers(tmp_path_factory):
+    """probe.json and the script's own norms: a GAN's pair (each optimizer after its own backward) at GA 1
+    and 2, both stepped after one accumulation, and Adam stepped after every micro-batch."""
+    runs, seen = {("gan", 1), ("gan", 2), ("pair", 2), ("per_micro", 2)}, {}
+    with owned(new_tag()) as tag:
+        started = {}
+        for style, ga in runs:
+            where = tmp_path_factory.mktemp(f"{style}{ga}")
+            (where / "train.py").write_text(TWO_OPTIMIZERS)
+            env = os.environ | {ENV: json.dumps({"out": str(where), "steps": 3})}
+            cmd = [sys.executable, "-m", "gaeq.script.attach", "train.py", style, str(ga)]
+            started[style, ga] = where, spawn(cmd, tag=tag, cwd=where, env=env, stderr=subprocess.PIPE, text=True)
+        for key, (where, proc) in started.items():
+            _, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, err[-2000:]
+            seen[key] = json.loads((where / PROBE_FILE).read_text()), json.loads((where / "norms.json").read_text())
+    return seen
+
+
+@pytest.mark.parametrize("ga", [1, 2])
+def test_a_gans_pair_each_after_its_own_backward_is_one_training_step(two_optimizers, ga):
+    """Three training steps recorded (the script stopped after them, not after one and a half), each with
+    both optimizers' steps, each optimizer's accumulation, the sum of every loss handed to backward,
+    and the norm of both gradients, each read at its own optimizer's step."""
+    probe, norms = two_optimizers["gan", ga]
+    assert probe["complete"] and len(probe["steps"]) == len(norms) == 3  # then stopped
+    for step in probe["steps"]:
+        assert step["events"]["optimizer_step"] == 2 and {"stepped:SGD", "stepped:Adam"} <= set(step["events"])
+        assert step["phases"] == [[ga, ga]] and step["backward"] == [2 * ga]
+        assert step["lr"] == 1e-2  # the first optimizer's (the discriminator's)
+        assert step["rows"] == [[8 // ga] * (2 * ga)]  # the generator: its inputs, in both halves
+    assert [s["grad_norm"] for s in probe["steps"]] == pytest.approx(norms[:3], rel=1e-9)
+    other = two_optimizers["gan", 3 - ga][0]
+    assert [s["objective"] for s in probe["steps"]] == pytest.approx([s["objective"] for s in other["steps"]], 1e-5)
+
+
+def test_two_optimizers_after_one_accumulation_are_one_step_and_one_per_micro_batch_is_named(two_optimizers):
+    pair, norms = two_optimizers["pair", 2]
+    assert len(pair["steps"]) == 3 and all(s["phases"] == [[2]] for s in pair["steps"])
+    assert [s["grad_norm"] for s in pair["steps"]] == pytest.approx(norms[:3], rel=1e-9)  # each gradient once
+    assert all(s["events"]["optimizer_step"] == 2 for s in pair["steps"])
+    per_micro, _ = two_optimizers["per_micro", 2]
+    steps = per_micro["steps"]  # Adam's step after each micro-batch ends one; SGD's, after no backward, joins it
+    assert [s["phases"] for s in steps] == [[[1]]] * 3
+    assert [sorted(e for e in s["events"] if e.startswith("stepped:")) for s in steps] == [
+        ["stepped:Adam"],
+        ["stepped:Adam", "stepped:SGD"],
+        ["stepped:Adam"],
+    ]

@@ -202,20 +202,34 @@ def test_a_scheduler_count_is_a_divergence_only_where_the_lr_differs():
 
 
 def test_a_script_that_ignores_the_split_is_told_so(tmp_path):
+    """What the split check says names what ran — which optimizer stepped after how many micro-batches,
+    read over the first steps — and says "ignored" only where the forwards the probe saw prove it."""
     m = script_matrix(tmp_path)
     cell = next(c for c in m.cells if c.id == "script-w2-mb4-ga2")
-    first = {"world_size": 2, "rows": [[4, 4], [4, 4]], "backward": [2, 2]}
-    assert ran_another_split(cell, first) is None
+    first = {"world_size": 2, "rows": [[4, 4], [4, 4]], "backward": [2, 2], "events": {"stepped:AdamW": 1}}
+    assert ran_another_split(cell, [first]) is None
     assert "ignored {micro_batch_size}: it ran micro-batches of 8" in ran_another_split(
-        cell, first | {"rows": [[8], [8]], "backward": [1, 1]}
+        cell, [first | {"rows": [[8], [8]], "backward": [1, 1]}]
     )
-    assert ran_another_split(cell, first | {"backward": [1, 1]}) == (
-        "the optimizer stepped after 1 backward call(s) in your script's first optimizer step, where the cell "
-        "accumulates 2: a step per micro-batch, or {grad_accum_steps} ignored"
+    assert "saw no training forward" in ran_another_split(cell, [first | {"rows": [[], []]}])
+    per_micro = first | {"rows": [[4], [4]], "backward": [1, 1]}
+    assert ran_another_split(cell, [per_micro, per_micro]) == (
+        "AdamW stepped after every micro-batch (one backward call per step on each rank), where the cell accumulates "
+        "2: {grad_accum_steps} ignored, or a step per micro-batch"
     )
-    named = first | {"backward": [1, 1], "events": {"stepped:AdamW": 1, "backward": 1}}
-    assert ran_another_split(cell, named).startswith("AdamW stepped after 1 backward call(s)")
-    assert ran_another_split(cell, first | {"world_size": 1}) == "your script ran 1 ranks, the cell 2"
+    both = per_micro | {"events": {"stepped:AdamW": 1, "stepped:Muon": 1}}
+    assert ran_another_split(cell, [per_micro, both]) == (
+        "AdamW stepped after every micro-batch, Muon after 2: each micro-batch's gradient applied on its own"
+    )
+    four = first | {"rows": [[4] * 4, [4] * 4], "backward": [4, 4]}
+    said = ran_another_split(cell, [four])
+    assert said.endswith("(4 forward and backward calls on each rank in its first), where the cell accumulates 2: "
+                         "{grad_accum_steps} ignored")  # fmt: skip
+    unseen = four | {"rows": [[4, 4], [4, 4]]}  # fewer forwards seen than backward calls: nothing proven
+    assert not ran_another_split(cell, [unseen]).endswith("ignored")
+    gan = first | {"backward": [4, 4], "phases": [[2, 2], [2, 2]]}  # two optimizers, each after its own 2
+    assert ran_another_split(cell, [gan]) is None
+    assert ran_another_split(cell, [first | {"world_size": 1}]) == "your script ran 1 ranks, the cell 2"
 
 
 def test_a_script_that_stops_short_is_an_error_that_says_where(tmp_path):
@@ -460,6 +474,11 @@ def test_a_scripts_muon_orthogonalises_each_matrix_once_a_step_however_its_ranks
         step, why = orthogonalisation_differs([(base, {"step": 0, "newton_schulz": ranks})])
         assert step == 0 and why.endswith(f"your Muon orthogonalised {said}"), why
     assert orthogonalisation_differs([({"step": 0}, {"step": 0})]) is None  # no Muon, or a probe of before
+    # 10 matrices, ZeRO-3, world 2, GA 2, orthogonalised per micro-batch: [10, 10] calls, as many as "once a step"
+    # — but 5 on each rank before the step's last backward, where the baseline ran none
+    early = {"step": 0, "newton_schulz": [10, 10], "newton_schulz_early": [5, 5]}
+    step, why = orthogonalisation_differs([({"step": 0, "newton_schulz": [10], "newton_schulz_early": [0]}, early)])
+    assert step == 0 and why.endswith("orthogonalised each micro-batch's gradient, not the accumulated one"), why
 
 
 def test_a_config_file_the_script_reads_is_filled_per_cell(tmp_path):
@@ -518,3 +537,29 @@ def test_the_run_directorys_matrix_holds_what_was_validated_whoever_wrote_it(tmp
     assert again.problem.script.path == str(tmp_path / "mine" / "train.py")
     assert again.problem.script.files == {"cfg.json": '{"mb": {micro_batch_size}}\n'}
     assert [c.id for c in again.cells] == [c.id for c in m.cells]
+
+
+def test_a_ranks_threads_are_what_its_launcher_gives_at_each_world_size():
+    """OMP_NUM_THREADS per launcher (read from torch.distributed.run, accelerate's launch and DeepSpeed's
+    launcher; the real torchrun and DeepSpeed launchers in tests/integration/test_your_script.py): a value
+    given is kept by all; unset, torchrun 1 only above one worker, accelerate 1, DeepSpeed nothing."""
+    from gaeq.script.launchers import threads
+    from gaeq.script.spec import Launcher
+
+    given = {"OMP_NUM_THREADS": "3"}
+    for launcher in Launcher:
+        for world in (1, 2):
+            assert threads(launcher, world_size=world, given=given) == {}, (launcher, world)
+    unset = {
+        (launcher, world): threads(launcher, world_size=world, given={}).get("OMP_NUM_THREADS")
+        for launcher in Launcher
+        for world in (1, 2)
+    }
+    assert unset == {
+        (Launcher.TORCHRUN, 1): None,
+        (Launcher.TORCHRUN, 2): "1",
+        (Launcher.ACCELERATE, 1): "1",
+        (Launcher.ACCELERATE, 2): "1",
+        (Launcher.DEEPSPEED, 1): None,
+        (Launcher.DEEPSPEED, 2): None,
+    }
