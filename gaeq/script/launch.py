@@ -105,7 +105,7 @@ def run_script_cell(cell: Cell, problem: ProblemSpec, opts: RunOptions) -> CellO
             args=(
                 problem.script.path,
                 worker_args(launcher, rank=r) + args,
-                env | worker_env(launcher, rank=r, world_size=cell.world_size, port=port),
+                env | worker_env(launcher, rank=r, world_size=cell.world_size, port=port, given=env),
                 problem.script.cwd,
                 str(rank_log(out, r)),
             ),

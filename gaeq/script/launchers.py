@@ -7,23 +7,39 @@ the matrix's (gaeq.script.spec.Launcher)."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+
 from gaeq.script.spec import Launcher
 
 
-def worker_env(launcher: Launcher, *, rank: int, world_size: int, port: int) -> dict[str, str]:
-    """The variables `launcher` sets for worker `rank` of `world_size` on one node; `init_process_group`
-    meets at MASTER_ADDR:MASTER_PORT, where rank 0 serves the store. OMP_NUM_THREADS is 1 for every
-    launcher: torchrun sets it for more than one worker and one rank per core is what this lab runs
-    (DeepSpeed's launcher leaves it to the environment, where two ranks of two threads each on two cores
-    run several times slower)."""
+def threads(launcher: Launcher, *, world_size: int, given: Mapping[str, str]) -> dict[str, str]:
+    """OMP_NUM_THREADS as `launcher` hands it to its workers when started in the environment `given` —
+    the thread count changes summation order, so a split's numbers are the launcher's only with its
+    threads. Every launcher keeps a value it was given; unset, torchrun sets 1 for more than one worker
+    on the node and nothing for one (torch then runs a thread per core), accelerate launch sets its
+    ``--num_cpu_threads_per_process`` default, 1, and DeepSpeed's launcher sets nothing (without
+    ``--bind_cores_to_rank``: every rank a thread per core)."""
+    if "OMP_NUM_THREADS" in given or launcher is Launcher.DEEPSPEED:
+        return {}
+    if launcher is Launcher.TORCHRUN and world_size == 1:
+        return {}
+    return {"OMP_NUM_THREADS": "1"}
+
+
+def worker_env(
+    launcher: Launcher, *, rank: int, world_size: int, port: int, given: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The variables `launcher` sets for worker `rank` of `world_size` on one node, started in the
+    environment `given` (gaeq's, by default); `init_process_group` meets at MASTER_ADDR:MASTER_PORT,
+    where rank 0 serves the store."""
     common = {
         "RANK": str(rank),
         "LOCAL_RANK": str(rank),
         "WORLD_SIZE": str(world_size),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
-        "OMP_NUM_THREADS": "1",
-    }
+    } | threads(launcher, world_size=world_size, given=os.environ if given is None else given)
     torchrun = {
         "ROLE_RANK": str(rank),
         "LOCAL_WORLD_SIZE": str(world_size),

@@ -105,15 +105,21 @@ def test_a_users_deepspeed_script_matches_and_manual_accumulation_against_ga_1_i
     assert clean["ran"]["accelerator_fp16"] == fp16_answer_record(ask=True)
     control = cells["script-w2-mb4-ga2-args_bug_ga_one_in_config"]
     assert (control["caught_by"], control["first_divergent_step"]) == ("split", 0), control["reason"]
-    assert "stepped after 1 backward call(s) in your script's first optimizer step" in control["reason"]
+    assert control["reason"].startswith("AdamW stepped after every micro-batch (one backward call per step")
 
 
-def without_bugs(run_dir, to) -> None:
-    """`run_dir`'s matrix, its controls left out, written to `to`: the same cell ids."""
+def without_bugs(run_dir, to, *, relative: bool = False) -> None:
+    """`run_dir`'s matrix, its controls left out, written to `to`: the same cell ids (`relative`: its
+    script's path relative to `to`'s folder, as a user writes it)."""
     import yaml
 
     spec = yaml.safe_load((run_dir / "matrix.yaml").read_text())
     spec["cells"] = [c for c in spec.get("cells") or [] if "--bug" not in c.get("args", [])]
+    if relative:  # as its user writes it: `script:` at the top, its path relative to the matrix file
+        problem = spec.pop("problem")
+        script = problem.pop("script")
+        spec |= problem | {"script": {k: v for k, v in script.items() if k != "cwd"}}
+        spec["script"]["path"] = os.path.relpath(script["path"], to.parent)
     to.write_text(yaml.safe_dump(spec))
 
 
@@ -149,6 +155,7 @@ def test_the_cluster_recipe_runs_a_scripts_world_size_as_two_nodes(your_script_r
     """docs/where-it-runs.md's recipe for a script matrix: the baseline under `torchrun --standalone`
     while world 2 runs as two torchrun agents (c10d on 127.0.0.1, one rank a node), all on `gaeq worker`
     into one shared directory, then `gaeq report`: traces bitwise the forked ranks', the same verdicts."""
+    import yaml
     from typer.testing import CliRunner
 
     from gaeq.cli import app
@@ -156,23 +163,30 @@ def test_the_cluster_recipe_runs_a_scripts_world_size_as_two_nodes(your_script_r
 
     *_, forked = your_script_run
     shared = tmp_path / "shared"
-    without_bugs(forked, tmp_path / "m.yaml")
+    without_bugs(forked, tmp_path / "m.yaml", relative=True)  # the run directory's copy must not keep it so
     launch(
         *nodes("torchrun", tmp_path / "m.yaml", shared, count=1),
         *nodes("torchrun", tmp_path / "m.yaml", shared, count=2),
     )
     report = CliRunner().invoke(app, ["report", str(shared)])
     assert report.exit_code == 0, report.output
+    assert os.path.isabs(yaml.safe_load((shared / "matrix.yaml").read_text())["problem"]["script"]["path"])
     ours, reference = training_traces(shared), training_traces(forked)
     assert sorted(ours) == ["script-w1-mb16-ga1", "script-w2-mb4-ga2"] and ours == {k: reference[k] for k in ours}
     assert verdicts(shared) == {k: verdicts(forked)[k] for k in ours}
 
 
-ONE_NODE_TWO_RANKS = base64.urlsafe_b64encode(json.dumps({"localhost": [0, 1]}).encode()).decode()
+def one_node(ranks: int) -> str:
+    return base64.urlsafe_b64encode(json.dumps({"localhost": list(range(ranks))}).encode()).decode()
+
+
 LAUNCHERS = {
-    "torchrun": ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"],
-    # what `deepspeed --num_gpus 2` runs on one node, with the environment it was given: its node launcher
-    "deepspeed": ["-m", "deepspeed.launcher.launch", f"--world_info={ONE_NODE_TWO_RANKS}", "--master_port=0"],
+    "torchrun": lambda ranks: ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)],
+    # what `deepspeed --num_gpus N` runs on one node, with the environment it was given: its node launcher
+    "deepspeed": lambda ranks: [
+        *("-m", "deepspeed.launcher.launch"),
+        *(f"--world_info={one_node(ranks)}", "--master_port=0"),
+    ],
 }
 DUMP = """import json, os, random, signal, sys
 import torch
@@ -185,10 +199,12 @@ facts = {
     "signals": {s.name: str(signal.getsignal(s)) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)},
 }
 dump = {"argv": sys.argv[1:], "env": dict(os.environ), "facts": facts}
-json.dump(dump, open(f"{os.environ.get('DUMP', 'real')}-{os.environ['RANK']}.json", "w"))
+name = f"{os.environ.get('DUMP', 'real')}-w{os.environ['WORLD_SIZE']}-{os.environ['RANK']}.json"
+json.dump(dump, open(name, "w"))
 """
 """What a rank was given: its arguments and environment, and what it finds in its interpreter."""
 HOW = ("real", "gaeq")
+WORLDS = (1, 2)
 
 
 def as_inherited() -> dict:
@@ -204,9 +220,9 @@ def as_inherited() -> dict:
 
 @pytest.fixture(scope="module")
 def ranks_given(tmp_path_factory):
-    """Each launcher's two ranks as the real launcher starts them (its own variables unset from the
-    test's environment, so that the launcher's show; OMP_NUM_THREADS=1, gaeq's one thread per rank) and
-    as gaeq forks them for a script matrix naming that launcher: launcher → {"real": [rank 0, 1], "gaeq": …}."""
+    """Each launcher's ranks at world 1 and 2 as the real launcher starts them (its own variables and
+    OMP_NUM_THREADS unset from the test's environment, so that the launcher's show) and as gaeq forks them
+    for a script matrix naming that launcher: launcher → {"real": {world: [rank 0, …]}, "gaeq": …}."""
     import sys
 
     import yaml
@@ -217,31 +233,40 @@ def ranks_given(tmp_path_factory):
     from tests.processes import new_tag, owned, spawn
 
     seen = {}
-    for launcher, command in LAUNCHERS.items():
-        here = tmp_path_factory.mktemp(launcher)
-        (here / "dump.py").write_text(DUMP)
-        ours = worker_env(Launcher(launcher), rank=1, world_size=2, port=0)
-        unset = [arg for key in ours if key in os.environ for arg in ("-u", key)]
-        with owned(new_tag()) as tag:
-            cmd = ["env", *unset, "OMP_NUM_THREADS=1", sys.executable, *command, str(here / "dump.py"), "--mine"]
-            proc = spawn(cmd, tag=tag, cwd=here, signals=as_inherited())  # as gaeq is started: by this process
-            out, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0, out[-2000:] + err[-2000:]
-        split = {"world_size": 2, "micro_batch_size": 1}
-        script = {"path": "dump.py", "launcher": launcher, "args": ["--mine"], "env": {"DUMP": "gaeq"}}
-        spec = {
-            "name": "dump",
-            "steps": 1,
-            "train_batch_size": 2,
-            "noise_floor": False,
-            "detection_limit": False,
-            "baseline": split,
-        }
-        spec |= {"axes": {k: [v] for k, v in split.items()}, "script": script}
-        (here / "dump.yaml").write_text(yaml.safe_dump(spec))
-        gaeq_run_here(here / "dump.yaml", here / "run")  # the script steps no optimizer: its cell is an error
-        seen[launcher] = {how: [json.loads((here / f"{how}-{r}.json").read_text()) for r in (0, 1)] for how in HOW}
-        seen[launcher]["before"] = dict(os.environ)
+    threads = os.environ.pop("OMP_NUM_THREADS", None)  # gaeq's own environment, for its forked ranks
+    try:
+        for launcher, command in LAUNCHERS.items():
+            here = tmp_path_factory.mktemp(launcher)
+            (here / "dump.py").write_text(DUMP)
+            ours = worker_env(Launcher(launcher), rank=1, world_size=2, port=0, given={})
+            unset = [arg for key in [*ours, "OMP_NUM_THREADS"] if key in os.environ for arg in ("-u", key)]
+            with owned(new_tag()) as tag:
+                for world in WORLDS:
+                    cmd = ["env", *unset, sys.executable, *command(world), str(here / "dump.py"), "--mine"]
+                    proc = spawn(cmd, tag=tag, cwd=here, signals=as_inherited())  # as gaeq is started: by this process
+                    out, err = proc.communicate(timeout=120)
+                    assert proc.returncode == 0, out[-2000:] + err[-2000:]
+            script = {"path": "dump.py", "launcher": launcher, "args": ["--mine"], "env": {"DUMP": "gaeq"}}
+            spec = {
+                "name": "dump",
+                "steps": 1,
+                "train_batch_size": 2,
+                "noise_floor": False,
+                "detection_limit": False,
+                "baseline": {"world_size": 1, "micro_batch_size": 2},
+                "axes": {"world_size": [2], "micro_batch_size": [1]},
+                "script": script,
+            }
+            (here / "dump.yaml").write_text(yaml.safe_dump(spec))
+            gaeq_run_here(here / "dump.yaml", here / "run")  # the script steps no optimizer: its cells are errors
+            seen[launcher] = {
+                how: {w: [json.loads((here / f"{how}-w{w}-{r}.json").read_text()) for r in range(w)] for w in WORLDS}
+                for how in HOW
+            }
+            seen[launcher]["before"] = dict(os.environ)
+    finally:
+        if threads is not None:
+            os.environ["OMP_NUM_THREADS"] = threads
     return seen
 
 
@@ -254,38 +279,45 @@ def test_a_rank_gets_what_the_real_launcher_gives_its_worker(ranks_given, launch
     from gaeq.script.launchers import worker_args, worker_env
     from gaeq.script.spec import Launcher
 
-    ours = worker_env(Launcher(launcher), rank=1, world_size=2, port=0)
-    seen = ranks_given[launcher]["real"][1]
-    before = {k: v for k, v in ranks_given[launcher]["before"].items() if k not in ours}
-    added = {k: v for k, v in seen["env"].items() if before.get(k) != v and k not in ("GAEQ_TEST_TAG", "PWD")}
-    agent_only = {"TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE"}  # torchrun's agent, which gaeq is not
-    assert set(added) - agent_only == set(ours)
-    where = {"MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"}
-    assert {k: added[k] for k in set(added) - agent_only - where} == {
-        k: ours[k] for k in set(added) - agent_only - where
-    }
-    assert seen["argv"] == [*worker_args(Launcher(launcher), rank=1), "--mine"]
-    forked = ranks_given[launcher]["gaeq"][1]
-    assert forked["argv"] == seen["argv"] and {k: forked["env"][k] for k in set(ours) - where} == {
-        k: seen["env"][k] for k in set(ours) - where
-    }
+    for world in WORLDS:
+        ours = worker_env(Launcher(launcher), rank=world - 1, world_size=world, port=0, given={})
+        seen = ranks_given[launcher]["real"][world][world - 1]
+        before = {k: v for k, v in ranks_given[launcher]["before"].items() if k not in ours}
+        added = {k: v for k, v in seen["env"].items() if before.get(k) != v and k not in ("GAEQ_TEST_TAG", "PWD")}
+        agent_only = {"TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE"}  # torchrun's agent, not gaeq
+        assert set(added) - agent_only == set(ours), world
+        where = {"MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"}
+        assert {k: added[k] for k in set(added) - agent_only - where} == {
+            k: ours[k] for k in set(added) - agent_only - where
+        }
+        assert seen["argv"] == [*worker_args(Launcher(launcher), rank=world - 1), "--mine"]
+        forked = ranks_given[launcher]["gaeq"][world][world - 1]
+        assert forked["argv"] == seen["argv"] and {k: forked["env"][k] for k in set(ours) - where} == {
+            k: seen["env"][k] for k in set(ours) - where
+        }
+        assert forked["env"].get("OMP_NUM_THREADS") == seen["env"].get("OMP_NUM_THREADS"), (world, ours)
 
 
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_a_forked_rank_is_the_launchers_rank(ranks_given, launcher):
-    """What a script finds in its rank — threads, its generators' first draws, torch's global modes, its
-    folder and argv[0], umask, signal handlers — under the real launcher and in gaeq's forked ranks: the
-    same, but for the draws, which differ between ranks and between launches as each fresh interpreter
-    seeds its own (forked as they were, every rank drew the fork server's numbers, and ran its threads)."""
+    """What a script finds in its rank — threads (torchrun: 1 for two workers on a node, a thread per
+    core for one; DeepSpeed's launcher: a thread per core), its generators' first draws, torch's global
+    modes, its folder and argv[0], umask, signal handlers — under the real launcher and in gaeq's forked
+    ranks at world 1 and 2: the same, but for the draws, which differ between ranks and between launches as
+    each fresh interpreter seeds its own (forked as they were, every rank drew the fork server's numbers)."""
     draws = ("torch_draw", "random_draw")
     given = ranks_given[launcher]
-    for how in HOW:
-        facts = [r["facts"] for r in given[how]]
-        assert facts[0]["threads"] == 1, (how, facts[0])
-        assert all(facts[0][draw] != facts[1][draw] for draw in draws), how  # each rank its own seed
-        real = [{k: v for k, v in r["facts"].items() if k not in draws} for r in given["real"]]
-        assert [{k: v for k, v in f.items() if k not in draws} for f in facts] == real, how
-    assert given["real"][0]["facts"]["torch_draw"] != given["gaeq"][0]["facts"]["torch_draw"]  # each launch its own
+    cores = len(os.sched_getaffinity(0))
+    for world in WORLDS:
+        expected = 1 if launcher == "torchrun" and world > 1 else cores
+        for how in HOW:
+            facts = [r["facts"] for r in given[how][world]]
+            assert facts[0]["threads"] == expected, (how, world, facts[0])
+            if world > 1:
+                assert all(facts[0][draw] != facts[1][draw] for draw in draws), how  # each rank its own seed
+            real = [{k: v for k, v in r["facts"].items() if k not in draws} for r in given["real"][world]]
+            assert [{k: v for k, v in f.items() if k not in draws} for f in facts] == real, (how, world)
+        assert given["real"][world][0]["facts"]["torch_draw"] != given["gaeq"][world][0]["facts"]["torch_draw"]
 
 
 HANGS = """import os, subprocess, sys, time
