@@ -380,9 +380,10 @@ def _print_result(result: api.RunResult) -> int:
     console.print(versions_line(report), highlight=False)
     s = report.summary
     status = "[bold green]OK[/]" if report.ok else "[bold red]NOT OK[/]"
+    baselines = "".join(f", baseline {b} {v}" for b, v in report.baselines_not_matching.items())
     console.print(
         f"{status}: {s['match']} match, {s['diverge']} diverge, {s['error']} error, {s['skipped']} skipped "
-        f"— report: {result.run_dir / 'report.md'}",
+        f"{'split' if sum(s.values()) == 1 else 'splits'}{baselines} — report: {result.run_dir / 'report.md'}",
         highlight=False,
     )
     return report.exit_code

@@ -154,3 +154,10 @@ def judged(cells) -> list:
     from gaeq.results.cell_report import INSTRUMENTS
 
     return [c for c in cells if c.role not in INSTRUMENTS]
+
+
+def splits(cells) -> list:
+    """The splits a run judges, what its summary line counts: :func:`judged` without the baselines."""
+    from gaeq.matrix import Role
+
+    return [c for c in cells if c.role is Role.CELL]

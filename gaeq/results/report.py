@@ -10,9 +10,9 @@ from importlib import metadata
 from pathlib import Path
 
 from gaeq.files import atomic_write
-from gaeq.matrix import Cell, Matrix, group_key
+from gaeq.matrix import Cell, Matrix, Role, group_key
 from gaeq.registry import TRAINERS
-from gaeq.results.cell_report import INSTRUMENTS, CellReport, Cost, unmet_expectation
+from gaeq.results.cell_report import CellReport, Cost, unmet_expectation
 from gaeq.results.compare import Tolerance, Verdict, compare_traces, tolerance_for, tolerances_at
 from gaeq.results.floor import DetectionLimit, NoiseFloor
 from gaeq.results.outcome import CellOutcome
@@ -48,9 +48,15 @@ class Report:
 
     @property
     def summary(self) -> dict[str, int]:
-        """Verdicts of the cells, the instruments (noise-floor twins, the detection limit's cell) left out."""
-        counts = Counter(c.verdict for c in self.cells if c.cell.role not in INSTRUMENTS)
+        """Verdicts of the splits judged: neither a baseline (the reference, not a claim) nor an instrument
+        (noise-floor twins, the detection limit's cell)."""
+        counts = Counter(c.verdict for c in self.cells if c.cell.role is Role.CELL)
         return {v: counts.get(v, 0) for v in VERDICTS}
+
+    @property
+    def baselines_not_matching(self) -> dict[str, str]:
+        """Baselines that did not run as their own reference (an error, or a diverge against themselves)."""
+        return {c.id: c.verdict for c in self.cells if c.cell.role is Role.BASELINE and c.verdict != Verdict.MATCH}
 
     @property
     def exit_code(self) -> int:

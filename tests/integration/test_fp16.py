@@ -14,7 +14,7 @@ import pytest
 from gaeq.accelerator import FP16_ENV, fp16_emulated
 from gaeq.matrix import load_matrix
 from tests.conftest import REPO
-from tests.helpers import cells_by_id, gaeq_run, judged
+from tests.helpers import cells_by_id, gaeq_run, splits
 from tests.processes import leftovers
 
 pytestmark = pytest.mark.integration
@@ -31,7 +31,7 @@ def test_fp16_experiment(tmp_path, monkeypatch):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     cells = cells_by_id(report)
     matrix = load_matrix(REPO / "experiments" / "fp16.yaml")  # expanded with the emulation on, as the run
-    expected = {v: sum(c.expect == v for c in judged(matrix.cells)) for v in ("match", "diverge")}
+    expected = {v: sum(c.expect == v for c in splits(matrix.cells)) for v in ("match", "diverge")}
     assert report["summary"] == {**expected, "error": 0, "skipped": 0} and expected["diverge"] >= 2
 
     # The label is what ran: float16 forward passes, a loss scaler on each side.

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from gaeq.matrix import matrix_from_dict
-from tests.helpers import gaeq_run_here, judged, small_spec
+from tests.helpers import gaeq_run_here, small_spec, splits
 from tests.processes import gaeq_command, leftovers, new_tag, owned, run, running, spawn
 
 pytestmark = pytest.mark.integration
@@ -69,7 +69,7 @@ def test_an_interrupted_run_leaves_only_complete_files_and_resume_finishes_it(si
 
     proc, report, _ = gaeq_run_here(matrix, out, extra=["--resume"])  # the same CLI, on the session's fork server
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert report["ok"] and report["summary"]["match"] == len(judged(matrix_from_dict(spec).cells))
+    assert report["ok"] and report["summary"]["match"] == len(splits(matrix_from_dict(spec).cells))
     for name, stamp in finished.items():  # kept, not trained again
         trace = out / "cells" / name / "trace.jsonl"
         assert (trace.stat().st_ino, trace.stat().st_mtime_ns) == stamp, name

@@ -12,13 +12,13 @@ import pytest
 from gaeq.matrix import load_matrix
 from gaeq.runtime.lanes import plan_lanes
 from tests.conftest import REPO
-from tests.helpers import cells_by_id, gaeq_run_here, judged, small_spec
+from tests.helpers import cells_by_id, gaeq_run_here, small_spec, splits
 from tests.processes import leftovers
 
 pytestmark = pytest.mark.integration
 
 GA = load_matrix(REPO / "experiments" / "ga.yaml")
-EXPECTED = {v: sum(c.expect == v for c in judged(GA.cells)) for v in ("match", "diverge")}
+EXPECTED = {v: sum(c.expect == v for c in splits(GA.cells)) for v in ("match", "diverge")}
 """What the default matrix expects, from the file: the counts its summary must show (its instruments —
 noise-floor twins, the detection-limit cell — are not counted)."""
 
