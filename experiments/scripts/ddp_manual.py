@@ -3,7 +3,8 @@
     python ddp_manual.py --batch_size 32 --grad_accum 1 --max_steps 5
     torchrun --standalone --nproc_per_node 2 ddp_manual.py --batch_size 4 --grad_accum 4 --max_steps 5
 
-CPU only (gloo). Global batch = batch_size * grad_accum * world_size. --bug injects a common mistake.
+On a GPU where there is one (nccl, a device per local rank, as nanoGPT picks them), else on the CPU (gloo).
+Global batch = batch_size * grad_accum * world_size. --bug injects a common mistake.
 """
 
 import argparse
@@ -26,6 +27,7 @@ parser.add_argument("--clip", type=float, default=1.0, help="max grad norm; 0 = 
 parser.add_argument("--d_model", type=int, default=32, help="embedding width")
 parser.add_argument("--hidden", type=int, default=256, help="MLP width (640 and 8192: 10.8 M parameters)")
 parser.add_argument("--min_len", type=int, default=4, help="shortest sequence (23: every one 23 or 24 tokens long)")
+parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="auto: cuda where there is one")
 parser.add_argument(
     "--bug",
     default="none",
@@ -45,8 +47,12 @@ rank = int(os.environ.get("RANK", 0))
 world = int(os.environ.get("WORLD_SIZE", 1))
 local_rank = int(os.environ.get("LOCAL_RANK", 0))
 ddp = world > 1
+cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+if cuda:
+    torch.cuda.set_device(device)
 if ddp:
-    dist.init_process_group("gloo")
+    dist.init_process_group("nccl" if cuda else "gloo")
 master = rank == 0
 torch.set_num_threads(1)
 
@@ -100,9 +106,9 @@ class TinyLM(nn.Module):
 
 
 torch.manual_seed(args.seed)  # same init on every rank and every split
-model = TinyLM(args.d_model, args.hidden)
+model = TinyLM(args.d_model, args.hidden).to(device)
 if ddp:
-    model = DDP(model)
+    model = DDP(model, device_ids=[local_rank] if cuda else None)
 optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95), foreach=False)
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 2))  # 2-step warmup
 
@@ -122,14 +128,14 @@ def next_batch():
 
 for step in range(args.max_steps):
     # prefetch this step's micro-batches so the token count is known before any backward
-    micro_batches = [next_batch() for _ in range(args.grad_accum)]
-    n_tokens = torch.tensor(float(sum(int((y != -100).sum()) for _, y in micro_batches)))
+    micro_batches = [tuple(t.to(device) for t in next_batch()) for _ in range(args.grad_accum)]
+    n_tokens = torch.tensor(float(sum(int((y != -100).sum()) for _, y in micro_batches)), device=device)
     if ddp:
         dist.all_reduce(n_tokens, op=dist.ReduceOp.SUM)  # valid tokens of the whole global batch
     scale = world  # x world because DDP averages gradients over ranks
     if args.bug == "token_count_averaged_twice":
         scale = 1  # BUG: count already global, then DDP averages again -> gradient / world
-    loss_accum = torch.zeros(())
+    loss_accum = torch.zeros((), device=device)
     for micro_step, (x, y) in enumerate(micro_batches):
         if ddp:
             model.require_backward_grad_sync = micro_step == args.grad_accum - 1  # all-reduce only on last
