@@ -54,7 +54,9 @@ TINY = {
 def gaeq(*args: str, log: Path) -> int:
     """`gaeq …` as its user types it, its output in `log`."""
     with log.open("w") as out:
-        return subprocess.run([sys.executable, "-m", "gaeq", *args], stdout=out, stderr=subprocess.STDOUT).returncode
+        return subprocess.run(  # from OUT_DIR: the installed gaeq, not a checkout's beside it
+            [sys.executable, "-m", "gaeq", *args], stdout=out, stderr=subprocess.STDOUT, cwd=log.parent
+        ).returncode
 
 
 def matrix_spec(*, cpu: bool) -> dict:

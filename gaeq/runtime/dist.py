@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 def has_cuda() -> bool:
     """Whether CUDA devices are here, asked through NVML (PYTORCH_NVML_BASED_CUDA_CHECK): the default
     check initialises the CUDA driver, and a process forked after that — every rank of the fork server,
-    which asks before it forks — could not use CUDA. (No GPU has run this lab: see docs/your-setup.md.)"""
+    which asks before it forks — could not use CUDA. (Run on an H200: docs/where-it-runs.md, "On a GPU".)"""
     import torch
 
     said = os.environ.get(NVML_CHECK)

@@ -283,6 +283,27 @@ def autocast(dtype: str, device: torch.device) -> contextlib.AbstractContextMana
     return contextlib.nullcontext()
 
 
+def autocast_inside(module: torch.nn.Module, dtype: str, device: torch.device) -> None:
+    """Forward-pass autocast entered inside `module`'s forward (hooks on it), for a model a DeepSpeed
+    engine calls: on CUDA the engine turns off a torch.autocast entered around its forward unless its
+    config's `torch_autocast` section is on — measured on an H200: gaeq's bf16 and fp16 DeepSpeed
+    cells computed in float32, caught by their label check. (On a CPU it leaves the CPU's autocast alone.)
+    Inside, the cell autocasts exactly as the torch trainer does; nothing where `dtype` does not autocast."""
+    if dtype not in AUTOCAST:
+        return
+    entered: list[contextlib.AbstractContextManager] = []
+
+    def enter(module, args) -> None:
+        entered.append(autocast(dtype, device))
+        entered[-1].__enter__()
+
+    def leave(module, args, output) -> None:
+        entered.pop().__exit__(None, None, None)
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave, always_call=True)
+
+
 def inject_fault(cell: Cell, *, rank: int, step: int) -> None:
     """Test knob (matrix `fault:`): make this rank fail at the start of `step`."""
     fault = cell.fault

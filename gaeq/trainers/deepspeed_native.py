@@ -25,7 +25,7 @@ from gaeq.problem.optim import build_scheduler, gradient_clipping
 from gaeq.problem.spec import ProblemSpec
 from gaeq.problem.tp import tp_plan
 from gaeq.trainers import muon
-from gaeq.trainers.base import RunContext, build_cell_problem, inject_fault, short_step_label
+from gaeq.trainers.base import RunContext, autocast_inside, build_cell_problem, inject_fault, short_step_label
 from gaeq.trainers.checkpoint import load_deepspeed, save_deepspeed
 from gaeq.trainers.deepspeed_config import deepspeed_config
 from gaeq.trainers.library_state import forget_parallel_groups
@@ -54,6 +54,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     # ACCUMULATION: the engine owns data parallelism (and ZeRO partitioning; AutoTP's split of the
     # layers), the optimizer it builds from the config, and the schedule — ours, or the user's
     # config's own — which it steps at each boundary.
+    autocast_inside(model, cell.dtype, ctx.device)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=model.parameters(),

@@ -63,3 +63,23 @@ def test_low_precision_cells_autocast_on_the_cuda_device():
         assert isinstance(around, torch.autocast) and (around.device, around.fast_dtype) == ("cuda", computed)
     for dtype in ("fp32", "ds_bf16", "ds_fp16"):  # fp32, and DeepSpeed's own half-precision models: none
         assert isinstance(autocast(dtype, cuda), contextlib.nullcontext)
+
+
+def test_a_deepspeed_cell_autocasts_inside_the_engine_whatever_the_engine_does_around_it():
+    """DeepSpeed on CUDA turns off a torch.autocast entered around its engine's forward (measured on an
+    H200: every DeepSpeed bf16/fp16 cell computed in float32, caught by the label check). The cell's
+    autocast is entered inside the model's own forward — what the engine's off switch around it does
+    not reach: here the switch is played by an autocast turned off around the call."""
+    from gaeq.trainers.base import autocast_inside
+
+    cpu = torch.device("cpu")
+    x = torch.randn(2, 4)
+    for dtype, computed in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+        autocast_inside(model, dtype, cpu)
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.autocast("cpu", enabled=False):  # the engine's switch
+            assert model(x).dtype == computed, dtype
+        assert model[0](x).dtype == torch.float32  # outside the model's forward: nothing entered
+    plain = torch.nn.Linear(4, 2)  # the control: the autocast around it alone, turned off, computes float32
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.autocast("cpu", enabled=False):
+        assert plain(x).dtype == torch.float32
