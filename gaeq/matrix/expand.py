@@ -11,7 +11,7 @@ import itertools
 
 from pydantic import ValidationError
 
-from gaeq.bugs import BUGS
+from gaeq.bug_catalogue import BUGS
 from gaeq.matrix.cell import (
     DEEPSPEED_ONLY,
     SPLIT_AXES,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 
-from gaeq.bugs import BUGS
+from gaeq.bug_catalogue import BUGS
 from gaeq.matrix.cell import DEFAULT_PIPELINE_SCHEDULE, Expectation, Split
 from gaeq.matrix.parallel_rules import (
     check_hsdp,

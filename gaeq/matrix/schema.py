@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field, NonNegativeInt, ValidationError, model_validator
 
-from gaeq.bugs import BUGS
+from gaeq.bug_catalogue import BUGS
 from gaeq.problem.spec import Dtype, PositiveInt, ProblemSpec, Samples
 from gaeq.problem.spec import Spec as _Spec
 from gaeq.registry import DEEPSPEED_ACCUMULATION, PIPELINE_SCHEDULES, TRAINER_NAMES
