@@ -301,6 +301,21 @@ BUGS: dict[str, PlantedBug] = {
             reported="verl PR#4250, #5863 (CP token counts over DP × CP)",
         ),
         PlantedBug(
+            name=Bug.COMPILED_GUARDS_SKIPPED,
+            trainers=("torch",),
+            compiled=True,
+            loss="cross_entropy",
+            description=(
+                "the loss ÷ its normaliser through a function compiled with every guard skipped "
+                "(guard_filter_fn=torch.compiler.skip_all_guards_unsafe, to save the guards' cost): the first "
+                "step's token count is traced in as a constant and divides every later step's loss — right "
+                "at step 0, stale from step 1 wherever the count changes (variable-length tokens, an epoch's "
+                "short last step)"
+            ),
+            reported="torch.compiler docs: skip_all_guards_unsafe — 'only safe if the inputs never change'; "
+            "torchtitan#4099 / #2042 (compiled accumulation differing from eager)",
+        ),
+        PlantedBug(
             name=Bug.LR_ZERO,
             trainers=("torch",),
             description="a control, not a bug: the optimizer's lr is 0, so the parameters never move",

@@ -54,6 +54,7 @@ class Bug(Name):
     PG_TOKENS_PER_RANK = "pg_tokens_per_rank"
     MUON_WITHOUT_NEWTON_SCHULZ = "muon_without_newton_schulz"
     SP_TOKENS_OVER_DATA_RANKS_ONLY = "sp_tokens_over_data_ranks_only"
+    COMPILED_GUARDS_SKIPPED = "compiled_guards_skipped"
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,8 @@ class PlantedBug:
     """The bug exists only where each sample's tokens are split over this many ranks or more."""
     min_hsdp_replicas: int = 1
     """The bug exists only where a hybrid-sharded model has this many replicas or more."""
+    compiled: bool = False
+    """The bug exists only in a compiled cell (`compile: true`): a mistake of the compiled path."""
     pipeline: bool = False
     """The bug lives in a trainer's pipeline module (its schedule): it exists only in cells with
     pipeline stages — and no other bug does (a pipeline cell does not run the accumulation loop)."""
