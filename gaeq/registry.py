@@ -51,6 +51,9 @@ class TrainerSpec:
     """The library it needs beyond gaeq's own dependencies (`pip install 'gaeq[hf]'`)."""
     preload: tuple[str, ...] = ()
     """Modules the ranks' fork server imports for its cells, beyond torch (a rank then forks with them)."""
+    compiles: bool = False
+    """Runs cells with `compile: true`: its model under torch.compile (inductor) — a DeepSpeed engine's through
+    its own ``engine.compile()`` — against an eager baseline."""
     script: bool = False
     """Runs a user's own script under its launcher (gaeq.script), not a loop gaeq wrote: its module
     launches a cell (``run_script_cell``) instead of training one on a rank."""
@@ -102,6 +105,7 @@ TRAINERS: dict[str, TrainerSpec] = {
             dtypes=("fp32", "bf16", "fp16"),
             sequence_parallel=True,
             muon=True,
+            compiles=True,
         ),
         TrainerSpec(
             name="deepspeed",
@@ -115,6 +119,7 @@ TRAINERS: dict[str, TrainerSpec] = {
             checkpoints=True,
             preload=("gaeq.runtime.preload_deepspeed",),
             muon=True,
+            compiles=True,
         ),
         TrainerSpec(
             name="script",
@@ -170,4 +175,5 @@ DEEPSPEED_TRAINERS = frozenset(name for name, spec in TRAINERS.items() if spec.d
 TENSOR_PARALLEL_TRAINERS = frozenset(name for name, spec in TRAINERS.items() if spec.tensor_parallel)
 PIPELINE_TRAINERS = frozenset(name for name, spec in TRAINERS.items() if spec.pipeline)
 SEQUENCE_PARALLEL_TRAINERS = frozenset(name for name, spec in TRAINERS.items() if spec.sequence_parallel)
+COMPILING_TRAINERS = frozenset(name for name, spec in TRAINERS.items() if spec.compiles)
 CHECKPOINT_TRAINERS = tuple(name for name, spec in TRAINERS.items() if spec.checkpoints)

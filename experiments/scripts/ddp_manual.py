@@ -28,6 +28,7 @@ parser.add_argument("--d_model", type=int, default=32, help="embedding width")
 parser.add_argument("--hidden", type=int, default=256, help="MLP width (640 and 8192: 10.8 M parameters)")
 parser.add_argument("--min_len", type=int, default=4, help="shortest sequence (23: every one 23 or 24 tokens long)")
 parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="auto: cuda where there is one")
+parser.add_argument("--compile", action="store_true", help="torch.compile the model before DDP wraps it (nanoGPT)")
 parser.add_argument(
     "--bug",
     default="none",
@@ -107,6 +108,8 @@ class TinyLM(nn.Module):
 
 torch.manual_seed(args.seed)  # same init on every rank and every split
 model = TinyLM(args.d_model, args.hidden).to(device)
+if args.compile:
+    model = torch.compile(model)  # as nanoGPT: compiled first, then wrapped
 if ddp:
     model = DDP(model, device_ids=[local_rank] if cuda else None)
 optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95), foreach=False)

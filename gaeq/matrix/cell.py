@@ -115,6 +115,7 @@ SPLIT_AXES = (
     "zero_stage",
     "offload",
     "deepspeed_accumulation",
+    "compile",
     "dtype",
     "variant",
 )
@@ -166,6 +167,8 @@ class Split:
     deepspeed_accumulation: str = "managed"
     """Who ends a DeepSpeed step's accumulation (gaeq.registry.DEEPSPEED_ACCUMULATION): the engine, or
     a loop accumulating by hand with GA 1 in the config."""
+    compile: bool = False
+    """The model under torch.compile (a DeepSpeed engine's through engine.compile()); eager otherwise."""
     dtype: Dtype = "fp32"
     variant: str = BASE
 
@@ -265,6 +268,8 @@ class Cell(Split):
         if self.hsdp_replicas > 1:
             parts.append(f"hsdp{self.hsdp_replicas}")
         parts += [f"mb{self.micro_batch_size}", f"ga{ga}"]
+        if self.compile:
+            parts.append("compiled")
         if self.dtype != "fp32":
             parts.append(self.dtype)
         if self.bug:

@@ -11,7 +11,7 @@ import itertools
 
 from pydantic import ValidationError
 
-from gaeq.bugs import BUGS
+from gaeq.bug_catalogue import BUGS
 from gaeq.matrix.cell import (
     DEEPSPEED_ONLY,
     SPLIT_AXES,
@@ -46,6 +46,7 @@ from gaeq.matrix.schema import (
 )
 from gaeq.problem.spec import ProblemSpec
 from gaeq.registry import (
+    COMPILING_TRAINERS,
     DEEPSPEED_TRAINERS,
     PIPELINE_TRAINERS,
     SEQUENCE_PARALLEL_TRAINERS,
@@ -115,6 +116,8 @@ class Expander:
                         split["deepspeed_accumulation"] = "managed"  # the deepspeed trainer's loop only
                     if split["trainer"] != "fsdp":
                         split["hsdp_replicas"] = 1
+                    if split["trainer"] not in COMPILING_TRAINERS:
+                        split["compile"] = False  # eager: the others' loops are not compiled
                     replicas = split["hsdp_replicas"]
                     if replicas > 1 and (split["world_size"] % replicas or split["world_size"] == replicas):
                         continue  # no such split: replicas that leave no shard group of two ranks or more

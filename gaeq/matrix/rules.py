@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 
-from gaeq.bugs import BUGS
+from gaeq.bug_catalogue import BUGS
 from gaeq.matrix.cell import DEFAULT_PIPELINE_SCHEDULE, Expectation, Split
 from gaeq.matrix.parallel_rules import (
     check_hsdp,
@@ -49,6 +49,8 @@ def split_rules(split: Split, problem: ProblemSpec, spec: MatrixSpec) -> Split:
         check_tensor_parallel(split, problem)
     if split.sequence_parallel > 1:
         check_sequence_parallel(split, problem)
+    if split.compile:
+        check_compile(split)
     if split.pipeline_parallel > 1:
         check_pipeline_parallel(split, problem)
         if tracked := [m for m in TENSOR_METRICS if m in spec.track]:
@@ -112,6 +114,17 @@ def manual_accumulation(split: Split, problem: ProblemSpec, spec: MatrixSpec) ->
             f"deepspeed_accumulation {split.deepspeed_accumulation} writes GA 1 into gaeq's own config; a "
             f"deepspeed_config's cells keep its accumulation ({where_of(split)})"
         )
+
+
+def check_compile(split: Split) -> None:
+    """A compiled cell: a trainer that compiles its model (its registry entry's `compiles`), in a layout
+    its compiled path has been measured in (data parallelism and ZeRO: no model split over ranks)."""
+    if not TRAINERS[split.trainer].compiles:
+        raise MatrixError(f"compile: the {split.trainer} trainer runs its model eager ({where_of(split)})")
+    if split.tensor_parallel > 1 or split.pipeline_parallel > 1 or split.sequence_parallel > 1:
+        raise MatrixError(f"compile with a model split over ranks: not offered yet ({where_of(split)})")
+    if split.offload != "none":
+        raise MatrixError(f"compile with offload: not offered yet ({where_of(split)})")
 
 
 def ds_bf16_needs_zero(split: Split) -> None:
@@ -221,6 +234,8 @@ def bug_rules(bug: str, split: Split, problem: ProblemSpec) -> None:
             f"bug {bug!r} exists only in a mixture of experts (model.moe, or a transformers model with "
             "output_router_logits: true)"
         )
+    if planted.compiled and not split.compile:
+        raise MatrixError(f"bug {bug!r} exists only in a compiled cell (compile: true)")
     if planted.packed and not getattr(problem.data, "packed", False):
         raise MatrixError(f"bug {bug!r} exists only in packed token data (data: {{kind: tokens, packed: true}})")
     if planted.short_step and not reaches_short_step(problem):

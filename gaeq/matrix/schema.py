@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field, NonNegativeInt, ValidationError, model_validator
 
-from gaeq.bugs import BUGS
+from gaeq.bug_catalogue import BUGS
 from gaeq.problem.spec import Dtype, PositiveInt, ProblemSpec, Samples
 from gaeq.problem.spec import Spec as _Spec
 from gaeq.registry import DEEPSPEED_ACCUMULATION, PIPELINE_SCHEDULES, TRAINER_NAMES
@@ -102,6 +102,12 @@ class AxesSpec(_Spec):
         "a loop that runs GA backwards with GA 1 in the config (manual; manual_with_boundary and manual_unmanaged: "
         "DeepSpeed's remedies for it).",
     )
+    compile: list[bool] = Field(
+        [False],
+        min_length=1,
+        description="The model under torch.compile (inductor; a DeepSpeed engine's through engine.compile()) — the "
+        "torch and deepspeed trainers; the baseline stays eager. Others: eager whatever this says.",
+    )
     dtype: list[Dtype] | None = Field(None, min_length=1, description="Default: [problem.dtype].")
     variant: list[VariantName] = Field([BASE], min_length=1, description="Problem variants the axes apply to.")
     bug: list[str | None] = Field(
@@ -176,6 +182,7 @@ class CellSpec(_Spec):
     zero_stage: ZeroStage | None = None
     offload: Offload = "none"
     deepspeed_accumulation: DeepSpeedAccumulation = "managed"
+    compile: bool = Field(False, description="The model under torch.compile (the torch and deepspeed trainers).")
     dtype: Dtype | None = Field(None, description="Default: the variant's dtype (or the first of axes.dtype).")
     variant: VariantName = BASE
     bug: str | None = Field(None, description=f"A planted bug: one of {sorted(BUGS)}.")

@@ -22,9 +22,9 @@ class Cost:
     """What a cell cost, derived from its trace (never stored twice)."""
 
     samples_per_s: float | None = None
-    """Training loop only: samples / summed step time."""
+    """Training loop only: samples / summed step time (a compiled cell's compiling left out: its `ran`)."""
     step_seconds: float | None = None
-    """Mean optimizer-step time."""
+    """Mean optimizer-step time (likewise)."""
     peak_mem_bytes: int | None = None
     """Rank 0's peak RSS (CUDA: max allocated) during the cell."""
     comm_bytes_per_step: float | None = None
@@ -40,10 +40,11 @@ class Cost:
     first, which also sets the schedule up)."""
 
     @classmethod
-    def of(cls, trace) -> Cost:
+    def of(cls, trace, *, compiling: float = 0.0) -> Cost:
+        """From the trace; `compiling`: seconds of it torch.compile spent compiling (reported apart)."""
         if not trace:
             return cls()
-        seconds = sum(r.seconds for r in trace)
+        seconds = sum(r.seconds for r in trace) - compiling
         # cumulative counts (an epoch's short last step holds fewer); the first step's own: exact from step 0
         samples = trace[-1].samples - trace[0].samples + trace[0].samples // (trace[0].step + 1)
         return cls(

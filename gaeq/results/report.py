@@ -120,6 +120,7 @@ def judge(
         )
         if (unmet := unmet_expectation(cell.expectation, comparison)) is not None:
             reason += f" — {unmet}"
+        ran = (outcomes[cell.id].ran if cell.id in outcomes else None) or {}
         cells.append(
             CellReport(
                 cell=cell,
@@ -127,7 +128,10 @@ def judge(
                 reason=reason,
                 comparison=comparison,
                 outcome=outcomes.get(cell.id),
-                cost=Cost.of(traces.usable(cell.id) if verdict in (Verdict.MATCH, Verdict.DIVERGE) else None),
+                cost=Cost.of(
+                    traces.usable(cell.id) if verdict in (Verdict.MATCH, Verdict.DIVERGE) else None,
+                    compiling=ran.get("compile_seconds", 0.0),  # a compiled cell's: reported apart, in its `ran`
+                ),
             )
         )
     return Report(

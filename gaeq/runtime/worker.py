@@ -195,9 +195,9 @@ def run_cell(
             run_dir=run_dir,
         )
         try:
-            # Eager kernels, always: a library function that compiles itself (DeepSpeed's Muon update)
-            # would spend tens of seconds compiling in every cell on a CPU, and recompile per shape.
-            with eager(), perturbed(cell):
+            # Eager kernels unless the cell compiles: a library function that compiles itself (DeepSpeed's
+            # Muon update) would spend tens of seconds compiling in every cell on a CPU, and recompile per shape.
+            with eager(cell), perturbed(cell):
                 ran = trainer_for(cell.trainer, pipeline_parallel=cell.pipeline_parallel)(
                     cell=cell, problem=problem, ctx=ctx
                 )
@@ -207,11 +207,12 @@ def run_cell(
         return CellOutcome(status="done", seconds=time.perf_counter() - started, ran=ran)
 
 
-def eager() -> contextlib.AbstractContextManager:
-    """Every cell runs eagerly: torch.compile'd library functions too (DeepSpeed's Muon update)."""
+def eager(cell: Cell) -> contextlib.AbstractContextManager:
+    """Every cell runs eagerly — torch.compile'd library functions too (DeepSpeed's Muon update) — but a
+    compiled one (the `compile` axis), which compiles what its model and libraries compile."""
     import torch
 
-    return torch.compiler.set_stance("force_eager")
+    return torch.compiler.set_stance("default" if cell.compile else "force_eager")
 
 
 def perturbed(cell: Cell) -> contextlib.AbstractContextManager:

@@ -24,7 +24,7 @@ from gaeq.matrix import Cell
 from gaeq.problem.optim import build_scheduler, gradient_clipping
 from gaeq.problem.spec import ProblemSpec
 from gaeq.problem.tp import tp_plan
-from gaeq.trainers import muon
+from gaeq.trainers import compiled, muon
 from gaeq.trainers.base import RunContext, autocast_inside, build_cell_problem, inject_fault, short_step_label
 from gaeq.trainers.checkpoint import load_deepspeed, save_deepspeed
 from gaeq.trainers.deepspeed_config import deepspeed_config
@@ -61,6 +61,9 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         config=config,
         lr_scheduler=None if problem.deepspeed_config else (lambda optimizer: build_scheduler(optimizer, problem)),
     )
+    compiled.start(False)  # a clean compiler; the engine compiles its module itself, as its users ask it to
+    if cell.compile:
+        compiled.compile_engine(engine)
     net = engine
     managed = cell.deepspeed_accumulation == "managed"  # else GA 1 in the config, and our loop counts
     recorder = StepRecorder(cell=cell, ctx=ctx, steps=problem.steps, plan=task.plan)
@@ -91,6 +94,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     if cell.offload == "nvme":  # the engine really swaps: its files are there after the first step
         swapped = functools.cache(lambda: _swap_bytes(swap_dir(ctx)))  # the folder walked once
         ran.read_at_first_step(nvme_swap_bytes=swapped, swapped_to_nvme=lambda: swapped() > 0)
+    ran.read_at_first_step(compiled=lambda: compiled.facts()["compiled"])
     if task.routes:  # a mixture of experts: the tokens each expert took in the first step
         ran.read_at_first_step(router_tokens=task.router_tokens)
     if problem.optimizer.name == "muon":  # its Newton–Schulz calls in the first step, wherever the engine runs them
@@ -167,7 +171,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         torch.distributed.barrier()  # every rank is done with its files
         if ctx.rank == 0:
             shutil.rmtree(swap_dir(ctx), ignore_errors=True)
-    return ran.facts
+    return ran.facts | (compiled.facts() if cell.compile else {})
 
 
 def promised(cell: Cell, problem: ProblemSpec) -> dict[str, Any]:
@@ -184,6 +188,7 @@ def promised(cell: Cell, problem: ProblemSpec) -> dict[str, Any]:
             "cpu_offload": cell.offload == "cpu",
             "fp16_enabled": cell.dtype == "ds_fp16",
             "bf16_enabled": cell.dtype == "ds_bf16",
+            "compiled": cell.compile,
         }
         | muon.label(cell, problem)
     )

@@ -23,7 +23,7 @@ from gaeq.bugs import Bug
 from gaeq.matrix import Cell, Role
 from gaeq.problem.optim import build_optimizer, build_scheduler, gradient_clipping
 from gaeq.problem.spec import ProblemSpec
-from gaeq.trainers import muon, tensor_parallel
+from gaeq.trainers import compiled, muon, tensor_parallel
 from gaeq.trainers.base import RunContext, build_cell_problem, inject_fault, short_step_label
 from gaeq.trainers.checkpoint import load_torch, save_torch
 from gaeq.trainers.provenance import Provenance
@@ -42,6 +42,7 @@ def promised(cell: Cell, problem: ProblemSpec) -> dict[str, Any]:
             # the baseline is the reference: its norm summed in float64; every other cell's as users sum it
             "grad_norm_dtype": "float64" if cell.role == Role.BASELINE else "float32",
             "sequence_parallel": cell.sequence_parallel,
+            "compiled": cell.compile,
         }
         | muon.label(cell, problem)
     )
@@ -62,6 +63,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     # group through DeepSpeed's all-to-alls; DDP then averages over every rank of the world.
     sp = SequenceParallel(cell, rank=ctx.rank) if cell.sequence_parallel > 1 else None
     ulysses = sp.parallelize(model, tokens=task.tokens) if sp is not None else 0
+    compiled.start(cell.compile, model)  # torch.compile in place, as nanoGPT compiles before DDP wraps it
     ddp = DDP(model) if ctx.world_size > 1 and tp is None else None
     net = ddp or model
     optimizer = build_optimizer(model.named_parameters(), problem)
@@ -110,6 +112,9 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     )
     if task.routes:  # a mixture of experts: the tokens each expert took in the first step
         ran.read_at_first_step(router_tokens=task.router_tokens)
+    ran.read_at_first_step(compiled=lambda: compiled.facts()["compiled"])
+    if cell.bug == Bug.COMPILED_GUARDS_SKIPPED:
+        divide = compiled.divided_with_guards_skipped()
     if problem.optimizer.name in muon.MUONS:  # its Newton–Schulz calls in the first step
         muon.watch(ran, matrices=muon.matrices(optimizer), optimizer=problem.optimizer.name)
     start = load_torch(model, optimizer, scheduler, run_dir=ctx.run_dir, resume=cell.resume) if cell.resume else 0
@@ -132,6 +137,8 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
             with sync:
                 with ran.forward(mb.inputs), task.forwarding(mb):
                     micro_loss = task.micro_loss(net, mb, num_items=num_items)
+                    if cell.bug == Bug.COMPILED_GUARDS_SKIPPED:  # planted bug: ÷ the normaliser of its first trace
+                        micro_loss = divide(task.micro_loss(net, mb, num_items=1), num_items)
                 # ACCUMULATION: we divide — num_items counts the whole global batch, so ÷ GA is in it —
                 # and multiply by the data-parallel ranks, because DDP averages over them (and by the
                 # sequence-parallel ones: a sample's slices' gradients add up, DDP averages them too).
@@ -186,4 +193,4 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         if step + 1 in cell.save_at:
             save_torch(model, optimizer, scheduler, run_dir=ctx.run_dir, cell_id=cell.id, step=step + 1, rank=ctx.rank)
     recorder.close()
-    return ran.facts
+    return ran.facts | (compiled.facts() if cell.compile else {})

@@ -22,7 +22,8 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from gaeq.bugs import BUGS, Bug
+from gaeq.bug_catalogue import BUGS
+from gaeq.bugs import Bug
 from gaeq.matrix import Cell
 from gaeq.problem.models import gpt_boundaries, gpt_stage
 from gaeq.problem.optim import build_optimizer, build_scheduler, gradient_clipping

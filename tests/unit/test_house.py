@@ -318,7 +318,8 @@ def every_bug_site() -> dict[str, list[str]]:
 def test_every_planted_bug_has_a_site_and_every_site_names_a_planted_bug():
     """A bug that no line plants would be a control that never fires; a site comparing with a bare
     string could be misspelt and never fire either (gaeq/bugs.py)."""
-    from gaeq.bugs import BUGS, Bug
+    from gaeq.bug_catalogue import BUGS
+    from gaeq.bugs import Bug
 
     sites = every_bug_site()
     assert "?" not in sites, f"compare cell.bug with a Bug member, not a string: {sites.get('?')}"

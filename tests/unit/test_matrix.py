@@ -316,3 +316,25 @@ def test_resume_experiments_keep_epochs_running_on(write_matrix):
     ]
     with pytest.raises(MatrixError, match="resume experiments with epoch_end short_step: not offered"):
         load_matrix(write_matrix(spec))
+
+
+def test_the_compile_axis_is_the_compiling_trainers_and_its_bug_only_the_compiled_paths(write_matrix):
+    """Compiled cells carry it in their id; trainers that run their model eager collapse the axis; a
+    mistake of the compiled path is bad input in an eager cell, and compile with a model split over ranks
+    is not offered."""
+    from gaeq.matrix import MatrixError, load_matrix
+
+    axes = {"trainer": ["torch", "deepspeed", "fsdp"], "world_size": [1], "micro_batch_size": [4], "compile": [True]}
+    m = load_matrix(write_matrix(small_spec(axes=axes)))
+    ids = {c.id for c in m.cells if c.role.value == "cell"}
+    assert {"torch-w1-mb4-ga4-compiled", "deepspeed-z0-w1-mb4-ga4-compiled", "fsdp-w1-mb4-ga4"} <= ids
+    eager_bug = {"trainer": "torch", "world_size": 1, "micro_batch_size": 4, "bug": "compiled_guards_skipped"}
+    with pytest.raises(MatrixError, match="exists only in a compiled cell"):
+        load_matrix(write_matrix(small_spec(cells=[eager_bug])))
+    split = {"trainer": "torch", "world_size": 2, "tensor_parallel": 2, "micro_batch_size": 4, "compile": True}
+    with pytest.raises(MatrixError, match="compile with a model split over ranks"):
+        gpt = {"model": {"kind": "gpt"}, "data": {"kind": "tokens"}, "loss": "cross_entropy"}
+        load_matrix(write_matrix(small_spec(cells=[split], problem=gpt)))
+    fsdp = {"trainer": "fsdp", "world_size": 1, "micro_batch_size": 4, "compile": True}
+    with pytest.raises(MatrixError, match="the fsdp trainer runs its model eager"):
+        load_matrix(write_matrix(small_spec(cells=[fsdp])))
