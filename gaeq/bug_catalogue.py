@@ -235,6 +235,18 @@ BUGS: dict[str, PlantedBug] = {
             reported="Megatron-LM#3769",
         ),
         PlantedBug(
+            name=Bug.MOE_COUNTS_OVER_MICRO_BATCH_TOKENS,
+            trainers=("torch", "deepspeed"),
+            moe=True,
+            moe_balance=("global", "global_buffered"),
+            description=(
+                "a global-batch balance loss whose experts' token counts, accumulated over the step's micro-batches "
+                "(and ranks), are divided by the current micro-batch's tokens: each expert's share fᵢ inflated by "
+                "the micro-batches that counted — GA × dp at the last"
+            ),
+            reported="Megatron-LM#7213; torchtitan PR#4772 (global-batch balance with micro-batching)",
+        ),
+        PlantedBug(
             name=Bug.MOE_AUX_LOSS_AVERAGED_TWICE,
             trainers=("torch", "deepspeed"),
             moe=True,

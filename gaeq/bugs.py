@@ -55,6 +55,7 @@ class Bug(Name):
     MUON_WITHOUT_NEWTON_SCHULZ = "muon_without_newton_schulz"
     SP_TOKENS_OVER_DATA_RANKS_ONLY = "sp_tokens_over_data_ranks_only"
     COMPILED_GUARDS_SKIPPED = "compiled_guards_skipped"
+    MOE_COUNTS_OVER_MICRO_BATCH_TOKENS = "moe_counts_over_micro_batch_tokens"
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,8 @@ class PlantedBug:
     """The bug exists only where layers are split over this many ranks or more."""
     moe: bool = False
     """The bug exists only in a mixture of experts (model.moe)."""
+    moe_balance: tuple[str, ...] = ()
+    """The balance modes (model.moe.balance) it exists in (empty: any)."""
     packed: bool = False
     """The bug exists only in packed token data (data.packed)."""
     short_step: bool = False

@@ -234,6 +234,11 @@ def bug_rules(bug: str, split: Split, problem: ProblemSpec) -> None:
             f"bug {bug!r} exists only in a mixture of experts (model.moe, or a transformers model with "
             "output_router_logits: true)"
         )
+    balance = getattr(getattr(problem.model, "moe", None), "balance", None)
+    if planted.moe_balance and balance not in planted.moe_balance:
+        raise MatrixError(
+            f"bug {bug!r} exists only in a balance over {' or '.join(planted.moe_balance)}, not {balance}"
+        )
     if planted.compiled and not split.compile:
         raise MatrixError(f"bug {bug!r} exists only in a compiled cell (compile: true)")
     if planted.packed and not getattr(problem.data, "packed", False):

@@ -35,10 +35,12 @@ class Balance:
     """One cell's load-balancing loss: its layers, the weight of a micro-batch's term, and (global
     balance) the step's routing counted ahead, or (buffered) the counts so far."""
 
-    def __init__(self, spec: MoESpec, layers: list[MoE], *, share: float) -> None:
+    def __init__(self, spec: MoESpec, layers: list[MoE], *, share: float, over_own_tokens: bool = False) -> None:
         self.spec, self.layers = spec, layers
         self.share = share
         """A micro-batch's weight in the mean over the step's micro-batches: 1 / (GA × dp)."""
+        self.over_own_tokens = over_own_tokens
+        """The global counts ÷ this micro-batch's own tokens, not theirs (a planted bug, Megatron-LM#7213)."""
         self.counts: list[torch.Tensor] = []
         self.tokens = 0
 
@@ -72,8 +74,8 @@ class Balance:
             counts, prob_sum, tokens = layer.stats
             if self.spec.balance == "micro_batch":
                 f = counts.to(prob_sum.dtype) / (tokens * k)
-            else:  # the global batch's counts, or the buffer's so far
-                f = self.counts[i].to(prob_sum.dtype) / (self.tokens * k)
+            else:  # the global batch's counts, or the buffer's so far, over the tokens they counted
+                f = self.counts[i].to(prob_sum.dtype) / ((tokens if self.over_own_tokens else self.tokens) * k)
             total = total + experts * (f * prob_sum / tokens).sum()
         return self.spec.aux_loss_coef * total * self.share
 

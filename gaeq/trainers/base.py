@@ -229,7 +229,14 @@ def build_cell_problem(cell: Cell, problem: ProblemSpec, ctx: RunContext) -> Cel
         dtype=cell.dtype,
         device=ctx.device,
         data_rank=cell.place(ctx.rank).data,
-        balance=Balance(problem.model.moe, layers, share=share) if layers else None,
+        balance=Balance(
+            problem.model.moe,
+            layers,
+            share=share,
+            over_own_tokens=cell.bug == Bug.MOE_COUNTS_OVER_MICRO_BATCH_TOKENS,  # planted bug (Megatron-LM#7213)
+        )
+        if layers
+        else None,
         aux_share=share,
         routers=RouterTokens(built.model) or None,  # a transformers mixture of experts' routers, if any
         tokens=slice(first, first + width) if sp > 1 else slice(None),

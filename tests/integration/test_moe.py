@@ -1,6 +1,7 @@
 """experiments/moe.yaml through real process groups and DeepSpeed: a mixture of experts balanced over
 the global batch matches at world 2 in both trainers; balanced over each micro-batch it does not (a
-measured divergence, expected); the balance loss ÷ dp twice is caught; the pinned Trainer at world 2
+measured divergence, expected); the balance loss ÷ dp twice and the global counts ÷ one micro-batch's
+tokens (Megatron-LM#7213) are caught; the pinned Trainer at world 2
 multiplies Qwen3-MoE's router term by the processes too (transformers#48690). The whole file runs in
 docs/moe.md; here its world-2 corner on fewer steps."""
 
@@ -36,6 +37,14 @@ CELLS = [
         "variant": "global",
         "bug": "moe_aux_loss_averaged_twice",
     },
+    {
+        "trainer": "deepspeed",
+        "world_size": 2,
+        "micro_batch_size": 2,
+        "zero_stage": 1,
+        "variant": "global",
+        "bug": "moe_counts_over_micro_batch_tokens",
+    },
 ]
 
 
@@ -60,6 +69,9 @@ def test_moe_balance_over_the_global_batch_matches_and_over_micro_batches_does_n
     assert (per_micro_batch["verdict"], per_micro_batch["caught_by"]) == ("diverge", "loss")  # its step-0 loss
     twice = cells["torch-w2-mb2-ga4-bug_moe_aux_loss_averaged_twice@global"]
     assert (twice["verdict"], twice["first_divergent_step"]) == ("diverge", 0)
+    # Megatron-LM#7213: the counts of every rank's 4 micro-batches ÷ one micro-batch's tokens (fᵢ × 8)
+    own = cells["deepspeed-z1-w2-mb2-ga4-bug_moe_counts_over_micro_batch_tokens@global"]
+    assert (own["verdict"], own["caught_by"], own["first_divergent_step"]) == ("diverge", "loss", 0), own["reason"]
     # The pinned Trainer (transformers 5.23.0) at world 2: its loss — Qwen3-MoE's router term included — ×
     # the processes (transformers#48690), on top of the term whole at every micro-batch: step for step the
     # planted not-÷-GA's with the router coefficient × 2 (at world 1 the planted bug's as it is: tests/unit).
