@@ -61,7 +61,7 @@ def run_in_process(matrix, run_dir):
         cell_dir.mkdir(parents=True)
         ctx = RunContext(rank=0, world_size=1, device=torch.device("cpu"), cell_dir=cell_dir, run_dir=run_dir)
         try:
-            with eager(), perturbed(cell):  # as a rank runs it (gaeq/runtime/worker.py)
+            with eager(cell), perturbed(cell):  # as a rank runs it (gaeq/runtime/worker.py)
                 ran = trainer_for(cell.trainer)(cell=cell, problem=matrix.problems[cell.variant], ctx=ctx)
         except Exception as exc:  # noqa: BLE001 - reported like a failed rank
             outcomes[cell.id] = CellOutcome(status="error", seconds=0.0, reason=f"{type(exc).__name__}: {exc}")
