@@ -328,6 +328,20 @@ BUGS: dict[str, PlantedBug] = {
             "torchtitan#4099 / #2042 (compiled accumulation differing from eager)",
         ),
         PlantedBug(
+            name=Bug.LOSS_PARALLEL_SHARD_SOFTMAX,
+            trainers=("torch",),
+            loss="cross_entropy",
+            min_tensor_parallel=2,
+            loss_parallel=True,
+            description=(
+                "vocabulary-sharded logits, each tensor-parallel rank's cross-entropy taken over its own slice of "
+                "the vocabulary: the softmax normalised over the slice alone, a target outside it ignored — "
+                "loss_parallel's all-reduces of the max and the sum of exponentials left out"
+            ),
+            reported="torchtitan#3412 (loss above the single-GPU baseline with loss_parallel); parity tests "
+            "#3560, #3671",
+        ),
+        PlantedBug(
             name=Bug.LR_ZERO,
             trainers=("torch",),
             description="a control, not a bug: the optimizer's lr is 0, so the parameters never move",

@@ -56,6 +56,7 @@ class Bug(Name):
     SP_TOKENS_OVER_DATA_RANKS_ONLY = "sp_tokens_over_data_ranks_only"
     COMPILED_GUARDS_SKIPPED = "compiled_guards_skipped"
     MOE_COUNTS_OVER_MICRO_BATCH_TOKENS = "moe_counts_over_micro_batch_tokens"
+    LOSS_PARALLEL_SHARD_SOFTMAX = "loss_parallel_shard_softmax"
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,8 @@ class PlantedBug:
     """The bug exists only where a hybrid-sharded model has this many replicas or more."""
     compiled: bool = False
     """The bug exists only in a compiled cell (`compile: true`): a mistake of the compiled path."""
+    loss_parallel: bool = False
+    """The bug exists only where the head is split by vocabulary (model.loss_parallel)."""
     pipeline: bool = False
     """The bug lives in a trainer's pipeline module (its schedule): it exists only in cells with
     pipeline stages — and no other bug does (a pipeline cell does not run the accumulation loop)."""

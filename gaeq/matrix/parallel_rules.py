@@ -129,6 +129,8 @@ def check_tensor_parallel(split: Split, problem: ProblemSpec) -> None:
         raise MatrixError(f"DeepSpeed AutoTP cells run gaeq's own DeepSpeed config, without offload ({where})")
     if why := plan_problem(problem, split.tensor_parallel):
         raise MatrixError(f"tensor_parallel {split.tensor_parallel}: {why}")
+    if getattr(problem.model, "loss_parallel", False) and (split.trainer != "torch" or split.pipeline_parallel > 1):
+        raise MatrixError(f"model.loss_parallel runs in the torch trainer's loop, without pipeline stages ({where})")
 
 
 def check_pipeline_parallel(split: Split, problem: ProblemSpec) -> None:

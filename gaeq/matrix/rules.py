@@ -239,6 +239,8 @@ def bug_rules(bug: str, split: Split, problem: ProblemSpec) -> None:
         raise MatrixError(
             f"bug {bug!r} exists only in a balance over {' or '.join(planted.moe_balance)}, not {balance}"
         )
+    if planted.loss_parallel and not getattr(problem.model, "loss_parallel", False):
+        raise MatrixError(f"bug {bug!r} exists only where the head is split by vocabulary (model.loss_parallel)")
     if planted.compiled and not split.compile:
         raise MatrixError(f"bug {bug!r} exists only in a compiled cell (compile: true)")
     if planted.packed and not getattr(problem.data, "packed", False):

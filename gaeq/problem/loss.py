@@ -27,6 +27,18 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+def cross_entropy_on_own_shard(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The planted loss_parallel_shard_softmax: each tensor-parallel rank's cross-entropy over its own slice
+    of the vocabulary (the local shard of vocabulary-sharded logits) — the softmax normalised over the slice
+    alone, a target outside it ignored — where loss_parallel normalises over the whole vocabulary."""
+    local = logits.to_local() if hasattr(logits, "to_local") else logits
+    width = local.shape[-1]
+    start = logits.device_mesh.get_local_rank() * width if hasattr(logits, "device_mesh") else 0
+    own = labels - start
+    own = torch.where((labels == IGNORE_INDEX) | (own < 0) | (own >= width), IGNORE_INDEX, own)
+    return F.cross_entropy(local.float().flatten(0, -2), own.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
 def policy_gradient_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Sum over completion tokens of −advantage × log π(token) (targets: gaeq/problem/completions.py).
     On-policy — one update per generation, as GRPO and DAPO run by default — PPO's clipped ratio is 1

@@ -174,6 +174,8 @@ class GPT(nn.Module):
 
     def __init__(self, spec: GPTSpec, *, vocab_size: int, block_size: int, seed: int) -> None:
         super().__init__()
+        if spec.loss_parallel:  # the head split by vocabulary, its logits left sharded (loss_parallel)
+            self.tp_plan = self.tp_plan | {"head": "vocab"}
         self.wte = nn.Embedding(vocab_size, spec.n_embd)
         self.wpe = nn.Embedding(block_size, spec.n_embd)
         self.drop = _dropout(spec.dropout, spec.dropout_rng, seed=seed, layer=0)

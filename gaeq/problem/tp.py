@@ -22,7 +22,9 @@ import torch
 
 from gaeq.problem.spec import GPTSpec, HFModelSpec, MLPSpec, ProblemSpec
 
-STYLES = ("colwise", "rowwise")
+STYLES = ("colwise", "rowwise", "vocab")
+"""``vocab``: a head split column-wise whose output — the logits — stays sharded by vocabulary, for a
+cross-entropy computed on the shards (torch's loss_parallel)."""
 
 
 def tp_plan(model: torch.nn.Module) -> dict[str, str]:
@@ -65,6 +67,9 @@ def plan_problem(problem: ProblemSpec, tensor_parallel: int) -> str | None:
             "(use a GPT, a transformers model with a base_model_tp_plan, or a plugin with tp_plan)"
         )
     if isinstance(model, GPTSpec):
+        vocab = getattr(problem.data, "vocab_size", 0)
+        if model.loss_parallel and vocab % tensor_parallel:
+            return f"loss_parallel: vocab_size {vocab} is not divisible by tensor_parallel {tensor_parallel}"
         return _divides("n_head", model.n_head, tensor_parallel)
     if isinstance(model, HFModelSpec):
         import transformers

@@ -23,7 +23,7 @@ from gaeq.matrix import Cell
 from gaeq.problem.build import BuiltProblem, build_problem
 from gaeq.problem.data import IGNORE_INDEX, BatchPlan
 from gaeq.problem.hf import RouterTokens, dropouts
-from gaeq.problem.loss import cross_entropy_row_means, mean_of_means_count
+from gaeq.problem.loss import cross_entropy_on_own_shard, cross_entropy_row_means, mean_of_means_count
 from gaeq.problem.models import sample_keys
 from gaeq.problem.moe import Balance, moe_layers
 from gaeq.problem.spec import ProblemSpec
@@ -216,6 +216,8 @@ def build_cell_problem(cell: Cell, problem: ProblemSpec, ctx: RunContext) -> Cel
     torch.manual_seed(problem.seed)  # the global RNG (dropout_rng: global) starts alike in every cell
     plan = plan_of(cell, problem)
     built = build_problem(problem)
+    if cell.bug == Bug.LOSS_PARALLEL_SHARD_SOFTMAX:  # planted bug: each rank's softmax over its own vocabulary slice
+        built = dataclasses.replace(built, loss_sum=cross_entropy_on_own_shard)
     if cell.bug == Bug.PACKED_SEQUENCES_WEIGHTED_PER_PACK:  # planted bug: each pack's mean, the packs averaged
         built = dataclasses.replace(built, loss_sum=cross_entropy_row_means, per_sample=True)
     layers = moe_layers(built.model)

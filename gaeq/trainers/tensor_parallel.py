@@ -10,6 +10,7 @@ column-wise layer's backward sums its input gradient over the group.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterable
 
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 
 from gaeq.matrix import Cell
 from gaeq.problem.tp import tp_plan
@@ -37,9 +38,19 @@ class TensorParallel:
 
     def parallelize(self, model: torch.nn.Module) -> None:
         """Split the plan's layers over this rank's tensor-parallel group (parameters become DTensors)."""
-        styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-        plan = {name: styles[style]() for name, style in tp_plan(model).items()}
-        parallelize_module(model, self.mesh["tp"], plan)
+        styles = {
+            "colwise": ColwiseParallel,
+            "rowwise": RowwiseParallel,
+            "vocab": lambda: ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+        }
+        layers = tp_plan(model)
+        parallelize_module(model, self.mesh["tp"], {name: styles[style]() for name, style in layers.items()})
+        self.loss_parallel = "vocab" in layers.values()
+        """The logits stay sharded by vocabulary: the loss, forward and backward, runs under loss_parallel."""
+
+    def loss_context(self):
+        """Around a micro-batch's loss and its backward: torch's loss_parallel where the logits are sharded."""
+        return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
 
     def average_gradients(self, params: Iterable[torch.nn.Parameter]) -> None:
         """The boundary's all-reduce over the data-parallel ranks (÷ dp), as DDP's: one flat

@@ -43,6 +43,8 @@ def promised(cell: Cell, problem: ProblemSpec) -> dict[str, Any]:
             "grad_norm_dtype": "float64" if cell.role == Role.BASELINE else "float32",
             "sequence_parallel": cell.sequence_parallel,
             "compiled": cell.compile,
+            # the head split by vocabulary, the loss on the shards (model.loss_parallel), where layers are split
+            "loss_parallel": cell.tensor_parallel > 1 and getattr(problem.model, "loss_parallel", False),
         }
         | muon.label(cell, problem)
     )
@@ -109,6 +111,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         update_rule=type(optimizer).__name__,
         sequence_parallel=sp.size if sp is not None else 1,
         ulysses_attention=ulysses,
+        loss_parallel=tp is not None and tp.loss_parallel,
     )
     if task.routes:  # a mixture of experts: the tokens each expert took in the first step
         ran.read_at_first_step(router_tokens=task.router_tokens)
@@ -134,7 +137,8 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
             # no_sync() lets them pile up locally in .grad (with tensor parallelism: see below).
             sync = contextlib.nullcontext() if ddp is None or boundary else ddp.no_sync()
             num_items = task.num_items(cell, mb, normaliser=normaliser)  # what the loss sum is divided by
-            with sync:
+            sharded = tp.loss_context() if tp is not None else contextlib.nullcontext()  # vocab-sharded logits
+            with sync, sharded:
                 with ran.forward(mb.inputs), task.forwarding(mb):
                     micro_loss = task.micro_loss(net, mb, num_items=num_items)
                     if cell.bug == Bug.COMPILED_GUARDS_SKIPPED:  # planted bug: ÷ the normaliser of its first trace
