@@ -181,12 +181,8 @@ class GPTSpec(Spec):
     dropout: float = Field(0.0, ge=0, lt=1)
     dropout_rng: Literal["indexed", "global"] = _DROPOUT_RNG
     moe: MoESpec | None = Field(None, description="Each block's MLP a mixture of experts (None: a dense MLP).")
-    loss_parallel: bool = Field(
-        False,
-        description="With tensor_parallel > 1: the head split by vocabulary too (its logits sharded over the "
-        "tensor-parallel ranks, never gathered) and the cross-entropy computed on the shards through torch's "
-        "loss_parallel (torchtitan's default). The vocabulary must divide evenly.",
-    )
+    loss_parallel: bool = Field(False, description="tensor_parallel > 1: the head split by vocabulary, the loss on "
+                                "the shards through torch's loss_parallel (torchtitan's default)")  # fmt: skip
 
     @model_validator(mode="after")
     def _check(self) -> GPTSpec:
