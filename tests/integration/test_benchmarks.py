@@ -43,6 +43,7 @@ PHASES = {
         "plain launches (target: fewer than 3",
         "probe overhead at",
     ),
+    "trainer_sequence_parallel.py": ("w1 GA 1 ", "w1 GA 2 ", "sp2 GA 1 ", "sp2 GA 2 ", "× w1 GA 1's"),
     "pipeline_bubble.py": (
         "bubble  theory  p2p KB/step",
         "torch-w2-pp2-gpipe-",
