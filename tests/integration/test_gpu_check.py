@@ -23,6 +23,7 @@ LACKED = ("gaeq", "deepspeed", "pydantic", "pydantic_core", "annotated_types", "
 
 
 def test_the_gpu_checks_cpu_dry_run_says_ok_with_every_phase(tmp_path, monkeypatch):
+    """Every phase, the speed phase's bare loops against gaeq's trainers (benchmarks/gpu_speed.py) too."""
     monkeypatch.setenv("GAEQ_ACCELERATOR_FP16", "yes")  # its fp16 cells run (emulated here), not skipped
     proc = run([str(CHECK), "--cpu", str(tmp_path)], timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
