@@ -140,9 +140,10 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
             sharded = tp.loss_context() if tp is not None else contextlib.nullcontext()  # vocab-sharded logits
             with sync, sharded:
                 with ran.forward(mb.inputs), task.forwarding(mb):
-                    micro_loss = task.micro_loss(net, mb, num_items=num_items)
                     if cell.bug == Bug.COMPILED_GUARDS_SKIPPED:  # planted bug: ÷ the normaliser of its first trace
                         micro_loss = divide(task.micro_loss(net, mb, num_items=1), num_items)
+                    else:
+                        micro_loss = task.micro_loss(net, mb, num_items=num_items)
                 # ACCUMULATION: we divide — num_items counts the whole global batch, so ÷ GA is in it —
                 # and multiply by the data-parallel ranks, because DDP averages over them (and by the
                 # sequence-parallel ones: a sample's slices' gradients add up, DDP averages them too).
