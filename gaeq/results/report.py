@@ -120,7 +120,7 @@ def judge(
         )
         if (unmet := unmet_expectation(cell.expectation, comparison)) is not None:
             reason += f" — {unmet}"
-        ran = (outcomes[cell.id].ran if cell.id in outcomes else None) or {}
+        ran = getattr(outcomes.get(cell.id), "ran", None) or {}
         cells.append(
             CellReport(
                 cell=cell,
