@@ -92,8 +92,13 @@ def equivalence(out: Path, *, cpu: bool, gpus: int) -> dict:
     (out / "gpu.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
     code = gaeq("run", "--matrix", str(out / "gpu.yaml"), "--out", str(out / "run"), log=out / "run.log")
     report = json.loads((out / "run" / "report.json").read_text())
-    wrong = [f"{c['id']}: {c['verdict']} ({c['reason']})" for c in report["cells"] if not c["as_expected"]]
+    wrong = wrong_cells(report)
     return {"exit_code": code, "summary": report["summary"], "wrong": wrong, "cells": report["cells"]}
+
+
+def wrong_cells(report: dict) -> list[str]:
+    """A gaeq run's cells whose verdict is not the one they expect, each with its reason."""
+    return [f"{c['id']}: {c['verdict']} ({c['reason']})" for c in report["cells"] if not c["as_expected"]]
 
 
 def repeat(out: Path) -> dict:
@@ -179,7 +184,7 @@ def script(out: Path, *, cpu: bool) -> dict:
     (out / "script.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
     code = gaeq("run", "--matrix", str(out / "script.yaml"), "--out", str(out / "script"), log=out / "script.log")
     report = json.loads((out / "script" / "report.json").read_text())
-    wrong = [f"{c['id']}: {c['verdict']} ({c['reason']})" for c in report["cells"] if not c["as_expected"]]
+    wrong = wrong_cells(report)
     probe = {}
     for c in report["cells"]:
         found = out / "script" / "cells" / c["id"] / "probe.json"
