@@ -116,7 +116,9 @@ def main() -> None:
     if args.worker:
         sp, ga, steps, out = args.worker
         worker(int(sp), int(ga), int(steps), Path(out))
-        return
+        from gaeq.runtime.worker import hard_exit
+
+        hard_exit(0)  # a gloo or shm thread still joinable at interpreter exit aborts a finished rank (SIGABRT)
     if args.tiny:
         print(TINY, flush=True)
     steps = 2 if args.tiny else 4
