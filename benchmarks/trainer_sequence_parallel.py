@@ -1,7 +1,8 @@
 """The transformers Trainer's sequence parallelism through DeepSpeed (ALST/Ulysses, accelerate's
 `ParallelismConfig(sp_size=2, sp_backend="deepspeed")`) against the same Trainer in one process, on the
 same global batch: is it the same optimisation? A measurement of the pinned stack (transformers, accelerate,
-DeepSpeed as installed), not yet a gaeq cell — the numbers behind #52's status.
+DeepSpeed as installed) without gaeq: the independent witness of experiments/sequence_parallel.yaml's
+`hf_deepspeed` cells, whose verdicts gaeq computes (docs/sequence-parallel.md).
 
     python benchmarks/trainer_sequence_parallel.py            # 4 runs of 4 steps, ~1 minute on 2 cores
     python benchmarks/trainer_sequence_parallel.py --tiny     # 2 steps, for the suite: its numbers mean nothing

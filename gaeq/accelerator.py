@@ -1,5 +1,5 @@
-"""What the machine's accelerator can do, asked of torch and DeepSpeed only when it matters: fp16,
-and the async I/O nvme offload swaps with.
+"""What the machine's accelerator can do, asked of torch and DeepSpeed only when it matters: CUDA or
+not (and so the collectives' backend), fp16, and the async I/O nvme offload swaps with.
 
 fp16 on a CPU: DeepSpeed's CPU accelerator answers ``is_fp16_supported()`` from oneDNN (yes on
 CPUs with AMX/avx512_fp16, no elsewhere), and DeepSpeed reads that answer beyond fp16 cells: its
@@ -23,8 +23,26 @@ FP16_ENV = "GAEQ_ACCELERATOR_FP16"
 FP16_EMULATION_ENV = "GAEQ_FP16_EMULATION"
 """The older name: ``=1`` is ``GAEQ_ACCELERATOR_FP16=yes`` (where the newer one is unset)."""
 ANSWERS = {"yes": True, "no": False}
+NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 _OWN = "_gaeq_own_is_fp16_supported"
 """Where :func:`force_fp16_answer` keeps the accelerator class's own method."""
+
+
+def has_cuda() -> bool:
+    """Whether CUDA devices are here, asked through NVML (PYTORCH_NVML_BASED_CUDA_CHECK): the default
+    check initialises the CUDA driver, and a process forked after that — every rank of the fork server,
+    which asks before it forks — could not use CUDA. (Run on an H200: docs/where-it-runs.md, "On a GPU".)"""
+    import torch
+
+    said = os.environ.get(NVML_CHECK)
+    os.environ[NVML_CHECK] = "1"  # for this question only: a user's script ranks inherit this environment
+    try:
+        return torch.cuda.is_available()
+    finally:
+        if said is None:
+            del os.environ[NVML_CHECK]
+        else:
+            os.environ[NVML_CHECK] = said
 
 
 def forced_fp16() -> bool | None:

@@ -41,9 +41,11 @@ class TrainerSpec:
     """Writes and resumes checkpoints: a resume experiment's source (and a plain resume's target)."""
     dtypes: tuple[str, ...] = ALL_DTYPES
     """The dtypes its cells may run (the matrix refuses the others)."""
-    sequence_parallel: bool = False
-    """Runs cells whose samples' tokens are split over ranks (`sequence_parallel` > 1): DeepSpeed-Ulysses'
-    attention (its DistributedAttention), the rest of the model on each rank's tokens."""
+    sequence_parallel: str | None = None
+    """Runs cells whose samples' tokens are split over ranks (`sequence_parallel` > 1) with DeepSpeed-Ulysses
+    around the attention of: "gpt" — gaeq's GPT (DeepSpeed's DistributedAttention, in gaeq's loop); "hf" — a
+    transformers causal LM (the Trainer's ParallelismConfig(sp_backend="deepspeed"): UlyssesSPAttentionHF and its
+    data-loader adapter, as users switch it on). None: it does not split sequences."""
     muon: bool = False
     """Builds DeepSpeed's Muon (`optimizer.name: muon`): the engine from its config, a torch loop the same
     class over whole matrices (gaeq/problem/optim.py)."""
@@ -103,7 +105,7 @@ TRAINERS: dict[str, TrainerSpec] = {
             short_steps=True,
             checkpoints=True,
             dtypes=("fp32", "bf16", "fp16"),
-            sequence_parallel=True,
+            sequence_parallel="gpt",
             muon=True,
             compiles=True,
         ),
@@ -157,6 +159,7 @@ TRAINERS: dict[str, TrainerSpec] = {
             module="gaeq.trainers.hf_trainer",
             description="the transformers Trainer with TrainingArguments(deepspeed=...): its DeepSpeed integration",
             deepspeed=True,
+            sequence_parallel="hf",
             dtypes=("fp32",),
             package="transformers",
             preload=(

@@ -275,7 +275,7 @@ class Expander:
             snapshot_every=self.spec.track_every,
             keep_nvme_swap=self.spec.keep_nvme_swap and split.offload == "nvme",
         )
-        if (reason := skip_reason(split)) is not None:
+        if (reason := skip_reason(split, problem)) is not None:
             cell = dataclasses.replace(cell, skip_reason=reason)
         if not cell.divisible:
             if self.spec.on_indivisible == "error":

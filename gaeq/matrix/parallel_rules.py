@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from gaeq.matrix.cell import Split
 from gaeq.matrix.schema import MatrixError
-from gaeq.problem.spec import ProblemSpec
+from gaeq.problem.spec import HFModelSpec, ProblemSpec
 from gaeq.problem.split import short_step_message
 from gaeq.registry import PIPELINE_TRAINERS, SEQUENCE_PARALLEL_TRAINERS, TENSOR_PARALLEL_TRAINERS, TRAINERS
 
@@ -37,30 +37,58 @@ def check_moe(split: Split) -> None:
 
 
 def check_sequence_parallel(split: Split, problem: ProblemSpec) -> None:
-    """DeepSpeed-Ulysses on gaeq's GPT: each rank a contiguous slice of every sample's tokens, every
-    head's attention over the whole sequence after an all-to-all — the heads and the sequence divide
-    evenly over the ranks (DeepSpeed's uneven path needs its own sequence-parallel groups), the loss a
-    per-token one, the rest of the layout plain data parallelism."""
+    """DeepSpeed-Ulysses: each rank a contiguous slice of every sample's tokens, every head's attention
+    over the whole sequence after an all-to-all — the heads and the sequence divide evenly over the
+    ranks (DeepSpeed's uneven path needs its own sequence-parallel groups), the loss a per-token one,
+    the rest of the layout plain data parallelism. Whose attention is wrapped is the trainer's
+    (its registry entry): gaeq's GPT, or a transformers causal LM under the Trainer."""
     sp, where = split.sequence_parallel, f"{where_of(split)} sp{split.sequence_parallel}"
+    wraps = TRAINERS[split.trainer].sequence_parallel
     why = None
-    if split.trainer not in SEQUENCE_PARALLEL_TRAINERS:
+    if not wraps:
         why = (
             f"the {split.trainer} trainer does not split sequences ({', '.join(sorted(SEQUENCE_PARALLEL_TRAINERS))} do)"
         )
-    elif getattr(problem.model, "kind", None) != "gpt" or problem.model.moe is not None:
-        why = "gaeq's dense GPT only (its attention is the one wrapped)"
-    elif problem.loss != "cross_entropy":
-        why = f"a per-token loss (cross_entropy), not {problem.loss}"
-    elif problem.model.dropout > 0:
-        why = "dropout's masks are drawn per sample, not per token slice: dropout 0"
     elif split.tensor_parallel > 1 or split.pipeline_parallel > 1:
         why = "with tensor or pipeline parallelism: not offered"
-    elif problem.model.n_head % sp or problem.data.seq_len % sp:
-        why = f"n_head {problem.model.n_head} and seq_len {problem.data.seq_len} must divide by it"
     elif split.world_size % sp:
         why = f"world_size {split.world_size} does not divide by it"
+    elif problem.data.seq_len % sp:
+        why = f"seq_len {problem.data.seq_len} must divide by it"
+    else:
+        why = _gpt_sequence_parallel(problem, sp) if wraps == "gpt" else _hf_sequence_parallel(problem, sp)
     if why:
         raise MatrixError(f"sequence_parallel {sp}: {why} ({where})")
+
+
+def _gpt_sequence_parallel(problem: ProblemSpec, sp: int) -> str | None:
+    """gaeq's loop wraps its own GPT's attention."""
+    if getattr(problem.model, "kind", None) != "gpt" or problem.model.moe is not None:
+        return "gaeq's dense GPT only (its attention is the one wrapped)"
+    if problem.loss != "cross_entropy":
+        return f"a per-token loss (cross_entropy), not {problem.loss}"
+    if problem.model.dropout > 0:
+        return "dropout's masks are drawn per sample, not per token slice: dropout 0"
+    if problem.model.n_head % sp:
+        return f"n_head {problem.model.n_head} must divide by it"
+    return None
+
+
+def _hf_sequence_parallel(problem: ProblemSpec, sp: int) -> str | None:
+    """The Trainer wraps a transformers causal LM's attention (UlyssesSPAttentionHF): its own loss, its
+    query heads split over the group, its key-value heads split too — or, fewer than the group, each
+    replicated over sp ÷ kv ranks (DeepSpeed's own rule)."""
+    model = problem.model
+    if not isinstance(model, HFModelSpec) or problem.loss != "hf" or mixture_of_experts(problem):
+        return "a dense transformers causal LM with its own loss (model: {hf: ...}, loss: hf)"
+    heads, kv = model.config.get("num_attention_heads"), model.config.get("num_key_value_heads")
+    if heads is None or kv is None:
+        return "model.config must give num_attention_heads and num_key_value_heads (the heads Ulysses splits)"
+    if heads % sp:
+        return f"num_attention_heads {heads} must divide by it"
+    if kv % sp and sp % kv:
+        return f"num_key_value_heads {kv} must divide by it or divide it"
+    return None
 
 
 def reaches_short_step(problem: ProblemSpec) -> bool:
@@ -165,3 +193,29 @@ def grad_accum_of(split: Split, problem: ProblemSpec) -> int | None:
     data_parallel = split.world_size // (split.pipeline_parallel * split.tensor_parallel * split.sequence_parallel)
     micro_batches, left = divmod(problem.train_batch_size, split.micro_batch_size * data_parallel)
     return None if left else micro_batches
+
+
+def trainer_sp_gather_unsupported(split: Split, problem: ProblemSpec) -> str | None:
+    """The Trainer's own sequence-parallel loss (deepspeed_sp_compute_loss) gathers the ranks' losses with
+    torch.distributed.nn.functional.all_gather, whose backward on gloo (torch 2.13) is an all-to-all made of
+    dist.scatter calls given the group-local rank as their global source: in any sequence-parallel group but
+    the one of global ranks 0..sp−1 — every data-parallel rank's but the first — it raises "Global rank 0 is
+    not part of group". NCCL's backward is a reduce-scatter; on a CPU such a cell cannot run."""
+    dp = split.world_size // (split.tensor_parallel * split.pipeline_parallel * split.sequence_parallel)
+    if (
+        TRAINERS[split.trainer].sequence_parallel != "hf"
+        or split.sequence_parallel == 1
+        or dp == 1
+        or getattr(problem.model, "sp_loss", None) != "trainer"
+    ):
+        return None
+    from gaeq.accelerator import has_cuda  # imports torch: only for such cells
+
+    if has_cuda():
+        return None
+    return (
+        "the Trainer's own sequence-parallel loss cannot backpropagate over gloo at data_parallel > 1: "
+        "torch.distributed.nn.functional.all_gather's backward scatters from group-local ranks read as global "
+        "ones (torch 2.13), which fails in every sequence-parallel group but the first — sp_loss: global_tokens "
+        "gathers nothing"
+    )

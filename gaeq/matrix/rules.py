@@ -18,6 +18,7 @@ from gaeq.matrix.parallel_rules import (
     grad_accum_of,
     mixture_of_experts,
     reaches_short_step,
+    trainer_sp_gather_unsupported,
     where_of,
 )
 from gaeq.matrix.schema import (
@@ -312,8 +313,10 @@ def expect_rules(expect: ExpectSpec, split: Split, problem: ProblemSpec, spec: M
     return Expectation(verdict=expect.verdict, caught_by=expect.caught_by, step=expect.step, holds=tuple(expect.holds))
 
 
-def skip_reason(split: Split) -> str | None:
+def skip_reason(split: Split, problem: ProblemSpec) -> str | None:
     """Why a valid cell does not run (here): a rule of DeepSpeed's, or what this machine lacks."""
+    if (reason := trainer_sp_gather_unsupported(split, problem)) is not None:
+        return reason
     if split.offload != "none" and split.zero_stage == 0:
         return "offload needs ZeRO ≥ 1 (ZeRO-0 has no partitioned optimizer to offload)"
     if split.offload == "nvme" and split.zero_stage < 3:

@@ -10,9 +10,13 @@ from __future__ import annotations
 from functools import cached_property
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
 
+from gaeq.problem.hf_spec import HF_DATA_KEYS, HFModelSpec
+from gaeq.problem.spec_base import Spec
 from gaeq.script.spec import ScriptSpec
+
+__all__ = ["HF_DATA_KEYS", "HFModelSpec", "Spec"]  # re-exported: the problem schema in one import
 
 PositiveInt = Annotated[int, Field(gt=0)]
 # Upper bounds keep a typo (hidden: 1e9) from becoming an out-of-memory kill while the problem is
@@ -25,11 +29,6 @@ Dtype = Literal["fp32", "bf16", "fp16", "ds_bf16", "ds_fp16"]
 """fp32; bf16 / fp16 = forward autocast on every trainer (fp32 weights and gradients; fp16 adds
 torch's GradScaler on the torch side); ds_bf16 / ds_fp16 = DeepSpeed's own mixed precision (half
 weights and gradients, fp32 master weights; fp16 with dynamic loss scaling) — DeepSpeed only."""
-
-
-class Spec(BaseModel):
-    # No inf/nan anywhere (YAML's .inf would pass `gt=0`); unknown keys are errors.
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class PluginSpec(Spec):
@@ -220,42 +219,6 @@ class ScheduleSpec(Spec):
         "matrix follows it, so Trainer cells with warmup share the baseline.",
     )
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Cosine floor as a fraction of the peak lr.")
-
-
-HF_DATA_KEYS = ("vocab_size", "max_position_embeddings", "n_positions", "n_ctx")
-"""transformers config keys gaeq sets from the token data (GPT-2 spells positions n_positions/n_ctx)."""
-
-
-class HFModelSpec(Spec):
-    """A transformers causal LM by class name (``LlamaForCausalLM``, ``GPT2LMHeadModel``, … any class
-    of transformers' causal-LM auto mapping) — or a token-classification class (``LlamaForTokenClassification``:
-    one label per vocabulary token, the next one) — randomly initialised from ``config``, never a download.
-    Needs ``pip install 'gaeq[hf]'``."""
-
-    kind: Literal["hf"] = "hf"
-    hf: str = Field(pattern=r"^[A-Za-z_]\w*$", description="The transformers class, e.g. LlamaForCausalLM.")
-    config: dict[str, Any] = Field(
-        default_factory=dict,
-        description="Keyword arguments of the class's config (LlamaConfig, ...). Everything else is the "
-        "config's default — dropouts included, kept as given (a default dropout > 0 makes masks depend on "
-        "the split: such cells diverge, and the report says why). Vocabulary and positions come from the data.",
-    )
-    accepts_loss_kwargs: bool | None = Field(
-        None,
-        description="Set the model's accepts_loss_kwargs: what the transformers Trainer reads, instead of guessing "
-        "from forward's **kwargs, to decide whether the model divides by num_items_in_batch itself (then the "
-        "Trainer does not ÷ GA). None: the class's own.",
-    )
-
-    @model_validator(mode="after")
-    def _check(self) -> HFModelSpec:
-        given = sorted(set(self.config) & set(HF_DATA_KEYS))
-        if given:
-            raise ValueError(
-                f"model.config.{given[0]}: the vocabulary and positions come from the token data "
-                "(data.vocab_size, data.seq_len) — never written twice; remove it"
-            )
-        return self
 
 
 def _kind(default: str):

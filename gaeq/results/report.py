@@ -300,7 +300,38 @@ def _judge_cell(
         reason += _dropout_note((outcome.ran or {}).get("dropout"), script=TRAINERS[cell.trainer].script)
         reason += _short_step_note(traces.get(cell.id), comparison.first_divergent_step, cell.train_batch_size)
         reason += _muon_norm_note(outcome.ran or {}, comparison)
+        reason += _trainer_sp_note(outcome.ran or {}, comparison, traces.get(base_id), traces.get(cell.id))
     return comparison.verdict, reason, comparison
+
+
+def _trainer_sp_note(ran: Mapping, comparison, base: list[StepRecord], trace: list[StepRecord]) -> str:
+    """Why the Trainer's own sequence-parallel loss diverges, from what ran and the numbers: its
+    deepspeed_sp_compute_loss (transformers 5.23.0, read in its source) gathers the sequence ranks' losses
+    with a differentiable all-gather, whose backward sums every rank's share into each rank's gradient (sp ×
+    its own); the engine then divides the ranks' summed gradients by the ranks `ran` read from it; and the
+    Trainer's num_items_in_batch never reaches that loss, so each micro-batch is its own token mean. The
+    grad norm's ratio to the baseline's is the comparison's, at the step it first diverged."""
+    if ran.get("sp_loss") != "trainer" or comparison.first_divergent_step is None:
+        return ""
+    sp, divisor = ran["sequence_parallel"], ran["sp_gradients_averaged_over"]
+    data_parallel = ran["world_size"] // sp
+    note = (
+        f" — the Trainer's own sequence-parallel loss ran (deepspeed_sp_compute_loss, sp {sp}): its differentiable "
+        f"all-gather of the ranks' losses gives each rank's gradient {sp} × its share, "
+    )
+    if divisor == data_parallel:
+        note += (
+            f"and DeepSpeed sums them over the sequence ranks (÷ {divisor}, its data-parallel ranks): {sp} × the truth"
+        )
+    else:
+        note += f"which DeepSpeed averages over all {divisor} ranks (ZeRO-3's reduce-scatter): the factor cancels"
+    if ran.get("micro_steps", 1) > 1 or data_parallel > 1:
+        note += "; and each micro-batch is normalised by its own tokens, not the step's (a mean of micro-batch means)"
+    at = {r.step: r for r in base}, {r.step: r for r in trace}
+    step = comparison.first_divergent_step
+    if step in at[0] and step in at[1] and at[0][step].grad_norm:
+        note += f" — grad norm {at[1][step].grad_norm / at[0][step].grad_norm:.4f}× the baseline's at step {step}"
+    return note
 
 
 def _muon_norm_note(ran: Mapping, comparison) -> str:

@@ -13,28 +13,10 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
+from gaeq.accelerator import NVML_CHECK, has_cuda  # noqa: F401 - this module's names too
+
 if TYPE_CHECKING:
     import torch
-
-
-def has_cuda() -> bool:
-    """Whether CUDA devices are here, asked through NVML (PYTORCH_NVML_BASED_CUDA_CHECK): the default
-    check initialises the CUDA driver, and a process forked after that — every rank of the fork server,
-    which asks before it forks — could not use CUDA. (Run on an H200: docs/where-it-runs.md, "On a GPU".)"""
-    import torch
-
-    said = os.environ.get(NVML_CHECK)
-    os.environ[NVML_CHECK] = "1"  # for this question only: a user's script ranks inherit this environment
-    try:
-        return torch.cuda.is_available()
-    finally:
-        if said is None:
-            del os.environ[NVML_CHECK]
-        else:
-            os.environ[NVML_CHECK] = said
-
-
-NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 
 
 def backend() -> str:

@@ -32,7 +32,13 @@ from gaeq.problem.spec import ProblemSpec
 from gaeq.registry import TRAINERS
 from gaeq.trainers.base import RunContext, build_cell_problem, inject_fault
 from gaeq.trainers.deepspeed_config import deepspeed_config
-from gaeq.trainers.library_state import forget_parallel_groups, reset_accelerate_state
+from gaeq.trainers.hf_sequence_parallel import (
+    attention_function,
+    averaged_over,
+    padded_length,
+    sequence_parallel_args,
+)
+from gaeq.trainers.library_state import forget_parallel_groups, forget_ulysses_attention, reset_accelerate_state
 from gaeq.trainers.provenance import Provenance, engine_norm_dtype
 from gaeq.trainers.recorder import StepRecorder
 
@@ -82,9 +88,13 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         remove_unused_columns=False,
         dataloader_num_workers=0,
         deepspeed=trainer_deepspeed_config(cell, problem) if TRAINERS[cell.trainer].deepspeed else None,
+        **sequence_parallel_args(cell, seq_len=padded_length(task, cell)),
     )
-    dataset = PositionDataset(task, steps=problem.steps, with_positions=not own_loss)
+    dataset = PositionDataset(task, cell=cell, steps=problem.steps, with_positions=not own_loss)
     trainer = PlanTrainer(model=model, args=args, train_dataset=dataset)
+    if cell.sequence_parallel > 1 and problem.model.sp_loss == "global_tokens":
+        trainer.global_tokens = task.normaliser
+        trainer.loss_is_scaled_for_ga = True  # what the Trainer asks of a compute_loss that normalises itself
     trainer.remove_callback(PrinterCallback)  # the rank's log, not its stdout
     if (
         cell.bug == Bug.HF_DEEPSPEED_LOSS_DIVIDED_TWICE
@@ -106,6 +116,8 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     )
     if task.routes:  # a mixture of experts: the tokens each expert took in the first step
         ran.read_at_first_step(router_tokens=task.router_tokens)
+    if cell.sequence_parallel > 1:  # the loss the Trainer's compute_loss chose
+        ran.read_at_first_step(sp_loss=lambda: trainer.sp_loss_ran)
     recording = Recording(task=task, recorder=recorder, ran=ran, cell=cell, rank=ctx.rank, trainer=trainer)
     trainer.add_callback(recording)
     hooks = recording.watch(model)
@@ -114,6 +126,8 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     finally:
         for hook in hooks:
             hook.remove()
+        if cell.sequence_parallel > 1:
+            forget_ulysses_attention()
     ran.facts["ddp"] = isinstance(trainer.model_wrapped, DDP)  # for the record (accelerate wraps under a launcher)
     recorder.close()
     trainer.accelerator.free_memory()
@@ -124,13 +138,19 @@ def promised(cell: Cell, problem: ProblemSpec) -> dict[str, Any]:
     """What a Trainer cell's label promises (:mod:`gaeq.trainers.provenance` checks it after step 1)."""
     label = {
         "grad_accum_steps": cell.grad_accum_steps,
-        # what the Trainer decided: False under the planted bug, or where the model says so itself
+        # what the Trainer decided: False under the planted bug, where the model says so itself, or under
+        # DeepSpeed's sequence parallelism (its loss counts the slices' tokens itself)
         "model_accepts_loss_kwargs": cell.bug != Bug.HF_LOSS_PER_MICRO_BATCH
-        and getattr(problem.model, "accepts_loss_kwargs", None) is not False,
+        and getattr(problem.model, "accepts_loss_kwargs", None) is not False
+        and cell.sequence_parallel == 1,
         "average_tokens_across_devices": cell.bug != Bug.HF_TOKENS_PER_DEVICE,
     }
     if TRAINERS[cell.trainer].deepspeed:  # hf_deepspeed: the engine the Trainer built
         label["zero_stage"] = cell.zero_stage
+    if TRAINERS[cell.trainer].sequence_parallel:  # the group DeepSpeed made, the loss that ran in it
+        label["sequence_parallel"] = cell.sequence_parallel
+        if cell.sequence_parallel > 1:
+            label["sp_loss"] = problem.model.sp_loss
     return label
 
 
@@ -169,19 +189,47 @@ class LossKwargsModel(torch.nn.Module):
 
 
 class PositionDataset(torch.utils.data.Dataset):
-    """Item p = the sample at global position p of the run (gaeq's BatchPlan), as the Trainer's
-    collator wants it: input_ids, labels (already the next tokens, so also shift_labels)."""
+    """Item i = the sample the plan puts where the Trainer's loader will take item i, as its collator wants
+    it: input_ids, labels (already the next tokens, so also shift_labels).
 
-    def __init__(self, task, *, steps: int, with_positions: bool) -> None:
+    The loader hands rank r batch k·world + r of the items in order (accelerate's sharding); under
+    sequence parallelism DeepSpeed's adapter then runs the sp ranks' k-th batches one after the other
+    on the whole group (iteration k·sp + j is rank j's), each sliced by tokens. Each item is the
+    plan's micro-batch row for that iteration — (step, micro-step) = divmod(iteration, GA), on data
+    rank r ÷ sp — so every step trains the plan's samples; without sequence parallelism this is the
+    plan's positions in order."""
+
+    def __init__(self, task, *, cell: Cell, steps: int, with_positions: bool) -> None:
         self.task = task
-        self.steps = steps
         self.with_positions = with_positions
+        self.sp, self.world = cell.sequence_parallel, cell.world_size
+        self.length = padded_length(task, cell)
+        per_rank = -(-steps * task.plan.grad_accum_steps // self.sp)  # the loader's batches on each rank
+        self.size = per_rank * self.world * task.plan.micro_batch_size
 
     def __len__(self) -> int:
-        return self.task.plan.train_batch_size * self.steps
+        return self.size
 
-    def __getitem__(self, position: int) -> dict[str, torch.Tensor]:
+    def position(self, index: int) -> int:
+        """The plan's global position of item `index`."""
+        plan = self.task.plan
+        batch, row = divmod(index, plan.micro_batch_size)
+        round_, rank = divmod(batch, self.world)
+        data_rank, sp_rank = divmod(rank, self.sp)
+        step, micro_step = divmod(round_ * self.sp + sp_rank, plan.grad_accum_steps)
+        return plan.positions(step=step, micro_step=micro_step, rank=data_rank)[row]
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        position = self.position(index)
         inputs, targets = self.task.built.dataset.batch([self.task.plan.sample_at(position)])
+        if self.sp > 1:  # labels as DeepSpeed's adapter wants them: unshifted (padded_length says why)
+            pad = self.length - len(inputs[0])
+            ignored = torch.full((pad,), IGNORE_INDEX, dtype=targets.dtype)
+            return {
+                "input_ids": torch.cat([inputs[0], torch.zeros(pad, dtype=inputs.dtype)]),
+                "labels": torch.cat([ignored[:1], targets[0], ignored[1:]]),
+                "position_ids": torch.arange(self.length),  # Ulysses requires them (each token's global place)
+            }
         item = {"input_ids": inputs[0], "labels": targets[0]}
         if self.with_positions:
             item["positions"] = torch.tensor(position)
@@ -195,6 +243,27 @@ class PlanTrainer(Trainer):
 
     def _get_train_sampler(self, train_dataset=None):
         return torch.utils.data.SequentialSampler(train_dataset or self.train_dataset)
+
+    global_tokens = None
+    """step → the global batch's tokens: under sequence parallelism with sp_loss global_tokens, the
+    corrected normaliser's count (None: the Trainer's own loss)."""
+    sp_loss_ran: str | None = None
+    """Which loss ran under sequence parallelism, read where it is chosen (Provenance: `sp_loss`)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        pc = self.accelerator.parallelism_config
+        if pc is None or not pc.sp_enabled or not model.training:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if self.global_tokens is None:  # transformers' deepspeed_sp_compute_loss, as users run it
+            self.sp_loss_ran = "trainer"
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        # The corrected normaliser: this rank's token-loss sum ÷ the global batch's tokens, × the ranks
+        # DeepSpeed then divides the summed gradient by (averaged_over); nothing gathered.
+        self.sp_loss_ran = "global_tokens"
+        labels = inputs["shift_labels"]  # the adapter's: this rank's slice, already shifted
+        count = self.global_tokens(self.state.global_step) / averaged_over(model)
+        outputs = model(**{**inputs, "labels": labels}, num_items_in_batch=count)
+        return (outputs.loss, outputs) if return_outputs else outputs.loss
 
     def get_decay_parameter_names(self, model) -> list[str]:
         # The Trainer exempts biases and norm weights from weight decay; gaeq's problem (like
@@ -228,6 +297,10 @@ class Recording(TrainerCallback):
             if self.trainer.is_deepspeed_enabled:
                 self.ran.facts["zero_stage"] = wrapped.zero_optimization_stage()
                 self.ran.facts["grad_norm_dtype"] = engine_norm_dtype(wrapped)
+                self.ran.facts["sequence_parallel"] = wrapped.sequence_parallel_size  # the engine's group
+                if wrapped.sequence_parallel_size > 1:  # DeepSpeed's UlyssesSPAttentionHF, if it took it over
+                    self.ran.facts["attention"] = attention_function(self.task.model)
+                    self.ran.facts["sp_gradients_averaged_over"] = averaged_over(wrapped)
             else:  # accelerate's clip_grad_norm_ → torch's, in the gradients' dtype
                 self.ran.facts["grad_norm_dtype"] = str(next(wrapped.parameters()).dtype).removeprefix("torch.")
         inject_fault(self.cell, rank=self.rank, step=self.step)
@@ -272,8 +345,10 @@ class Recording(TrainerCallback):
             loss = output["loss"] if isinstance(output, dict) else output.loss
             count = kwargs.get("num_items_in_batch")
             if count is None or means:  # a mean over the micro-batch's own valid tokens
-                count = (kwargs["labels"] != IGNORE_INDEX).sum()
-            self.local_loss_sum += loss.item() * float(count)
+                labels = kwargs.get("shift_labels", kwargs["labels"])  # a sequence slice's: already shifted
+                count = (labels != IGNORE_INDEX).sum()
+            if float(count):  # (an empty slice's mean is 0/0: it holds no loss)
+                self.local_loss_sum += loss.item() * float(count)
 
         return [
             model.register_forward_pre_hook(before, with_kwargs=True),

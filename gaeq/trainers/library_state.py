@@ -23,9 +23,24 @@ def forget_parallel_groups() -> None:
     process-wide state, where the next engine of the process group would take them — a plain
     DeepSpeed cell would average over a data-parallel group of one, an AutoTP cell of another size
     would reuse the old split (DeepSpeed keeps the first tensor-parallel group it made)."""
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
     from deepspeed.utils import groups
 
+    # ... and the Trainer's sequence parallelism makes its (sp, sequence-data) groups once per process
+    parallel_state_sp._release_sequence_parallel_groups()
     groups.mpu = None
     groups._TENSOR_MODEL_PARALLEL_GROUP = None
     groups._MODEL_PARALLEL_GROUP = None
     groups._DATA_PARALLEL_GROUP = None
+
+
+def forget_ulysses_attention() -> None:
+    """DeepSpeed's UlyssesSPAttentionHF takes a transformers attention over by writing its wrapper under
+    that attention's own name ("sdpa") in transformers' process-wide ALL_ATTENTION_FUNCTIONS (its
+    "Being John Malkovich"): left there, every later model of the process with that attention — any
+    trainer's cell — would run through the finished cell's all-to-alls. Its overrides are removed."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    for name, function in list(ALL_ATTENTION_FUNCTIONS._local_mapping.items()):
+        if function.__module__.startswith("deepspeed."):
+            del ALL_ATTENTION_FUNCTIONS[name]
