@@ -207,3 +207,32 @@ def test_fsdp_and_library_cells_are_fp32_or_bf16_and_write_no_checkpoints():
         match="checkpoints are written and resumed by the torch and deepspeed trainers; source fsdp-w1-mb4-ga4 is fsdp",
     ):
         matrix_from_dict(spec)
+
+
+@pytest.mark.parametrize(("world", "sp", "micro"), [(1, 1, 2), (2, 1, 2), (2, 2, 4), (2, 2, 1), (4, 2, 2), (4, 4, 1)])
+def test_the_trainers_loader_takes_each_steps_samples_where_the_plan_puts_them(world, sp, micro):
+    """The Trainer's loader hands rank r batch k·world + r (accelerate's sharding); under sequence parallelism
+    DeepSpeed's adapter runs the sp ranks' k-th batches one after the other on the whole group. Replaying
+    that consumption over gaeq's dataset gives every (step, micro-step, data rank) the plan's samples — and,
+    without sequence parallelism, the plan's positions in order."""
+    from types import SimpleNamespace
+
+    from gaeq.problem.data import BatchPlan
+    from gaeq.trainers.hf_trainer import PositionDataset
+
+    batch, steps, dp = 8, 3, world // sp
+    plan = BatchPlan(train_batch_size=batch, micro_batch_size=micro, data_parallel=dp)
+    task = SimpleNamespace(plan=plan, built=SimpleNamespace(dataset=SimpleNamespace(seq_len=8)))
+    cell = SimpleNamespace(sequence_parallel=sp, world_size=world)
+    data = PositionDataset(task, cell=cell, steps=steps, with_positions=False)
+    ga = plan.grad_accum_steps
+    loader = {r: [[data.position(b * micro + i) for i in range(micro)] for b in range(r, len(data) // micro, world)]
+              for r in range(world)}  # fmt: skip
+    for group in range(dp):  # the adapter of the sequence-parallel group of data rank `group`
+        ranks = range(group * sp, (group + 1) * sp)
+        iterations = [loader[r][k] for k in range(len(loader[ranks[0]])) for r in ranks]
+        for i, rows in enumerate(iterations[: steps * ga]):
+            step, micro_step = divmod(i, ga)
+            assert rows == list(plan.positions(step=step, micro_step=micro_step, rank=group))
+    if sp == 1:
+        assert [data.position(i) for i in range(len(data))] == list(range(steps * batch))
