@@ -172,6 +172,24 @@ class Split:
     dtype: Dtype = "fp32"
     variant: str = BASE
 
+    @property
+    def model_parallel(self) -> int:
+        """Ranks one micro-batch is spread over: tensor-parallel × pipeline stages × sequence-parallel."""
+        return self.tensor_parallel * self.pipeline_parallel * self.sequence_parallel
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks that see different samples (world_size ÷ the ranks one micro-batch is spread over)."""
+        if self.world_size % self.model_parallel:
+            raise MatrixError(f"world_size {self.world_size} is not divisible by {self._model_parallel_said()}")
+        return self.world_size // self.model_parallel
+
+    def _model_parallel_said(self) -> str:
+        said = [f"tensor_parallel {self.tensor_parallel}"] if self.tensor_parallel > 1 else []
+        said += [f"pipeline_parallel {self.pipeline_parallel}"] if self.pipeline_parallel > 1 else []
+        said += [f"sequence_parallel {self.sequence_parallel}"] if self.sequence_parallel > 1 else []
+        return " × ".join(said) or "1"
+
 
 @dataclass(frozen=True, kw_only=True)
 class Cell(Split):
@@ -205,22 +223,10 @@ class Cell(Split):
         return self.expectation.verdict
 
     @property
-    def model_parallel(self) -> int:
-        """Ranks one micro-batch is spread over: tensor-parallel × pipeline stages × sequence-parallel."""
-        return self.tensor_parallel * self.pipeline_parallel * self.sequence_parallel
-
-    @property
     def joins_through_deepspeed(self) -> bool:
         """Its ranks join their group through DeepSpeed: a DeepSpeed trainer, or Ulysses' attention
         (DeepSpeed's DistributedAttention talks through deepspeed.comm)."""
         return TRAINERS[self.trainer].deepspeed or self.sequence_parallel > 1
-
-    @property
-    def data_parallel(self) -> int:
-        """Ranks that see different samples (world_size ÷ (tensor_parallel × pipeline_parallel))."""
-        if self.world_size % self.model_parallel:
-            raise MatrixError(f"world_size {self.world_size} is not divisible by {self._model_parallel_said()}")
-        return self.world_size // self.model_parallel
 
     def place(self, rank: int) -> Place:
         """Where `rank` sits: ranks are laid out pipeline stage outermost, sequence-parallel innermost
@@ -231,12 +237,6 @@ class Cell(Split):
         return Place(
             stage=rank // (dp * tp * sp), data=(rank // (tp * sp)) % dp, tensor=(rank // sp) % tp, sequence=rank % sp
         )
-
-    def _model_parallel_said(self) -> str:
-        said = [f"tensor_parallel {self.tensor_parallel}"] if self.tensor_parallel > 1 else []
-        said += [f"pipeline_parallel {self.pipeline_parallel}"] if self.pipeline_parallel > 1 else []
-        said += [f"sequence_parallel {self.sequence_parallel}"] if self.sequence_parallel > 1 else []
-        return " × ".join(said) or "1"
 
     @property
     def divisible(self) -> bool:

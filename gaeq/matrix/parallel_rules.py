@@ -201,11 +201,10 @@ def trainer_sp_gather_unsupported(split: Split, problem: ProblemSpec) -> str | N
     dist.scatter calls given the group-local rank as their global source: in any sequence-parallel group but
     the one of global ranks 0..sp−1 — every data-parallel rank's but the first — it raises "Global rank 0 is
     not part of group". NCCL's backward is a reduce-scatter; on a CPU such a cell cannot run."""
-    dp = split.world_size // (split.tensor_parallel * split.pipeline_parallel * split.sequence_parallel)
     if (
         TRAINERS[split.trainer].sequence_parallel != "hf"
         or split.sequence_parallel == 1
-        or dp == 1
+        or split.data_parallel == 1
         or getattr(problem.model, "sp_loss", None) != "trainer"
     ):
         return None
