@@ -13,7 +13,8 @@ def probe(*, model=None, engine=None, pad_id=None) -> None:
 
     - `model` (or `engine`, the DeepSpeed engine wrapping it): the module being trained, when the
       first module called with gradients on that has trainable parameters is another (a teacher's);
-      its inputs are the samples, its parameters the ones fingerprinted, projected and whose norm is read;
+      its inputs are the samples, its parameters the ones fingerprinted, projected and whose norm is read,
+      and it is what the instruments reorder and weigh (the noise floor's twins, the detection limit);
     - `pad_id`: the value your collation pads the model's inputs with, when it passes no attention
       mask and pads without ``torch.nn.utils.rnn.pad_sequence`` — padding is removed before a
       sample is fingerprinted (gaeq.script.samples), so the data can be checked.
@@ -28,6 +29,8 @@ def probe(*, model=None, engine=None, pad_id=None) -> None:
         probing.ACTIVE.model = engine if engine is not None else model
     if model is not None:  # its inputs are the samples (an engine's are read inside it, at its module)
         probing.ACTIVE.reads = model
+    if engine is not None or model is not None:
+        probing.ACTIVE.name_model(engine if engine is not None else model)
     if pad_id is not None:
         probing.ACTIVE.samples.pad_values.add(pad_id)
 

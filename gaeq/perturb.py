@@ -1,14 +1,19 @@
 """The instruments that measure a run rather than test it: a perturbation of rounding's size, and a
 planted error of known size. Both act on the baseline's own split (one process, the whole batch in one
-micro-batch), so no accumulation code sets what a run is judged by. A leaf: no gaeq imports.
+micro-batch), so no accumulation code sets what a run is judged by. A leaf: of gaeq, it imports only
+gaeq.dtensors (a gradient may be a DTensor: FSDP2's).
 
 - **nudge** (the noise floor's twins): before each optimizer step, every gradient element ± a unit in the
   last place — of the element, or of its tensor's typical element where that is larger (`nudge_`) —, the
   signs from a generator seeded per twin: one more rounding per element and step. An optimizer stepping
-  another inside its own step nudges each gradient once.
+  another inside its own step nudges each gradient once. The unit is the gradient's dtype's, or the one
+  the split's rounding really happens in (`unit`): under bf16 autocast each micro-batch's weight gradient
+  leaves its matmul in bfloat16 and is rounded there before it is summed in float32. A script's probe
+  nudges before it reads the step's norm (`Nudge.nudge_grads`), so that the norm step 0 reports is a twin's too.
 - **row order** (the twins too): each batch's rows in another order — the same samples, summed in another
   order by every reduction over the batch, as a split sums them: gaeq's trainers reorder the data they own
-  (`row_order`), a script's model gets its rows reordered and its output's put back (`RowOrder`).
+  (`row_order`), a script's model gets its rows reordered and its output's put back (`RowOrder`), from its
+  first training call on.
 - **weight** (the detection limit's probe, and a control of tunable size): the gradient that reaches the
   model's output for the first half of each forward's rows × (1 + δ) — half a batch weighed wrongly,
   the shape of every normalisation mistake, in every micro-batch the model sees.
@@ -26,16 +31,19 @@ from collections.abc import Iterator, Mapping
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+import gaeq.dtensors as dtensors
+
 NUDGE_SEED_BASE = 7_919
 """Twin k's signs come from a generator seeded NUDGE_SEED_BASE + k (any fixed numbers would do)."""
 
 
 class Nudge:
-    """Each gradient × (1 ± eps of its dtype) before the outermost optimizer step, signs from a seeded
-    generator (on the CPU, so every device draws the same signs)."""
+    """Each gradient × (1 ± eps of its dtype, or of `unit`) before the outermost optimizer step, signs
+    from a seeded generator (on the CPU, so every device draws the same signs)."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, unit: torch.dtype | None = None) -> None:
         self.generator = torch.Generator().manual_seed(NUDGE_SEED_BASE + seed)
+        self.unit = unit
         self.depth = 0
         self._nudged: set[int] = set()
         """Gradients nudged in this outer step: a nested optimizer's own ones are nudged, once each."""
@@ -46,17 +54,25 @@ class Nudge:
         return after_closure(args, kwargs, lambda: self.nudge(optimizer)) or self.nudge(optimizer)
 
     def nudge(self, optimizer) -> None:
+        self.nudge_grads(p for group in optimizer.param_groups for p in group["params"])
+
+    def nudge_grads(self, params) -> None:
+        """The gradients of `params` not yet nudged this step, nudged (a reader of the step's norm calls it
+        first, so that the norm it reads is the nudged gradients')."""
         with torch.no_grad():
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    if p.grad is not None and id(p.grad) not in self._nudged:
-                        nudge_(p.grad, self.generator)
-                        self._nudged.add(id(p.grad))
+            for p in params:
+                if p.grad is not None and id(p.grad) not in self._nudged:
+                    nudge_(p.grad, self.generator, unit=self.unit)
+                    self._nudged.add(id(p.grad))
 
     def after(self, optimizer, args, kwargs) -> None:
         self.depth -= 1
         if self.depth == 0:
-            self._nudged.clear()
+            self.step_done()
+
+    def step_done(self) -> None:
+        """The step is over (stepped, or skipped by a loss scaler): the next one's gradients are nudged anew."""
+        self._nudged.clear()
 
 
 def after_closure(args: tuple, kwargs: dict, then) -> tuple[tuple, dict] | None:
@@ -76,17 +92,22 @@ def after_closure(args: tuple, kwargs: dict, then) -> tuple[tuple, dict] | None:
     return (args[:1] + args[2:] if positional else args), {**kwargs, "closure": closure_then}
 
 
-def nudge_(grad: torch.Tensor, generator: torch.Generator) -> None:
-    """Each nonzero element of `grad` ± eps of its dtype × the larger of its own size and the tensor's root
-    mean square, in place (taken in float64, rounded once): a unit in the last place of the element — or of
-    the sums it came from, where terms cancelled (a sum's rounding is relative to its terms, not to the
-    result: an element near zero accumulated from terms of the tensor's typical size rounds at their scale).
-    An exact zero stays zero: zeros sum to zero in any order."""
-    signs = torch.randint(0, 2, grad.shape, generator=generator, dtype=torch.int8).to(grad.device)
-    exact = grad.double()
-    scale = torch.maximum(exact.abs(), exact.square().mean().sqrt()) * torch.finfo(grad.dtype).eps
+def nudge_(grad: torch.Tensor, generator: torch.Generator, *, unit: torch.dtype | None = None) -> None:
+    """Each nonzero element of `grad` ± eps of `unit` (default: its dtype) × the larger of its own size and
+    the tensor's root mean square, in place (taken in float64, rounded once): a unit in the last place of the
+    element — or of the sums it came from, where terms cancelled (a sum's rounding is relative to its terms,
+    not to the result: an element near zero accumulated from terms of the tensor's typical size rounds at
+    their scale). An exact zero stays zero: zeros sum to zero in any order. A DTensor's block is nudged
+    where it lives, with the signs of its place in the whole tensor."""
+    signs = torch.randint(0, 2, grad.shape, generator=generator, dtype=torch.int8)
+    here = dtensors.local(grad)
+    if here is not grad:
+        shape, offset = dtensors.block(grad)
+        signs = signs[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+    exact = here.double()
+    scale = torch.maximum(exact.abs(), exact.square().mean().sqrt()) * torch.finfo(unit or here.dtype).eps
     scale = torch.where(exact == 0, 0.0, scale)  # a sum of exact zeros is zero in any order: no rounding there
-    grad.copy_(exact + scale * (signs.double() * 2 - 1))
+    here.copy_(exact + scale * (signs.to(here.device).double() * 2 - 1))
 
 
 WRAPPERS = ("DistributedDataParallel", "DataParallel", "DeepSpeedEngine")
@@ -96,11 +117,11 @@ WRAPPERS = ("DistributedDataParallel", "DataParallel", "DeepSpeedEngine")
 
 class Outermost:
     """Finds the model — the outermost module called with gradients on that has trainable parameters, and
-    inside a known wrapper (WRAPPERS) the model it wraps —, calls `on_first(model)` before its first
-    training call and `on_model(model, output)` after each."""
+    inside a known wrapper (WRAPPERS) the model it wraps — and calls `on_model(model, output)` after each
+    of its training calls."""
 
-    def __init__(self, *, on_model=None, on_first=None) -> None:
-        self.on_model, self.on_first = on_model, on_first
+    def __init__(self, *, on_model) -> None:
+        self.on_model = on_model
         self.model: torch.nn.Module | None = None
         self._calls: list[bool] = []
         self.last_rows = None
@@ -113,14 +134,11 @@ class Outermost:
             while type(model).__name__ in WRAPPERS and isinstance(getattr(model, "module", None), torch.nn.Module):
                 model = model.module
             self.model = model  # (a wrapper's call: the model's own comes inside it)
-            if self.on_first is not None:
-                self.on_first(model)
         self._calls.append(module is self.model and torch.is_grad_enabled())
 
     def after(self, module, args, output) -> None:
         if self._calls.pop():
-            if self.on_model is not None:
-                self.on_model(module, output, self.last_rows)
+            self.on_model(module, output, self.last_rows)
             self.last_rows = None
         elif any(self._calls) and isinstance(output, torch.Tensor) and output.dim() >= 1 and output.requires_grad:
             self.last_rows = output
@@ -164,36 +182,56 @@ def row_order(rows: int, *, seed: int, at: tuple[int, ...]) -> list[int]:
 
 
 class RowOrder:
-    """A script's model gets its rows in another order, from its second training call on (the first tells
-    which module it is), every tensor of its arguments with as many rows permuted alike and its output's put
-    back: the same samples, summed in another order by every reduction over the batch."""
+    """A script's model gets its rows in another order from its first training call on, every tensor of its
+    arguments with as many rows permuted alike and its output's put back: the same samples, summed in
+    another order by every reduction over the batch. The model is the outermost module called with gradients
+    on that has trainable parameters (a wrapper's call reorders the model's rows too); its calls are caught
+    where a forward hook cannot change a keyword argument — at ``Module.__call__``, while installed."""
 
     def __init__(self, seed: int) -> None:
         self.seed, self.calls = seed, 0
-        self._order: list[list[int]] = []
+        self.model: torch.nn.Module | None = None
+        self._depth = 0
+        self._call = None
 
-    def attach(self, model: torch.nn.Module) -> None:
-        model.register_forward_pre_hook(self.before, with_kwargs=True)
-        model.register_forward_hook(self.after, always_call=True)
+    def install(self) -> None:
+        self._call = torch.nn.Module.__call__
+        call, order = self._call, self
 
-    def before(self, module, args, kwargs):
-        rows = _rows((args, kwargs))
-        if not torch.is_grad_enabled() or rows is None or rows < 2:
-            self._order.append([])
-            return None
-        self.calls += 1
-        order = row_order(rows, seed=self.seed, at=(self.calls,))
-        self._order.append(order)
-        return _take((args, kwargs), rows, torch.tensor(order))
+        def reordered_call(module, *args, **kwargs):
+            if order._depth or not order._training_call(module):
+                order._depth += 1
+                try:
+                    return call(module, *args, **kwargs)
+                finally:
+                    order._depth -= 1
+            rows = _rows((args, kwargs))
+            if rows is None or rows < 2:
+                return order._inside(call, module, args, kwargs)
+            order.calls += 1
+            perm = torch.tensor(row_order(rows, seed=order.seed, at=(order.calls,)))
+            args, kwargs = _take((args, kwargs), rows, perm)
+            return _take(order._inside(call, module, args, kwargs), rows, torch.argsort(perm))
 
-    def after(self, module, args, output):
-        if not self._order:
-            return None  # the first call: its hooks were attached during it, after its inputs were read
-        order = self._order.pop()
-        if not order:
-            return None
-        back = torch.argsort(torch.tensor(order))
-        return _take(output, len(order), back)
+        torch.nn.Module.__call__ = reordered_call
+
+    def remove(self) -> None:
+        if self._call is not None:
+            torch.nn.Module.__call__ = self._call
+
+    def _training_call(self, module) -> bool:
+        if not torch.is_grad_enabled():
+            return False
+        if self.model is None and any(p.requires_grad for p in module.parameters()):
+            self.model = module
+        return module is self.model
+
+    def _inside(self, call, module, args, kwargs):
+        self._depth += 1
+        try:
+            return call(module, *args, **kwargs)
+        finally:
+            self._depth -= 1
 
 
 def _rows(value) -> int | None:
@@ -221,25 +259,50 @@ def _take(value, rows: int, order: torch.Tensor):
     return value
 
 
+class Applied:
+    """What `applied` put in place: the twin's nudge (a reader of the step's norm nudges first), its row
+    order, the planted weight's watch — each told the model where the script names it (gaeq.probe)."""
+
+    def __init__(self, nudge: Nudge | None, order: RowOrder | None, watch: Outermost | None) -> None:
+        self.nudge, self.order, self.watch = nudge, order, watch
+
+    def name_model(self, model: torch.nn.Module) -> None:
+        if self.order is not None:
+            self.order.model = model
+        if self.watch is not None:
+            while type(model).__name__ in WRAPPERS and isinstance(getattr(model, "module", None), torch.nn.Module):
+                model = model.module
+            self.watch.model = model
+
+
 @contextlib.contextmanager
-def applied(*, twin_seed: int | None = None, weight: float | None = None, reorder_rows: bool = False) -> Iterator[None]:
-    """While inside: twin `twin_seed`'s nudge — and, with `reorder_rows`, its model's rows in another order
-    (a script's: gaeq's trainers reorder the data they own) — and/or the planted `weight` error."""
-    handles = []
+def applied(
+    *,
+    twin_seed: int | None = None,
+    weight: float | None = None,
+    reorder_rows: bool = False,
+    unit: torch.dtype | None = None,
+) -> Iterator[Applied]:
+    """While inside: twin `twin_seed`'s nudge (of `unit`'s size: default, each gradient's dtype) — and, with
+    `reorder_rows`, its model's rows in another order (a script's: gaeq's trainers reorder the data they
+    own) — and/or the planted `weight` error."""
+    handles, nudge, order, watch = [], None, None, None
     if twin_seed is not None:
-        nudge = Nudge(twin_seed)
+        nudge = Nudge(twin_seed, unit)
         handles += [register_optimizer_step_pre_hook(nudge.before), register_optimizer_step_post_hook(nudge.after)]
-    watch = Outermost(
-        on_model=None if weight is None else lambda module, output, inside: weigh_model(output, inside, weight),
-        on_first=RowOrder(twin_seed).attach if reorder_rows and twin_seed is not None else None,
-    )
-    if watch.on_model is not None or watch.on_first is not None:
+        if reorder_rows:
+            order = RowOrder(twin_seed)
+            order.install()
+    if weight is not None:
+        watch = Outermost(on_model=lambda module, output, inside: weigh_model(output, inside, weight))
         handles += [
             torch.nn.modules.module.register_module_forward_pre_hook(watch.before),
             torch.nn.modules.module.register_module_forward_hook(watch.after, always_call=True),
         ]
     try:
-        yield
+        yield Applied(nudge, order, watch)
     finally:
         for handle in handles:
             handle.remove()
+        if order is not None:
+            order.remove()

@@ -127,7 +127,8 @@ TRAINERS: dict[str, TrainerSpec] = {
             name="script",
             module="gaeq.script.launch",
             description="the user's own training script, unchanged, under its launcher, watched by gaeq's probe",
-            dtypes=("fp32",),
+            # fp32: the script made float32 (autocast and loss scaler off); the others: as it trains, checked
+            dtypes=("fp32", "bf16", "fp16", "ds_bf16", "ds_fp16"),
             script=True,
         ),
         TrainerSpec(

@@ -2,6 +2,8 @@
 
     python ddp_manual.py --batch_size 32 --grad_accum 1 --max_steps 5
     torchrun --standalone --nproc_per_node 2 ddp_manual.py --batch_size 4 --grad_accum 4 --max_steps 5
+    torchrun --standalone --nproc_per_node 2 ddp_manual.py --amp bf16     # the forward under bf16 autocast
+    torchrun --standalone --nproc_per_node 2 ddp_manual.py --amp fp16 --init_scale 268435456  # + GradScaler
 
 On a GPU where there is one (nccl, a device per local rank, as nanoGPT picks them), else on the CPU (gloo).
 Global batch = batch_size * grad_accum * world_size. --bug injects a common mistake.
@@ -29,6 +31,11 @@ parser.add_argument("--hidden", type=int, default=256, help="MLP width (640 and 
 parser.add_argument("--min_len", type=int, default=4, help="shortest sequence (23: every one 23 or 24 tokens long)")
 parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="auto: cuda where there is one")
 parser.add_argument("--compile", action="store_true", help="torch.compile the model before DDP wraps it (nanoGPT)")
+parser.add_argument("--amp", default="none", choices=["none", "bf16", "fp16"], help="autocast the forward pass")
+parser.add_argument(
+    "--init_scale", type=float, default=2.0**16, help="fp16: GradScaler's first scale (2**28: the first steps overflow)"
+)
+parser.add_argument("--backoff", type=float, default=0.5, help="fp16: GradScaler's backoff_factor after an overflow")
 parser.add_argument(
     "--bug",
     default="none",
@@ -113,6 +120,11 @@ if args.compile:
 if ddp:
     model = DDP(model, device_ids=[local_rank] if cuda else None)
 optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95), foreach=False)
+# mixed precision as nanoGPT writes it: the forward under autocast, fp16's loss scaled (its steps skipped on overflow)
+amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
+scaler = torch.amp.GradScaler(
+    device.type, init_scale=args.init_scale, backoff_factor=args.backoff, enabled=args.amp == "fp16"
+)
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 2))  # 2-step warmup
 
 epoch, it = 0, iter(loader)
@@ -142,14 +154,15 @@ for step in range(args.max_steps):
     for micro_step, (x, y) in enumerate(micro_batches):
         if ddp:
             model.require_backward_grad_sync = micro_step == args.grad_accum - 1  # all-reduce only on last
-        logits = model(x)
-        loss_sum = F.cross_entropy(logits.view(-1, VOCAB), y.view(-1), ignore_index=-100, reduction="sum")
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            logits = model(x)
+        loss_sum = F.cross_entropy(logits.float().view(-1, VOCAB), y.view(-1), ignore_index=-100, reduction="sum")
         loss = loss_sum / n_tokens * scale
         if args.bug == "no_loss_division":
             loss = loss_sum / (y != -100).sum()  # BUG: per-micro-batch mean and forgot / grad_accum
         if args.bug == "mean_of_means":
             loss = loss_sum / (y != -100).sum() / args.grad_accum  # BUG: every micro-batch weighs the same
-        loss.backward()
+        scaler.scale(loss).backward()
         if args.bug == "clip_every_micro_step" and args.clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)  # BUG: clips partial sums
         loss_accum += loss.detach()
@@ -158,8 +171,10 @@ for step in range(args.max_steps):
     if ddp:
         dist.all_reduce(loss_accum, op=dist.ReduceOp.SUM)
     if args.clip > 0:
+        scaler.unscale_(optimizer)  # clip the true gradients (a no-op without fp16)
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-    optimizer.step()
+    scaler.step(optimizer)  # fp16: skipped when a gradient overflowed (inf/NaN), the scale then lowered
+    scaler.update()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     if master:

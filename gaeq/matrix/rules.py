@@ -129,6 +129,8 @@ def check_compile(split: Split) -> None:
 
 
 def ds_bf16_needs_zero(split: Split) -> None:
+    if TRAINERS[split.trainer].script:
+        return  # a script's DeepSpeed engine is its own: the label is checked against what it ran
     if split.dtype == "ds_bf16" and not (split.trainer == "deepspeed" and split.zero_stage >= 1):
         raise MatrixError(
             "dtype ds_bf16 is DeepSpeed's bf16 mixed precision: DeepSpeed cells at ZeRO ≥ 1 only "
@@ -184,7 +186,7 @@ def check_muon(split: Split, name: str) -> None:
 
 
 def ds_fp16_is_deepspeeds(split: Split) -> None:
-    if split.dtype == "ds_fp16" and split.trainer != "deepspeed":
+    if split.dtype == "ds_fp16" and split.trainer != "deepspeed" and not TRAINERS[split.trainer].script:
         raise MatrixError("dtype ds_fp16 is DeepSpeed's fp16 mixed precision: DeepSpeed cells only (torch: fp16)")
 
 
@@ -323,7 +325,10 @@ def skip_reason(split: Split, problem: ProblemSpec) -> str | None:
         return NVME_NEEDS_ZERO3
     if split.offload == "nvme" and (reason := _nvme_unsupported()):
         return reason
-    if split.dtype in ("fp16", "ds_fp16") and (reason := _fp16_unsupported()):
+    # torch's autocast computes fp16 on any CPU (a script's fp16 runs as its author wrote it); DeepSpeed's
+    # fp16 and gaeq's own fp16 cells follow DeepSpeed's accelerator (gaeq/accelerator.py)
+    fp16 = split.dtype == "ds_fp16" or (split.dtype == "fp16" and not TRAINERS[split.trainer].script)
+    if fp16 and (reason := _fp16_unsupported()):
         return reason
     return None
 

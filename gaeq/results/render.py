@@ -8,7 +8,9 @@ CellReport field it reads).
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from gaeq.files import atomic_write
-from gaeq.matrix import Cell, Matrix, Role
+from gaeq.matrix import BASE, Cell, Matrix, Role, Split, group_key
 from gaeq.results.compare import Verdict
 from gaeq.results.report import CellReport, Report
 
@@ -195,7 +197,57 @@ def floor_lines(report: Report) -> list[str]:
         for group, why in report.floor_notes.items()
     ]
     lines += [f"Detection limit {group}: {limit.describe()}" for group, limit in report.detection_limits.items()]
+    return lines + precision_lines(report)
+
+
+MIXED = ("bf16", "fp16", "ds_bf16", "ds_fp16")
+
+
+def precision_lines(report: Report) -> list[str]:
+    """Where a matrix runs the same splits in fp32 and in a mixed precision — a script as it trains beside
+    the script made float32, or gaeq's own bf16 cells beside fp32 ones —: each run's verdicts and detection
+    limit side by side (the accumulation is the same arithmetic; only its rounding differs), and the cells
+    one run caught and the other did not."""
+    groups: dict[tuple[str, str], list[CellReport]] = {}
+    for c in report.cells:
+        if c.cell.role is Role.CELL:
+            groups.setdefault((c.variant, c.dtype), []).append(c)
+    lines = []
+    for (variant, dtype), mixed in groups.items():
+        exact = groups.get((variant, "fp32"))
+        if dtype not in MIXED or not exact:
+            continue
+
+        def said(label: str, group: str, cells: list[CellReport]) -> str:
+            counts = Counter(c.verdict for c in cells)
+            limit = report.detection_limits.get(group)
+            detects = f", detects δ ≥ {limit.limit:.1e}" if limit else ""
+            return f"{label}: " + ", ".join(f"{counts[v]} {v}" for v in Verdict if counts[v]) + detects
+
+        fp32_group, mixed_group = (group_key(dtype=d, variant=variant) for d in ("fp32", dtype))
+        lines.append(
+            f"Precision{'' if variant == BASE else f' @{variant}'}: "
+            + said("accumulation (float32)", fp32_group, exact)
+            + "; "
+            + said(f"as trained ({dtype})", mixed_group, mixed)
+        )
+        as_trained = {_same_split(c): c for c in mixed}
+        for c in exact:
+            other = as_trained.get(_same_split(c))
+            if other is not None and c.verdict == Verdict.DIVERGE and other.verdict == Verdict.MATCH:
+                lines.append(
+                    f"  {c.id}: caught by the float32 run ({_caught(c)}), not as trained in {dtype} "
+                    f"({other.id}: match, margin {other.margin:.2f})"
+                )
+            elif other is not None and c.verdict == Verdict.MATCH and other.verdict == Verdict.DIVERGE:
+                lines.append(f"  {other.id}: diverges as trained in {dtype} ({_caught(other)}), not in float32")
     return lines
+
+
+def _same_split(c: CellReport) -> tuple:
+    """A cell's split and what it plants, whatever its dtype."""
+    split = tuple(getattr(c.cell, f.name) for f in dataclasses.fields(Split) if f.name != "dtype")
+    return split + (c.cell.bug, c.cell.script_args, c.cell.fault)
 
 
 def render_markdown(report: Report, *, figure: str | None = None) -> str:

@@ -22,12 +22,15 @@ from gaeq.runtime.dist import free_port
 from gaeq.runtime.events import Event, EventKind
 from gaeq.runtime.server import preload_modules, rank_context
 from gaeq.script.attach import forked_rank
-from gaeq.script.contract import ENV, PROBE_FILE
+from gaeq.script.contract import ENV, FAILURE_FILE, PROBE_FILE
 from gaeq.script.launchers import command, worker_args, worker_env
 from gaeq.script.placeholders import fill
 
 LOG_FILE = "script.log"
 DEEPSPEED_CONFIG_FILE = "ds_config.json"
+
+ROUNDING_UNIT = {"bf16": "bfloat16", "ds_bf16": "bfloat16", "fp16": "float16", "ds_fp16": "float16"}
+"""The dtype a mixed-precision split rounds each micro-batch's gradient in: its twins' nudge is a unit of it."""
 
 
 def script_args(cell: Cell, problem: ProblemSpec, *, out: Path) -> list[str]:
@@ -68,7 +71,7 @@ def prepare(cell: Cell, problem: ProblemSpec, *, run_dir: Path) -> tuple[Path, l
     """The cell's directory (with the user's DeepSpeed config for its split, if any), the script's
     arguments, and what every rank's environment adds to the launcher's: the script's own variables
     and what the probe is to record (each launch path adds where the ranks meet)."""
-    out = cell_dir(run_dir, cell.id)
+    out = cell_dir(run_dir.resolve(), cell.id)  # absolute: the ranks run in the script's folder
     out.mkdir(parents=True, exist_ok=True)
     if problem.script.deepspeed_config is not None:  # the user's config with the cell's batch triple
         config = problem.script.deepspeed_config | {
@@ -76,13 +79,15 @@ def prepare(cell: Cell, problem: ProblemSpec, *, run_dir: Path) -> tuple[Path, l
             "train_micro_batch_size_per_gpu": cell.micro_batch_size,
             "gradient_accumulation_steps": cell.grad_accum_steps,
         }
+        if cell.dtype == "fp32":  # the float32 run: its mixed-precision sections off (the probe says they were)
+            config |= {k: {**config[k], "enabled": False} for k in ("bf16", "fp16") if config.get(k, {}).get("enabled")}
         atomic_write(out / DEEPSPEED_CONFIG_FILE, json.dumps(config, indent=1), shared=True)  # every launched rank
     values = placeholder_values(cell, problem, out=out)
     for name, content in problem.script.files.items():  # the config files it reads, filled for the split
         atomic_write(out / name, "".join(fill(line, values) for line in content.splitlines(keepends=True)), shared=True)
-    probe = {"out": str(out), "steps": problem.steps}
+    probe = {"out": str(out), "steps": problem.steps, "float32": cell.dtype == "fp32"}
     if cell.perturbation is not None:  # a noise-floor twin's nudge, or an error of known size (gaeq.perturb)
-        probe["perturbation"] = dataclasses.asdict(cell.perturbation)
+        probe["perturbation"] = dataclasses.asdict(cell.perturbation) | {"unit": ROUNDING_UNIT.get(cell.dtype)}
     env = {"PYTHONUNBUFFERED": "1", **problem.script.env, ENV: json.dumps(probe)}
     return out, script_args(cell, problem, out=out), env
 
@@ -157,7 +162,11 @@ def conclude(
     optimizer step — never the cell's label — or an error saying why (not yet written)."""
     probe = out / PROBE_FILE
     facts = json.loads(probe.read_text()) if probe.is_file() else None  # what the probe saw, if it started
-    why = _why_not_done(problem, out=out, facts=facts, code=code, timeout_s=timeout_s)
+    why = _probe_failed(out, cell.world_size) or _why_not_done(
+        problem, out=out, facts=facts, code=code, timeout_s=timeout_s
+    )
+    if why is None and (precision := facts.get("precision")) is not None:
+        why = precision_mismatch(cell.dtype, precision, deepspeed_config=problem.script.deepspeed_config is not None)
     if why is not None:
         return CellOutcome(status="error", reason=why, seconds=seconds)
     first = facts["steps"][0]
@@ -170,6 +179,8 @@ def conclude(
         **ran,
         "versions": facts.get("versions", {}),
     }
+    if precision := facts.get("precision"):  # the arithmetic that ran: the report's `ran` column reads it
+        ran["compute_dtype"], ran["precision"] = precision["compute_dtype"], precision
     if facts.get("accelerator_fp16"):  # what DeepSpeed's accelerator answered to fp16, where the script loaded it
         ran["accelerator_fp16"] = facts["accelerator_fp16"]
     if facts.get("dropout"):  # the verdict names it when the cell diverges (report._dropout_note)
@@ -177,6 +188,37 @@ def conclude(
     if code != 0:
         ran["exit"] = f"exited with code {code} after its last recorded step (a crash at exit: noted, not an error)"
     return CellOutcome(status="done", seconds=seconds, ran=ran)
+
+
+def _probe_failed(out: Path, world_size: int) -> str | None:
+    """gaeq's own failure in a rank (its probe raised), said as gaeq's, with the frame where it raised."""
+    for r in range(world_size):
+        if (failure := out / FAILURE_FILE.format(rank=r)).is_file():
+            said = json.loads(failure.read_text())
+            return f"gaeq's probe failed on rank {r}: {said['error']} (at {said['where']})"
+    return None
+
+
+def precision_mismatch(label: str, precision: dict, *, deepspeed_config: bool) -> str | None:
+    """Why what ran is not the cell's label (None: it is). fp32 cells ran with autocast and a loss scaler
+    switched off (gaeq.script.precision); what cannot be switched off is said."""
+    ran = precision["dtype"]
+    if ran == label:
+        return None
+    if label == "fp32" and precision.get("deepspeed"):
+        return (
+            f"labelled fp32, ran {ran}: the script's DeepSpeed engine has its {precision['deepspeed']} section on, "
+            "which gaeq switches off only in a config it writes — give it as script.deepspeed_config"
+            + (" (it is: does the script read {deepspeed_config}?)" if deepspeed_config else "")
+        )
+    if label == "fp32":
+        return (
+            f"labelled fp32, ran {ran}: the script's parameters are {', '.join(precision['parameters'])} — it casts "
+            "its model itself, which gaeq cannot undo (it switches off autocast and a loss scaler): a float32 run "
+            f"of it cannot be made; label its cells {ran}"
+        )
+    switched = f" (gaeq switched off {', '.join(precision['switched_off'])})" if precision.get("switched_off") else ""
+    return f"labelled {label}, ran {ran}{switched}: what the script computes in is not the label — label it {ran}"
 
 
 def _wait(procs: list, *, timeout_s: float) -> int | None:

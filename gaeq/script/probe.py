@@ -22,7 +22,13 @@ writes, per optimizer step, what was really optimised and on which data.
 - **the cost**: rank 0's peak memory and the bytes its training wrapper (DDP, a DeepSpeed engine,
   FSDP2) put through collectives, per step (gaeq.trainers.cost, as gaeq's own trainers count them);
 - **the weights**: a fingerprint of the initial parameters and, after each step, a fixed random
-  projection of how far they moved (an update sketch).
+  projection of how far they moved (an update sketch) — DTensors (FSDP2's) read where they live;
+- **the precision**: the arithmetic that ran — autocast, the parameters' dtypes, a loss scaler, a DeepSpeed
+  engine's bf16/fp16 — and, in a cell labelled fp32, the script made float32 (gaeq.script.precision); a
+  loss scaler's skipped update is a training step recorded ``skipped``.
+
+A failure of the probe's own code stops the script with it and is written down as gaeq's
+(``contract.FAILURE_FILE``: the error and the frame in gaeq): the cell's reason never blames the script.
 
 A record is a training step — what consumes the accumulated gradients, one optimizer's step or several
 (gaeq.script.steps) — and ``step(closure)`` is read after its closure ran. Rank 0 writes the trace
@@ -46,22 +52,45 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 import gaeq.newton_schulz as newton_schulz
 import gaeq.perturb as perturb
+import gaeq.script.calls as calls
 from gaeq.accelerator import fp16_answer_record
-from gaeq.script.contract import ENV, PROBE_FILE
+from gaeq.script.contract import ENV, FAILURE_FILE, PROBE_FILE, failed_in_gaeq
+from gaeq.script.precision import Precision
 from gaeq.script.ranks import gather, rank, versions
 from gaeq.script.samples import SampleIdentity, trainable, wraps
-from gaeq.script.steps import Boundary, Seen, TrainingSteps, record
+from gaeq.script.steps import Boundary, Seen, TrainingSteps, record, write_trace
 from gaeq.script.weights import UpdateSketch, active_dropout, engine_norm, fingerprint, grad_norm
 
 ACTIVE: Probe | None = None
 """The probe of this process, once installed (what ``gaeq.probe(model=…)`` tells)."""
 
 
+def guarded(method):
+    """The probe's own code: an exception raised in it is gaeq's — written down (contract.FAILURE_FILE)
+    before it stops the script, so that the cell's reason says so."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as exc:
+            self.failed(exc)
+            raise
+
+    return run
+
+
 class Probe:
-    def __init__(self, out: Path, steps: int, perturbation: dict | None = None) -> None:
+    def __init__(self, out: Path, steps: int, perturbation: dict | None = None, *, float32: bool = False) -> None:
         self.out, self.steps = out, steps
         self.perturbation = perturbation or {}
         """An instrument's nudge or planted error (gaeq.perturb), applied from install on."""
+        self.precision = Precision(force_float32=float32)
+        self._applied = None
+        self._nudge = None
+        """A noise-floor twin's nudge: applied before the probe reads a step's norm (that norm is the twin's)."""
+        self._failure: dict | None = None
+        self._steps_begun = 0
         self.step = 0
         self.model: torch.nn.Module | None = None
         """The module being trained: the first called with gradients on that has trainable parameters
@@ -81,10 +110,6 @@ class Probe:
         """Per module call in progress: whether it is a training call of the model (its inputs are read)."""
         self._first_forward = True
         self._sketch = UpdateSketch()
-        self._scheduling = 0
-        """Scheduler steps in progress (a scheduler stepping others inside its own step is one call)."""
-        self._wrapper_call: Any = None
-        """The frame of the library wrapper's step that stepped the scheduler last (one call of the script's)."""
         self._depth = 0
         """Optimizer steps in progress (an optimizer stepping another inside its own step is one step)."""
         self._memory: Any = None
@@ -101,7 +126,18 @@ class Probe:
     @classmethod
     def from_env(cls) -> Probe:
         config = json.loads(os.environ[ENV])
-        return cls(Path(config["out"]), int(config["steps"]), config.get("perturbation"))
+        return cls(
+            Path(config["out"]), int(config["steps"]), config.get("perturbation"), float32=config.get("float32", False)
+        )
+
+    def failed(self, exc: BaseException) -> None:
+        """The probe's own code raised: written down once, for the launch to read."""
+        if self._failure is None:
+            self._failure = failed_in_gaeq(exc)
+            from gaeq.files import atomic_write
+
+            self.out.mkdir(parents=True, exist_ok=True)
+            atomic_write(self.out / FAILURE_FILE.format(rank=rank()), json.dumps(self._failure))
 
     def _new_phase(self) -> None:
         """From one optimizer step to the next: what this rank sees, what rank 0 reads at its end."""
@@ -118,93 +154,49 @@ class Probe:
     def install(self) -> None:
         global ACTIVE
         ACTIVE = self
-        backward = torch.autograd.backward
-
-        @functools.wraps(backward)
-        def probed_backward(tensors, *args, **kwargs):
-            if isinstance(tensors, torch.Tensor) and tensors.numel() == 1:
-                started = time.perf_counter()
-                self.seen.losses.append(float(tensors.detach().double()))
-                self.boundary.spent += time.perf_counter() - started
-            self.events["backward"] += 1
-            newton_schulz.count(loaded_only=True)  # a Muon the script has imported by now: its kernels counted
-            self._orthogonalised_by_backward = newton_schulz.calls()  # before it: on a partial gradient
-            self._clip, self._clipped, self._read = None, False, set()  # the gradient changes: read anew
-            return backward(tensors, *args, **kwargs)
-
-        torch.autograd.backward = probed_backward  # Tensor.backward calls it too
-
-        clip = torch.nn.utils.clip_grad_norm_
-
-        @functools.wraps(clip)
-        def probed_clip(parameters, *args, **kwargs):
-            parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-            self.events["clip"] += 1
-            if not self._clipped:  # before it clips: a clip per micro-step reads each one's
-                started = time.perf_counter()
-                self._clipped = True
-                with_grad = [p for p in parameters if p.grad is not None]
-                self._clip = grad_norm([p.grad for p in with_grad]), {id(p) for p in with_grad}
-                self.boundary.spent += time.perf_counter() - started
-            return clip(parameters, *args, **kwargs)
-
-        torch.nn.utils.clip_grad_norm_ = probed_clip
-        torch.nn.utils.clip_grad.clip_grad_norm_ = probed_clip
-
-        zero_grad = torch.optim.Optimizer.zero_grad
-
-        @functools.wraps(zero_grad)  # its signature too: libraries inspect it (accelerate's zero_grad)
-        def probed_zero_grad(optimizer, *args, **kwargs):
-            self.events["zero_grad"] += 1
-            return zero_grad(optimizer, *args, **kwargs)
-
-        torch.optim.Optimizer.zero_grad = probed_zero_grad
-
-        scheduler_step = torch.optim.lr_scheduler.LRScheduler.step
-
-        @functools.wraps(scheduler_step)
-        def probed_scheduler_step(scheduler, *args, **kwargs):
-            if not self._scheduling:
-                self.events["schedule_advanced"] += 1
-                if self._called_by_script(scheduler, sys._getframe(1)):
-                    self.events["scheduler"] += 1
-            self._scheduling += 1
-            try:
-                return scheduler_step(scheduler, *args, **kwargs)
-            finally:
-                self._scheduling -= 1
-
-        torch.optim.lr_scheduler.LRScheduler.step = probed_scheduler_step
-
-        pad_sequence = torch.nn.utils.rnn.pad_sequence
-
-        @functools.wraps(pad_sequence)
-        def probed_pad_sequence(sequences, batch_first=False, padding_value=0.0, *args, **kwargs):
-            self.samples.pad_values.add(padding_value)  # the collation's padding: removed before hashing
-            return pad_sequence(sequences, batch_first, padding_value, *args, **kwargs)
-
-        torch.nn.utils.rnn.pad_sequence = probed_pad_sequence
-
+        calls.patch(self)  # backward, clipping, zero_grad, the schedulers, pad_sequence
         torch.nn.modules.module.register_module_forward_pre_hook(self._before_forward)
         torch.nn.modules.module.register_module_forward_hook(self._after_forward, with_kwargs=True, always_call=True)
         register_optimizer_step_pre_hook(self._before_step)
         register_optimizer_step_post_hook(self._after_step)
-        if self.perturbation:  # after the probe's own hooks: it reads each step's norm before a nudge
-            self._perturbed = perturb.applied(**self.perturbation, reorder_rows=True)  # held: the process's life
-            self._perturbed.__enter__()
+        self.precision.install(on_skipped=self._skipped_step, steps_taken=lambda: self._steps_begun)
+        if self.perturbation:  # after the probe's own hooks: it nudges each step's gradients before it reads them
+            given = dict(self.perturbation)
+            unit = given.pop("unit", None)
+            unit = getattr(torch, unit) if unit else None
+            self._perturbed = perturb.applied(**given, unit=unit, reorder_rows=True)  # held: the process's life
+            self._applied = self._perturbed.__enter__()
+            self._nudge = self._applied.nudge
 
-    def _called_by_script(self, scheduler, caller) -> bool:
-        """Whether this scheduler step is a call of the script's: not a library wrapper's repeat of
-        one call (accelerate's prepared scheduler steps the one it wraps once per process)."""
-        owner = caller.f_locals.get("self")
-        if owner is None or owner is scheduler or getattr(owner, "scheduler", None) is not scheduler:
-            return True
-        if caller is self._wrapper_call:
-            return False  # the same call of the wrapper, stepping again
-        self._wrapper_call = caller
-        self.events[f"wrapper:{type(owner).__module__}.{type(owner).__qualname__}"] = 1
-        return True
+    def name_model(self, model: torch.nn.Module) -> None:
+        """The script named its model (gaeq.probe): the instruments act on it too."""
+        if self._applied is not None:
+            self._applied.name_model(model)
 
+    @guarded
+    def _before_backward(self, tensors) -> None:
+        if isinstance(tensors, torch.Tensor) and tensors.numel() == 1:
+            started = time.perf_counter()
+            self.seen.losses.append(self.precision.unscaled(tensors))  # on its device: read at the step's end
+            self.boundary.spent += time.perf_counter() - started
+        self.events["backward"] += 1
+        newton_schulz.count(loaded_only=True)  # a Muon the script has imported by now: its kernels counted
+        self._orthogonalised_by_backward = newton_schulz.calls()  # before it: on a partial gradient
+        self._clip, self._clipped, self._read = None, False, set()  # the gradient changes: read anew
+
+    @guarded
+    def _before_clip(self, parameters: list[torch.Tensor]) -> None:
+        self.events["clip"] += 1
+        if not self._clipped:  # before it clips: a clip per micro-step reads each one's
+            started = time.perf_counter()
+            self._clipped = True
+            with_grad = [p for p in parameters if p.grad is not None]
+            if self._nudge is not None:
+                self._nudge.nudge_grads(with_grad)
+            self._clip = grad_norm([p.grad for p in with_grad]), {id(p) for p in with_grad}
+            self.boundary.spent += time.perf_counter() - started
+
+    @guarded
     def _before_forward(self, module, args) -> None:
         if any(self._calls):  # inside the model: its own modules
             self._calls.append(False)
@@ -215,10 +207,17 @@ class Probe:
         if self.reads is None and torch.is_grad_enabled() and trainable(module) and not wraps(module):
             self.reads = module  # (inside a wrapper's call: what it calls is the model that gets the batch)
         self._calls.append(module is self.reads and torch.is_grad_enabled())
+        if self._calls[-1]:
+            self.precision.entered(self.model or module)
 
-    def _after_forward(self, module, args, kwargs, output) -> None:
+    @guarded
+    def _after_forward(self, module, args, *kwargs_output) -> None:
+        # (module, args, kwargs, output); torch calls an always-call hook without kwargs when the forward
+        # raised — activation checkpointing's recomputation stops that way (_StopRecomputationError)
+        kwargs, output = kwargs_output if len(kwargs_output) == 2 else ({}, kwargs_output[-1])
         if not self._calls.pop():
             return  # another module than the model (a loss, a metric, a teacher), or an evaluation forward
+        self.precision.left()
         started = time.perf_counter()
         if self._first_forward:  # the first training forward: the model's dropout, as it trains
             self._first_forward = False
@@ -259,8 +258,10 @@ class Probe:
         self._depth += 1
         if self._depth > 1:
             return None
+        self._steps_begun += 1
         return perturb.after_closure(args, kwargs, lambda: self._at_boundary(optimizer)) or self._at_boundary(optimizer)
 
+    @guarded
     def _at_boundary(self, optimizer) -> None:
         if self.steps_of.ends_open(id(optimizer), backward_since=self.events["backward"] > 0):
             self._close()  # the next accumulation's step: the open training step is over
@@ -268,8 +269,7 @@ class Probe:
         if self.initial is None:
             params = self._parameters(optimizer)
             self.initial = fingerprint(params)
-            if rank() == 0:
-                self._sketch.start(params)
+            self._sketch.start(params)
         # the boundary's norm before clipping: the first clip's after the last backward, else now — of
         # the gradients no earlier optimizer of this training step read since that backward
         read = self.boundary
@@ -279,12 +279,26 @@ class Probe:
             self._read |= ids
         params = [p for group in optimizer.param_groups for p in group["params"]]
         fresh = [p for p in params if p.grad is not None and id(p) not in self._read]
+        if self._nudge is not None:
+            self._nudge.nudge_grads(fresh)
         if fresh:
             read.norm_squared = (read.norm_squared or 0.0) + grad_norm([p.grad for p in fresh]) ** 2
             self._read |= {id(p) for p in fresh}
         read.lr = float(optimizer.param_groups[0]["lr"])
         read.spent += time.perf_counter() - started
 
+    @guarded
+    def _skipped_step(self, optimizer) -> None:
+        """A loss scaler skipped this optimizer's update (inf/NaN in its gradients): a training step
+        without an update, read and recorded as one, ``skipped``."""
+        self._depth += 1
+        self._at_boundary(optimizer)
+        self.boundary.skipped = True
+        self._after_step(optimizer, (), {})
+        if self._nudge is not None:
+            self._nudge.step_done()
+
+    @guarded
     def _after_step(self, optimizer, args, kwargs) -> None:
         self._depth -= 1
         if self._depth:
@@ -298,6 +312,7 @@ class Probe:
         entered = time.perf_counter()
         seen, read = self.seen, self.boundary
         seen.ended_by_step(name)
+        seen.losses = [float(v) for v in torch.stack(seen.losses).cpu()] if seen.losses else []  # one sync a phase
         if orthogonalised := newton_schulz.calls() - self._orthogonalised:  # Muon's, this phase on this rank
             seen.newton_schulz = orthogonalised
             if seen.events["backward"]:
@@ -318,6 +333,7 @@ class Probe:
         if self.steps_of.stepped(id(optimizer)):
             self._close()
 
+    @guarded
     def _close(self) -> None:
         """The open training step is complete: gathered over ranks, written by rank 0 (its sketch of the
         weights before any later step moves them), and the script stopped after the asked steps."""
@@ -330,8 +346,8 @@ class Probe:
                 ranks = gather(seen.shared())
         else:
             ranks = gather(seen.shared())
+        sketch = self._sketch(self._parameters(None))  # every rank: a DTensor's blocks are summed over them
         if rank() == 0:
-            sketch = self._sketch(self._parameters(None))
             read.spent += time.perf_counter() - entered
             self.record.append(record(self.step, ranks, read, sketch=sketch))
         self.open = None
@@ -371,28 +387,11 @@ class Probe:
     def save(self, *, complete: bool) -> None:
         """probe.json; and, when `complete`, the trace in gaeq's format (the objective as its loss)."""
         from gaeq.files import atomic_write
-        from gaeq.results.trace import StepRecord, TraceWriter
 
         self.out.mkdir(parents=True, exist_ok=True)
         facts = {"steps": self.record, "initial": self.initial, "dropout": self.dropout, "complete": complete}
         facts["versions"], facts["accelerator_fp16"] = versions(), fp16_answer_record()  # None: no DeepSpeed
+        facts["precision"] = self.precision.facts()
         atomic_write(self.out / PROBE_FILE, json.dumps(facts))
-        if not complete:
-            return
-        writer = TraceWriter(self.out)
-        samples = 0
-        for r in self.record:
-            samples += len(r["samples"])
-            writer.write(
-                StepRecord(
-                    step=r["step"],
-                    loss=r["objective"],
-                    grad_norm=r["grad_norm"] if r["grad_norm"] is not None else float("nan"),
-                    lr=r["lr"],
-                    samples=samples,
-                    seconds=r["seconds"],
-                    comm_bytes=r["comm_bytes"],
-                    peak_mem_bytes=r["peak_mem_bytes"],
-                )
-            )
-        writer.close()
+        if complete:
+            write_trace(self.out, self.record)

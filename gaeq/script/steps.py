@@ -81,6 +81,8 @@ class Boundary:
     seconds: float = 0.0
     spent: float = 0.0
     """Seconds the probe's own work took."""
+    skipped: bool = False
+    """A loss scaler skipped the update (inf/NaN in the gradients): a step without an update."""
 
     @property
     def grad_norm(self) -> float:
@@ -99,6 +101,7 @@ class Boundary:
             self.peak = max(self.peak or 0, later.peak)
         self.seconds += later.seconds
         self.spent += later.spent
+        self.skipped |= later.skipped
 
 
 class TrainingSteps:
@@ -153,4 +156,29 @@ def record(step: int, ranks: list[dict[str, Any]], read: Boundary, *, sketch: tu
         "peak_mem_bytes": read.peak,
         "seconds": read.seconds,
         "probe_seconds": read.spent,
+        "skipped": read.skipped,
     }
+
+
+def write_trace(out, records: list[dict[str, Any]]) -> None:
+    """The records as gaeq's trace (the objective as its loss; a skipped update ``skipped``)."""
+    from gaeq.results.trace import StepRecord, TraceWriter
+
+    writer = TraceWriter(out)
+    samples = 0
+    for r in records:
+        samples += len(r["samples"])
+        writer.write(
+            StepRecord(
+                step=r["step"],
+                loss=r["objective"],
+                grad_norm=r["grad_norm"] if r["grad_norm"] is not None else float("nan"),
+                lr=r["lr"],
+                samples=samples,
+                seconds=r["seconds"],
+                comm_bytes=r["comm_bytes"],
+                peak_mem_bytes=r["peak_mem_bytes"],
+                skipped=r.get("skipped", False),
+            )
+        )
+    writer.close()

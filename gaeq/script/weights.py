@@ -2,13 +2,18 @@
 the grad norm at the boundary, summed in float64 (or a DeepSpeed engine's own); and after each
 optimizer step a fixed random projection of how far the parameters moved (the update sketch) — a difference in lr,
 clipping or the optimizer shows there when the objective still agrees. Nothing here assumes a CPU:
-only the projected entries and float64 sums of bounded chunks are made where a tensor lives."""
+only the projected entries and float64 sums of bounded chunks are made where a tensor lives. Nor one
+process per tensor: a DTensor (FSDP2's, tensor parallelism's) is read block by block where it lives and
+its sums completed over the ranks holding the other blocks (gaeq.dtensors) — so every rank calls these,
+in the same order."""
 
 from __future__ import annotations
 
 import hashlib
 
 import torch
+
+import gaeq.dtensors as dtensors
 
 SKETCH_ENTRIES = 256
 """Entries of each parameter the update sketch projects (fixed positions and weights per parameter)."""
@@ -17,8 +22,8 @@ SKETCH_ENTRIES = 256
 def fingerprint(params: list[torch.Tensor]) -> str:
     """The parameters' values, hashed (the same in every split whose init is the same)."""
     digest = hashlib.blake2b(digest_size=8)
-    for p in params:
-        digest.update(p.detach().cpu().contiguous().float().numpy().tobytes())
+    for p in params:  # a DTensor gathered whole (once, at the first step: a collective of every rank)
+        digest.update(dtensors.whole(p.detach()).cpu().contiguous().float().numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -27,10 +32,13 @@ class UpdateSketch:
     (the sum of the terms' sizes: the update's size, what a difference is relative to): the same positions
     and weights in every run of the same model, so two runs' sketches differ only where their updates do.
     Only the projected entries are read (on a GPU, 256 entries of each parameter are gathered, never the
-    parameter copied)."""
+    parameter copied); of a DTensor, those in this rank's block, the sums completed over the other blocks'
+    ranks — every rank computes it."""
 
     def __init__(self) -> None:
-        self._where: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._where: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+        """Per parameter: its projected entries' flat positions in this rank's block, their weights, and
+        which of the whole tensor's projected entries those are."""
         self._start: list[torch.Tensor] = []
 
     def start(self, params: list[torch.Tensor]) -> None:
@@ -41,16 +49,24 @@ class UpdateSketch:
                 g = torch.Generator().manual_seed(1_000_003 * (i + 1) + p.numel())
                 where = torch.randint(0, p.numel(), (min(SKETCH_ENTRIES, p.numel()),), generator=g)
                 weights = torch.randn(len(where), generator=g, dtype=torch.float64)
-                self._where.append((where.to(p.device), weights.to(p.device)))
-            self._start = [p.detach().reshape(-1)[w].double() for p, (w, _) in zip(params, self._where)]
+                here, at = dtensors.entries_here(p, where)
+                device = dtensors.local(p).device
+                self._where.append((at.to(device), weights[here.cpu()].to(device), here))
+            self._start = [self._entries(p, at) for p, (at, _, _) in zip(params, self._where)]
+
+    @staticmethod
+    def _entries(p: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+        return dtensors.local(p.detach()).reshape(-1)[at].double()
 
     def __call__(self, params: list[torch.Tensor]) -> tuple[float, float]:
         """(Σ weight × (entry − its start), Σ |that|) over the projected entries."""
         self.start(params)
-        terms = [
-            (p.detach().reshape(-1)[w].double() - p0) * v for p, p0, (w, v) in zip(params, self._start, self._where)
-        ]
-        return float(sum(t.sum() for t in terms)), float(sum(t.abs().sum() for t in terms))
+        total = torch.zeros(2, dtype=torch.float64)
+        for p, p0, (at, v, _) in zip(params, self._start, self._where):
+            term = (self._entries(p, at) - p0) * v
+            here = torch.stack([term.sum(), term.abs().sum()]).cpu()
+            total += dtensors.sum_over_blocks(here, p)
+        return float(total[0]), float(total[1])
 
 
 NORM_CHUNK = 1 << 20
@@ -59,13 +75,25 @@ gradient — on a GPU, the float64 copy of a large model's gradients would not f
 
 
 def grad_norm(grads: list[torch.Tensor]) -> float:
-    """The L2 norm of `grads`, their squares summed in float64 where they live, a chunk at a time."""
+    """The L2 norm of `grads`, their squares summed in float64 where they live, a chunk at a time — of a
+    DTensor (FSDP2's sharded gradients), the whole tensor's: each block's, summed over its ranks."""
     if not grads:
         return float("nan")
     total = 0.0
+    sharded: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # one reduction per mesh and sharding
     for g in grads:
-        for chunk in g.detach().reshape(-1).split(NORM_CHUNK):
-            total += float(chunk.double().square().sum())
+        squares = sum(
+            (chunk.double().square().sum() for chunk in dtensors.local(g.detach()).reshape(-1).split(NORM_CHUNK)),
+            torch.zeros((), dtype=torch.float64, device=dtensors.local(g).device),
+        )
+        if (key := dtensors.sharded_over(g)) and key in sharded:
+            sharded[key] = (sharded[key][0] + squares, g)
+        elif key:
+            sharded[key] = (squares, g)
+        else:
+            total += float(squares)
+    for squares, like in sharded.values():
+        total += float(dtensors.sum_over_blocks(squares.reshape(1), like))
     return total**0.5
 
 

@@ -1,0 +1,145 @@
+"""Tiny next-token training with FSDP2 in torchtitan's style (plain PyTorch).
+
+    python fsdp2_loop.py --batch_size 32 --grad_accum 1 --max_steps 5
+    torchrun --standalone --nproc_per_node 2 fsdp2_loop.py --batch_size 4 --grad_accum 4 --max_steps 5
+
+`fully_shard` on each block and on the root (parameters and gradients are DTensors sharded over the ranks),
+gradient sync (FSDP2's reduce-scatter) on the last micro-batch only, each block's activations recomputed in
+the backward (activation checkpointing), and the clipping norm of the whole model taken as torchtitan takes
+it: ``get_total_norm`` of the sharded gradients, made whole, then ``clip_grads_with_norm_``. On a GPU where
+there is one (nccl), else on the CPU (gloo). Global batch = batch_size * grad_accum * world_size.
+--bug injects a mistake FSDP2 users make.
+"""
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--batch_size", type=int, default=8, help="micro batch per rank")
+parser.add_argument("--grad_accum", type=int, default=4, help="accumulation steps per rank")
+parser.add_argument("--max_steps", type=int, default=20, help="optimizer steps")
+parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--lr", type=float, default=3e-3)
+parser.add_argument("--clip", type=float, default=1.0, help="max grad norm; 0 = off")
+parser.add_argument("--layers", type=int, default=2)
+parser.add_argument(
+    "--bug",
+    default="none",
+    choices=[
+        "none",
+        "loss_not_scaled_for_reduction",  # FSDP2 averages the ranks' gradients: the loss must be x world
+        "clip_norm_of_local_shards",  # each rank clips by the norm of its own shards
+    ],
+)
+args = parser.parse_args()
+
+rank = int(os.environ.get("RANK", 0))
+world = int(os.environ.get("WORLD_SIZE", 1))
+local_rank = int(os.environ.get("LOCAL_RANK", 0))
+cuda = torch.cuda.is_available()
+device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+if cuda:
+    torch.cuda.set_device(device)
+if not dist.is_initialized():  # FSDP2 needs a process group, one process too
+    if "MASTER_ADDR" not in os.environ:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29531", RANK="0", WORLD_SIZE="1")
+    dist.init_process_group("nccl" if cuda else "gloo")
+torch.set_num_threads(1)
+
+VOCAB, MAX_LEN, N = 32, 24, 4096
+
+
+class SyntheticSeqs(Dataset):
+    """Variable-length (4..24) modular arithmetic sequences; item i is a pure function of (seed, i)."""
+
+    def __init__(self, n, seed):
+        self.n, self.seed = n, seed
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
+        length = int(torch.randint(4, MAX_LEN + 1, (1,), generator=g))
+        start = torch.randint(1, VOCAB, (1,), generator=g)
+        stride = torch.randint(1, 4, (1,), generator=g)
+        toks = (start + stride * torch.arange(length)) % VOCAB
+        x = torch.zeros(MAX_LEN - 1, dtype=torch.long)
+        y = torch.full((MAX_LEN - 1,), -100, dtype=torch.long)
+        x[: length - 1], y[: length - 1] = toks[:-1], toks[1:]
+        return x, y
+
+
+dataset = SyntheticSeqs(N, args.seed)
+sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=args.seed, drop_last=False)
+loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm, self.mlp = nn.LayerNorm(d), nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, h):
+        return h + self.mlp(self.norm(h))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, d=32, layers=2):
+        super().__init__()
+        self.emb_cur, self.emb_prev = nn.Embedding(VOCAB, d), nn.Embedding(VOCAB, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
+        self.head = nn.Linear(d, VOCAB)
+
+    def forward(self, x):
+        h = self.emb_cur(x) + self.emb_prev(F.pad(x[:, :-1], (1, 0)))
+        for block in self.blocks:
+            h = checkpoint(block, h, use_reentrant=False)  # activations recomputed in the backward
+        return self.head(h)
+
+
+torch.manual_seed(args.seed)  # the same init on every rank and every split
+model = TinyLM(layers=args.layers).to(device)
+for block in model.blocks:
+    fully_shard(block)
+fully_shard(model)
+optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, foreach=False)
+it = iter(loader)
+
+for step in range(args.max_steps):
+    micro_batches = [tuple(t.to(device) for t in next(it)) for _ in range(args.grad_accum)]
+    n_tokens = torch.tensor(float(sum(int((y != -100).sum()) for _, y in micro_batches)), device=device)
+    dist.all_reduce(n_tokens)  # valid tokens of the whole global batch
+    scale = world  # x world: FSDP2's reduce-scatter averages the ranks' gradients
+    if args.bug == "loss_not_scaled_for_reduction":
+        scale = 1  # BUG: the global count, then FSDP2 averages again -> gradient / world
+    logged = torch.zeros((), device=device)
+    for micro_step, (x, y) in enumerate(micro_batches):
+        model.set_requires_gradient_sync(micro_step == args.grad_accum - 1)  # reduce-scatter on the last only
+        loss_sum = F.cross_entropy(model(x).view(-1, VOCAB), y.view(-1), ignore_index=-100, reduction="sum")
+        (loss_sum / n_tokens * scale).backward()
+        logged += loss_sum.detach() / n_tokens
+    if args.clip > 0:
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if args.bug == "clip_norm_of_local_shards":
+            grads = [g.to_local() for g in grads]  # BUG: this rank's shards only
+        norm = torch.nn.utils.get_total_norm(grads)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm  # the whole model's norm
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), args.clip, norm)
+    optimizer.step()
+    optimizer.zero_grad()
+    dist.all_reduce(logged)  # the global batch's token mean
+    if rank == 0:
+        print(f"step {step} loss {logged.item():.6f}", flush=True)
+
+dist.barrier()
+dist.destroy_process_group()

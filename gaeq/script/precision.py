@@ -1,0 +1,165 @@
+"""The arithmetic a script's training really ran, as the probe (gaeq.script.probe) sees it — and, for a
+cell labelled fp32, the same script made float32.
+
+What ran: autocast as the model's training forward saw it (entered around the call, or inside it as
+accelerate's wrapped forward enters it) with its dtype, the dtypes of the model's parameters, an enabled
+loss scaler (torch's ``GradScaler``) and a DeepSpeed engine's bf16/fp16 section. :meth:`Precision.label`
+names it as gaeq's dtypes do (fp32, bf16, fp16, ds_bf16, ds_fp16): the cell's label is checked against it.
+
+A cell labelled fp32 runs the script with its autocast switched off and its ``GradScaler`` disabled
+(``enabled=False``: its ``scale`` returns the loss as it is, its ``step`` steps) — the same accumulation,
+measured where rounding is small (a DeepSpeed config's bf16/fp16 section gaeq writes is switched off by
+the launch, gaeq.script.launch). A cast the script writes itself (``model.to(torch.bfloat16)``) cannot be
+undone: its parameters' dtype says so, and the label check says why.
+
+A loss scaler's skipped update (inf or NaN in the gradients: ``scaler.step`` steps no optimizer) is a
+training step without an update: the probe is told (``on_skipped``) and records it ``skipped``. The
+objective of a scaled loss is read unscaled (the scale it was multiplied by at ``scaler.scale``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+
+
+class Precision:
+    def __init__(self, *, force_float32: bool) -> None:
+        self.force_float32 = force_float32
+        self.autocast: str | None = None
+        """The dtype autocast computed the model's first training forward in (None: no autocast)."""
+        self.parameters: list[str] = []
+        self.loss_scaler: str | None = None
+        """An enabled loss scaler that scaled a loss: ``GradScaler``, ``DeepSpeed fp16``."""
+        self.deepspeed: str | None = None
+        """A DeepSpeed engine's mixed-precision section: bf16 or fp16."""
+        self.switched_off: list[str] = []
+        """What gaeq switched off to make the run float32 (``autocast bf16 (cpu)``, ``GradScaler``)."""
+        self._scaled: dict[int, torch.Tensor] = {}
+        """id of a scaled loss → the scale it was multiplied by (until its backward)."""
+        self._inside = 0
+        self._seen_forward = False
+
+    # --- what the probe tells it ----------------------------------------------------------------
+
+    def entered(self, model: torch.nn.Module) -> None:
+        """The model's first training call begins: autocast around it, the parameters' dtypes."""
+        self._inside += 1
+        if self._seen_forward:
+            return
+        params = list(model.parameters())
+        self.parameters = sorted({str(p.dtype).removeprefix("torch.") for p in params})
+        if params and torch.is_autocast_enabled(params[0].device.type):
+            self.autocast = _name(torch.get_autocast_dtype(params[0].device.type))
+        for name in ("bf16", "fp16"):
+            enabled = getattr(model, f"{'bfloat16' if name == 'bf16' else 'fp16'}_enabled", None)
+            if callable(enabled) and enabled():  # a DeepSpeed engine
+                self.deepspeed = name
+                self.loss_scaler = "DeepSpeed fp16" if name == "fp16" else self.loss_scaler
+
+    def left(self) -> None:
+        self._inside -= 1
+        self._seen_forward = True
+
+    def unscaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """A loss handed to backward, without the loss scale it was multiplied by (if it was)."""
+        scale = self._scaled.pop(id(loss), None)
+        value = loss.detach().double()
+        return value if scale is None else value / scale.double()
+
+    def label(self) -> str:
+        """gaeq's dtype for what ran."""
+        if self.deepspeed:
+            return f"ds_{self.deepspeed}"
+        if self.autocast in ("bfloat16", "float16"):
+            return SHORT[getattr(torch, self.autocast)]
+        low = [d for d in self.parameters if d in ("bfloat16", "float16")]
+        return SHORT[getattr(torch, low[0])] if low else "fp32"
+
+    def compute_dtype(self) -> str:
+        """The dtype the forward computed in (the report's `ran` column)."""
+        if self.autocast:
+            return self.autocast
+        if self.deepspeed:
+            return "bfloat16" if self.deepspeed == "bf16" else "float16"
+        low = [d for d in self.parameters if d in ("bfloat16", "float16")]
+        return low[0] if low else "float32"
+
+    def facts(self) -> dict[str, Any]:
+        return {
+            "dtype": self.label(),
+            "compute_dtype": self.compute_dtype(),
+            "autocast": self.autocast,
+            "parameters": self.parameters,
+            "loss_scaler": self.loss_scaler,
+            "deepspeed": self.deepspeed,
+            "switched_off": self.switched_off,
+        }
+
+    # --- the hooks ------------------------------------------------------------------------------
+
+    def install(self, *, on_skipped: Callable[[Any], None], steps_taken: Callable[[], int]) -> None:
+        """Hooks on autocast and torch's GradScaler: `on_skipped(optimizer)` for a scaler step that stepped
+        no optimizer (`steps_taken()` counts the optimizer steps begun)."""
+        autocast = torch.amp.autocast_mode.autocast
+        init, enter = autocast.__init__, autocast.__enter__
+        precision = self
+
+        @functools.wraps(init)
+        def probed_init(ctx, device_type, dtype=None, enabled=True, cache_enabled=None):
+            if precision.force_float32 and enabled:
+                low = dtype if dtype is not None else torch.get_autocast_dtype(device_type)
+                if low in (torch.bfloat16, torch.float16):
+                    said = f"autocast {SHORT[low]} ({device_type})"
+                    if said not in precision.switched_off:
+                        precision.switched_off.append(said)
+                    enabled = False
+            return init(ctx, device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+
+        @functools.wraps(enter)
+        def probed_enter(ctx):
+            result = enter(ctx)
+            if precision._inside and not precision._seen_forward and precision.autocast is None:
+                if getattr(ctx, "_enabled", False):  # entered inside the model's call (accelerate's wrapper)
+                    precision.autocast = _name(ctx.fast_dtype)
+            return result
+
+        autocast.__init__, autocast.__enter__ = probed_init, probed_enter
+
+        scaler = torch.amp.GradScaler
+        scaler_init, scale, step = scaler.__init__, scaler.scale, scaler.step
+
+        @functools.wraps(scaler_init)
+        def probed_scaler_init(gs, *args, **kwargs):
+            scaler_init(gs, *args, **kwargs)
+            if precision.force_float32 and gs._enabled:
+                gs._enabled = False  # as GradScaler(enabled=False): scale() returns the loss, step() steps
+                if "GradScaler" not in precision.switched_off:
+                    precision.switched_off.append("GradScaler")
+
+        @functools.wraps(scale)
+        def probed_scale(gs, outputs):
+            scaled = scale(gs, outputs)
+            if gs.is_enabled() and isinstance(scaled, torch.Tensor) and gs._scale is not None:
+                precision.loss_scaler = "GradScaler"
+                precision._scaled[id(scaled)] = gs._scale.detach().clone()
+            return scaled
+
+        @functools.wraps(step)
+        def probed_step(gs, optimizer, *args, **kwargs):
+            before = steps_taken()
+            result = step(gs, optimizer, *args, **kwargs)
+            if gs.is_enabled() and steps_taken() == before:
+                on_skipped(optimizer)  # inf/NaN found: the update skipped, the scale lowered by update()
+            return result
+
+        scaler.__init__, scaler.scale, scaler.step = probed_scaler_init, probed_scale, probed_step
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
