@@ -301,7 +301,23 @@ def _judge_cell(
         reason += _short_step_note(traces.get(cell.id), comparison.first_divergent_step, cell.train_batch_size)
         reason += _muon_norm_note(outcome.ran or {}, comparison)
         reason += _trainer_sp_note(outcome.ran or {}, comparison, traces.get(base_id), traces.get(cell.id))
+        reason += _loss_scaler_note(outcome.ran or {}, comparison, traces.get(base_id), traces.get(cell.id))
     return comparison.verdict, reason, comparison
+
+
+def _loss_scaler_note(ran: Mapping, comparison, base: list[StepRecord], trace: list[StepRecord]) -> str:
+    """Why a script's loss scaler skipped other steps than the baseline's (from what ran and the traces):
+    GradScaler skips a step when any micro-batch's fp16 gradient overflows (its found_inf), and the split
+    sets those gradients' sizes."""
+    if comparison.caught_by != "skipped" or (ran.get("precision") or {}).get("loss_scaler") != "GradScaler":
+        return ""
+    skipped = [[r.step for r in t if r.skipped] for t in (trace, base)]
+    return (
+        f" — steps skipped here {skipped[0]}, by the baseline {skipped[1]}: GradScaler skips a step when any "
+        "micro-batch's fp16 gradient overflows, and the split sets those gradients' sizes (each micro-batch's "
+        "share of the step's, × the ranks DDP averages over); the cell's float32 run (dtype fp32) judges the "
+        "accumulation without it"
+    )
 
 
 def _trainer_sp_note(ran: Mapping, comparison, base: list[StepRecord], trace: list[StepRecord]) -> str:
