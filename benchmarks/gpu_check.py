@@ -16,7 +16,9 @@ Phases (each timed, each failure recorded and the next phase run all the same):
    within the tolerance the first run's verdicts used (its noise floor, measured by nudged twins).
 3. **script** — a user's script (experiments/scripts/ddp_manual.py, nanoGPT's device choice, widened to
    10.8 M parameters) under `gaeq run` as a script matrix on the device: GA 1-8 matching, a mean of
-   micro-batch means caught; and what the probe costs a step (its host syncs) on this device.
+   micro-batch means caught; the same script under bf16 autocast (as trained, and made float32: the mean of
+   means caught by the float32 run); an FSDP2 script (experiments/scripts/fsdp2_loop.py) at world 1; and
+   what the probe costs a step on this device.
 4. **speed** — gaeq's torch and DeepSpeed trainers against bare loops of the same model and split
    (benchmarks/gpu_speed.py): samples/s, the goal within 10 % (printed, never asserted); peak memory per
    cell comes from phase 1's report.
@@ -109,13 +111,15 @@ def repeat(out: Path) -> dict:
     spec = yaml.safe_load((out / "gpu.yaml").read_text())
     by_id = {c["id"]: c for c in first["cells"]}
     keys = ("variant", "trainer", "world_size", "micro_batch_size", "zero_stage")
-    again = [{k: by_id[b][k] for k in keys if by_id[b].get(k) is not None} for b in first["baselines"].values()]
+    # a baseline skipped in the first run (fp16 on a CPU without it) has nothing to repeat: said, not wrong
+    ran = {g: b for g, b in first["baselines"].items() if by_id[b]["verdict"] != "skipped"}
+    again = [{k: by_id[b][k] for k in keys if by_id[b].get(k) is not None} for b in ran.values()]
     spec |= {"axes": None, "cells": again, "noise_floor": False, "detection_limit": False}
     spec.pop("axes")
     (out / "repeat.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
     gaeq("run", "--matrix", str(out / "repeat.yaml"), "--out", str(out / "repeat"), log=out / "repeat.log")
-    rows = {}
-    for group, baseline in first["baselines"].items():
+    rows = {g: {"baseline": b, "skipped": by_id[b]["reason"]} for g, b in first["baselines"].items() if g not in ran}
+    for group, baseline in ran.items():
         a, b = read_trace(out / "run" / "cells" / baseline), read_trace(out / "repeat" / "cells" / baseline)
         tolerance = first["tolerances"][by_id[baseline]["dtype"]]
         rows[group] = {"baseline": baseline} | twice(a, b, tolerance, first["noise_floors"].get(group, {}))
@@ -123,7 +127,7 @@ def repeat(out: Path) -> dict:
         f"{r['baseline']} trained twice: |Δloss| {r['max_abs_loss_diff']:.2e} (tol {r['tolerance_loss']:.1e}), "
         f"rel Δ‖g‖ {r['max_rel_grad_norm_diff']:.2e} (tol {r['tolerance_grad_norm']:.1e})"
         for r in rows.values()
-        if r["beyond"]
+        if r.get("beyond")
     ]
     return {"groups": rows, "wrong": wrong}
 
@@ -159,42 +163,48 @@ def widened(constant: float, floor: float) -> float:
 
 
 def script(out: Path, *, cpu: bool) -> dict:
-    """A user's script on the device: every split matches, its planted mistake is caught; the probe's cost."""
+    """Users' scripts on the device: every split matches, each planted mistake is caught; the probe's cost."""
+    ddp = str(REPO / "experiments" / "scripts" / "ddp_manual.py")
+    args = ["--batch_size", "{micro_batch_size}", "--grad_accum", "{grad_accum_steps}", "--max_steps", "{steps}"]
     size = [] if cpu else ["--d_model", "640", "--hidden", "8192"]
-    spec = {
-        "name": "gpu_script",
-        "script": {
-            "path": str(REPO / "experiments" / "scripts" / "ddp_manual.py"),
-            "launcher": "torchrun",
-            "args": [
-                "--batch_size",
-                "{micro_batch_size}",
-                "--grad_accum",
-                "{grad_accum_steps}",
-                "--max_steps",
-                "{steps}",
-                *size,
-            ],
-        },  # fmt: skip
-        "steps": 3 if cpu else 8,
-        "train_batch_size": 32,
-        "axes": {"world_size": [1], "micro_batch_size": [4] if cpu else [16, 8, 4]},
-        "cells": [{"world_size": 1, "micro_batch_size": 4, "args": ["--bug", "mean_of_means"], "expect": "diverge"}],
+    bug = {"world_size": 1, "micro_batch_size": 4, "args": ["--bug", "mean_of_means"], "expect": "diverge"}
+    micro = [4] if cpu else [16, 8, 4]
+    matrices = {
+        "script": {"path": ddp, "args": args + size, "axes": {}, "cells": [bug]},
+        "script_bf16": {  # as trained (bf16 autocast) and made float32; the mean of means caught by the latter
+            "path": ddp,
+            "args": args + size + ["--amp", "bf16", "--min_len", "23"],
+            "axes": {"dtype": ["fp32", "bf16"]},
+            "cells": [bug | {"dtype": "fp32"}],
+        },
+        "script_fsdp2": {"path": str(REPO / "experiments" / "scripts" / "fsdp2_loop.py"), "args": args, "axes": {}},
     }
-    (out / "script.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
-    code = gaeq("run", "--matrix", str(out / "script.yaml"), "--out", str(out / "script"), log=out / "script.log")
-    report = json.loads((out / "script" / "report.json").read_text())
-    wrong = wrong_cells(report)
-    probe = {}
-    for c in report["cells"]:
-        found = out / "script" / "cells" / c["id"] / "probe.json"
-        if c["role"] in ("cell", "baseline") and found.is_file():
-            steps = json.loads(found.read_text())["steps"][1:]  # after the first (imports, allocations)
-            probe[c["id"]] = {
-                "step_s": statistics.median(s["seconds"] for s in steps),
-                "probe_s": statistics.median(s["probe_seconds"] for s in steps),
-            }
-    return {"exit_code": code, "summary": report["summary"], "wrong": wrong, "probe": probe, "cells": report["cells"]}
+    found: dict = {"exit_code": 0, "wrong": [], "probe": {}, "cells": []}
+    for name, m in matrices.items():
+        spec = {
+            "name": f"gpu_{name}",
+            "script": {"path": m["path"], "launcher": "torchrun", "args": m["args"]},
+            "steps": 3 if cpu else 8,
+            "train_batch_size": 32,
+            "axes": {"world_size": [1], "micro_batch_size": micro} | m["axes"],
+            "cells": m.get("cells", []),
+        }
+        (out / f"{name}.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+        code = gaeq("run", "--matrix", str(out / f"{name}.yaml"), "--out", str(out / name), log=out / f"{name}.log")
+        report = json.loads((out / name / "report.json").read_text())
+        found["exit_code"] = found["exit_code"] or code
+        found["wrong"] += wrong_cells(report)
+        found["cells"] += report["cells"]
+        found[f"{name}_summary"] = report["summary"]
+        for c in report["cells"]:
+            probe = out / name / "cells" / c["id"] / "probe.json"
+            if c["role"] in ("cell", "baseline") and probe.is_file():
+                steps = json.loads(probe.read_text())["steps"][1:]  # after the first (imports, allocations)
+                found["probe"][c["id"]] = {
+                    "step_s": statistics.median(s["seconds"] for s in steps),
+                    "probe_s": statistics.median(s["probe_seconds"] for s in steps),
+                }
+    return found
 
 
 def speed(out: Path, *, cpu: bool) -> dict:
@@ -232,6 +242,9 @@ def report_md(results: dict) -> str:
         if "groups" in phase:
             lines += [row("group", "baseline", "bitwise", "max Δloss", "tol", "max rel Δ‖g‖", "tol"), "|---" * 7 + "|"]
             for g, r in phase["groups"].items():
+                if "skipped" in r:
+                    lines.append(row(g, r["baseline"], "skipped: " + r["skipped"], "-", "-", "-", "-"))
+                    continue
                 loss, norm = fmt(r["max_abs_loss_diff"]), fmt(r["max_rel_grad_norm_diff"])
                 tol_loss, tol_norm = fmt(r["tolerance_loss"]), fmt(r["tolerance_grad_norm"])
                 lines.append(row(g, r["baseline"], r["bitwise"], loss, tol_loss, norm, tol_norm))

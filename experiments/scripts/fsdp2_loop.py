@@ -3,12 +3,12 @@
     python fsdp2_loop.py --batch_size 32 --grad_accum 1 --max_steps 5
     torchrun --standalone --nproc_per_node 2 fsdp2_loop.py --batch_size 4 --grad_accum 4 --max_steps 5
 
-`fully_shard` on each block and on the root (parameters and gradients are DTensors sharded over the ranks),
-gradient sync (FSDP2's reduce-scatter) on the last micro-batch only, each block's activations recomputed in
-the backward (activation checkpointing), and the clipping norm of the whole model taken as torchtitan takes
-it: ``get_total_norm`` of the sharded gradients, made whole, then ``clip_grads_with_norm_``. On a GPU where
-there is one (nccl), else on the CPU (gloo). Global batch = batch_size * grad_accum * world_size.
---bug injects a mistake FSDP2 users make.
+`fully_shard` on each block and on the root (parameters and gradients are DTensors sharded over the ranks;
+HSDP with --replicas, bf16 compute with --mixed_precision), gradient sync (FSDP2's reduce-scatter) on the
+last micro-batch only, each block's activations recomputed in the backward (activation checkpointing), and
+the clipping norm of the whole model taken as torchtitan takes it: ``get_total_norm`` of the sharded
+gradients, made whole, then ``clip_grads_with_norm_``. On a GPU where there is one (nccl), else on the CPU
+(gloo). Global batch = batch_size * grad_accum * world_size. --bug injects a mistake FSDP2 users make.
 """
 
 import argparse
@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
@@ -31,6 +32,8 @@ parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--lr", type=float, default=3e-3)
 parser.add_argument("--clip", type=float, default=1.0, help="max grad norm; 0 = off")
 parser.add_argument("--layers", type=int, default=2)
+parser.add_argument("--mixed_precision", action="store_true", help="bf16 compute, float32 gradient reduction")
+parser.add_argument("--replicas", type=int, default=1, help="HSDP: replicas of the model, each sharded over the rest")
 parser.add_argument(
     "--bug",
     default="none",
@@ -109,9 +112,12 @@ class TinyLM(nn.Module):
 
 torch.manual_seed(args.seed)  # the same init on every rank and every split
 model = TinyLM(layers=args.layers).to(device)
+mesh = init_device_mesh(device.type, (args.replicas, world // args.replicas), mesh_dim_names=("replicate", "shard"))
+policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.mixed_precision else None
+sharding = {"mesh": mesh if args.replicas > 1 else None, **({"mp_policy": policy} if policy else {})}
 for block in model.blocks:
-    fully_shard(block)
-fully_shard(model)
+    fully_shard(block, **sharding)
+fully_shard(model, **sharding)
 optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, foreach=False)
 it = iter(loader)
 
@@ -119,13 +125,14 @@ for step in range(args.max_steps):
     micro_batches = [tuple(t.to(device) for t in next(it)) for _ in range(args.grad_accum)]
     n_tokens = torch.tensor(float(sum(int((y != -100).sum()) for _, y in micro_batches)), device=device)
     dist.all_reduce(n_tokens)  # valid tokens of the whole global batch
-    scale = world  # x world: FSDP2's reduce-scatter averages the ranks' gradients
+    scale = world  # x world: FSDP2's reduce-scatter (and HSDP's all-reduce) average the ranks' gradients
     if args.bug == "loss_not_scaled_for_reduction":
         scale = 1  # BUG: the global count, then FSDP2 averages again -> gradient / world
     logged = torch.zeros((), device=device)
     for micro_step, (x, y) in enumerate(micro_batches):
         model.set_requires_gradient_sync(micro_step == args.grad_accum - 1)  # reduce-scatter on the last only
-        loss_sum = F.cross_entropy(model(x).view(-1, VOCAB), y.view(-1), ignore_index=-100, reduction="sum")
+        logits = model(x).float()
+        loss_sum = F.cross_entropy(logits.view(-1, VOCAB), y.view(-1), ignore_index=-100, reduction="sum")
         (loss_sum / n_tokens * scale).backward()
         logged += loss_sum.detach() / n_tokens
     if args.clip > 0:

@@ -2,15 +2,18 @@
 cell labelled fp32, the same script made float32.
 
 What ran: autocast as the model's training forward saw it (entered around the call, or inside it as
-accelerate's wrapped forward enters it) with its dtype, the dtypes of the model's parameters, an enabled
-loss scaler (torch's ``GradScaler``) and a DeepSpeed engine's bf16/fp16 section. :meth:`Precision.label`
-names it as gaeq's dtypes do (fp32, bf16, fp16, ds_bf16, ds_fp16): the cell's label is checked against it.
+accelerate's wrapped forward enters it) with its dtype, the dtypes of the model's parameters, the lowest
+float dtype any module inside the model produced in that forward (what FSDP2's ``MixedPrecisionPolicy``
+computes in: its parameters stay float32 DTensors outside the forward), an enabled loss scaler (torch's
+``GradScaler``) and a DeepSpeed engine's bf16/fp16 section. :meth:`Precision.label` names it as gaeq's
+dtypes do (fp32, bf16, fp16, ds_bf16, ds_fp16): the cell's label is checked against it.
 
-A cell labelled fp32 runs the script with its autocast switched off and its ``GradScaler`` disabled
-(``enabled=False``: its ``scale`` returns the loss as it is, its ``step`` steps) — the same accumulation,
-measured where rounding is small (a DeepSpeed config's bf16/fp16 section gaeq writes is switched off by
-the launch, gaeq.script.launch). A cast the script writes itself (``model.to(torch.bfloat16)``) cannot be
-undone: its parameters' dtype says so, and the label check says why.
+A cell labelled fp32 runs the script with its autocast switched off, its ``GradScaler`` disabled
+(``enabled=False``: its ``scale`` returns the loss as it is, its ``step`` steps) and FSDP2's mixed precision
+left out (``fully_shard`` without its ``mp_policy``) — the same accumulation, measured where rounding is
+small (a DeepSpeed config's bf16/fp16 section gaeq writes is switched off by the launch, gaeq.script.launch).
+A cast the script writes itself (``model.to(torch.bfloat16)``) cannot be undone: its parameters' dtype says
+so, and the label check says why.
 
 A loss scaler's skipped update (inf or NaN in the gradients: ``scaler.step`` steps no optimizer) is a
 training step without an update: the probe is told (``on_skipped``) and records it ``skipped``. The
@@ -42,6 +45,8 @@ class Precision:
         """What gaeq switched off to make the run float32 (``autocast bf16 (cpu)``, ``GradScaler``)."""
         self._scaled: dict[int, torch.Tensor] = {}
         """id of a scaled loss → the scale it was multiplied by (until its backward)."""
+        self.produced: str | None = None
+        """The lowest-precision float dtype a module inside the model produced in its first training forward."""
         self._inside = 0
         self._seen_forward = False
 
@@ -62,6 +67,15 @@ class Precision:
                 self.deepspeed = name
                 self.loss_scaler = "DeepSpeed fp16" if name == "fp16" else self.loss_scaler
 
+    def output(self, output) -> None:
+        """A module's output inside the model's first training forward: its lowest float dtype noted."""
+        if not self._inside or self._seen_forward:
+            return
+        for t in output if isinstance(output, (tuple, list)) else (output,):
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype in SHORT:
+                if self.produced is None or torch.finfo(t.dtype).eps > torch.finfo(getattr(torch, self.produced)).eps:
+                    self.produced = _name(t.dtype)
+
     def left(self) -> None:
         self._inside -= 1
         self._seen_forward = True
@@ -79,6 +93,8 @@ class Precision:
         if self.autocast in ("bfloat16", "float16"):
             return SHORT[getattr(torch, self.autocast)]
         low = [d for d in self.parameters if d in ("bfloat16", "float16")]
+        if not low and self.produced in ("bfloat16", "float16"):
+            low = [self.produced]  # computed so with float32 parameters: FSDP2's mixed precision, say
         return SHORT[getattr(torch, low[0])] if low else "fp32"
 
     def compute_dtype(self) -> str:
@@ -88,7 +104,7 @@ class Precision:
         if self.deepspeed:
             return "bfloat16" if self.deepspeed == "bf16" else "float16"
         low = [d for d in self.parameters if d in ("bfloat16", "float16")]
-        return low[0] if low else "float32"
+        return low[0] if low else self.produced if self.produced in ("bfloat16", "float16") else "float32"
 
     def facts(self) -> dict[str, Any]:
         return {
@@ -96,6 +112,7 @@ class Precision:
             "compute_dtype": self.compute_dtype(),
             "autocast": self.autocast,
             "parameters": self.parameters,
+            "produced": self.produced,
             "loss_scaler": self.loss_scaler,
             "deepspeed": self.deepspeed,
             "switched_off": self.switched_off,
@@ -159,6 +176,29 @@ class Precision:
             return result
 
         scaler.__init__, scaler.scale, scaler.step = probed_scaler_init, probed_scale, probed_step
+        if self.force_float32:
+            self._without_fsdp_mixed_precision()
+
+    def _without_fsdp_mixed_precision(self) -> None:
+        """FSDP2's ``fully_shard`` as the script imports it, its ``mp_policy`` left out (float32 compute)."""
+        try:
+            import torch.distributed.fsdp as fsdp
+        except ImportError:  # a torch without distributed
+            return
+        shard, precision = fsdp.fully_shard, self
+
+        @functools.wraps(shard)
+        def float32_shard(module, *args, mp_policy=None, **kwargs):
+            if mp_policy is not None and mp_policy.param_dtype in (torch.bfloat16, torch.float16):
+                said = f"FSDP2 MixedPrecisionPolicy(param_dtype={_name(mp_policy.param_dtype)})"
+                if said not in precision.switched_off:
+                    precision.switched_off.append(said)
+                mp_policy = None
+            if mp_policy is not None:
+                kwargs["mp_policy"] = mp_policy
+            return shard(module, *args, **kwargs)
+
+        fsdp.fully_shard = float32_shard
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 import gaeq.newton_schulz as newton_schulz
@@ -109,6 +110,8 @@ class Probe:
         self._calls: list[bool] = []
         """Per module call in progress: whether it is a training call of the model (its inputs are read)."""
         self._first_forward = True
+        self._pending: list[tuple[torch.nn.Module, tuple]] = []
+        """Micro-batches received on an accelerator, read at the phase's end (no host sync per forward)."""
         self._sketch = UpdateSketch()
         self._depth = 0
         """Optimizer steps in progress (an optimizer stepping another inside its own step is one step)."""
@@ -203,18 +206,21 @@ class Probe:
             return
         if self.model is None and torch.is_grad_enabled() and trainable(module):
             self.model = module
-            self._attach_cost(module)
+            from gaeq.trainers.cost import watch_cost  # (loaded once a model trains)
+
+            self._memory, self._comm = watch_cost(module)
         if self.reads is None and torch.is_grad_enabled() and trainable(module) and not wraps(module):
             self.reads = module  # (inside a wrapper's call: what it calls is the model that gets the batch)
         self._calls.append(module is self.reads and torch.is_grad_enabled())
         if self._calls[-1]:
-            self.precision.entered(self.model or module)
+            self.precision.entered(self.model if self.model is not None else module)
 
     @guarded
     def _after_forward(self, module, args, *kwargs_output) -> None:
         # (module, args, kwargs, output); torch calls an always-call hook without kwargs when the forward
         # raised — activation checkpointing's recomputation stops that way (_StopRecomputationError)
         kwargs, output = kwargs_output if len(kwargs_output) == 2 else ({}, kwargs_output[-1])
+        self.precision.output(output)
         if not self._calls.pop():
             return  # another module than the model (a loss, a metric, a teacher), or an evaluation forward
         self.precision.left()
@@ -222,34 +228,13 @@ class Probe:
         if self._first_forward:  # the first training forward: the model's dropout, as it trains
             self._first_forward = False
             self.dropout = active_dropout(self.model)
-        batch = self.samples.read(module, args, kwargs)
+        inputs = (args, kwargs)
+        if any(t.device.type != "cpu" for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)):
+            # on an accelerator: read at the phase's end, in one sync with the rest (a copy, safe from reuse)
+            self._pending.append((module, pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), inputs)))
+        else:
+            self.seen.received(self.samples.read(module, args, kwargs))
         self.boundary.spent += time.perf_counter() - started
-        if batch is None:
-            return
-        seen = self.seen
-        seen.rows.append(len(batch.fingerprints))
-        seen.samples.extend(batch.fingerprints)
-        seen.keys.extend(batch.keys)
-        seen.inputs = seen.inputs or batch.names
-        seen.lengths.append(batch.length)
-        seen.exact &= batch.exact
-
-    def _attach_cost(self, model: torch.nn.Module) -> None:
-        """Count what the model's training wrapper sends (before its first backward: DDP takes a comm
-        hook only then), and this process's peak memory from now on."""
-        from gaeq.trainers.cost import CommCounter, PeakMemory
-
-        self._memory = PeakMemory(next(model.parameters()).device)
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            self._comm = CommCounter()  # a single process sends nothing
-            return
-        counter = CommCounter()
-        try:
-            counter.attach(model)
-        except RuntimeError:  # DDP with a comm hook of the script's own: one hook per model
-            return
-        if counter.attached:
-            self._comm = counter
 
     def _before_step(self, optimizer, args, kwargs):
         """Before an optimizer's step: the step's boundary is read now — or, for `step(closure)`, after the
@@ -310,6 +295,9 @@ class Probe:
             self.boundary = Boundary(spent=self.boundary.spent)
             return
         entered = time.perf_counter()
+        for module, (args, kwargs) in self._pending:  # the phase's micro-batches read on an accelerator
+            self.seen.received(self.samples.read(module, args, kwargs))
+        self._pending.clear()
         seen, read = self.seen, self.boundary
         seen.ended_by_step(name)
         seen.losses = [float(v) for v in torch.stack(seen.losses).cpu()] if seen.losses else []  # one sync a phase

@@ -41,6 +41,17 @@ class Seen:
     newton_schulz_early: int = 0
     """… of which before a phase's last backward began: on a partial gradient (once per micro-batch)."""
 
+    def received(self, batch) -> None:
+        """A micro-batch the model received (gaeq.script.samples.MicroBatch; None: no tensor input)."""
+        if batch is None:
+            return
+        self.rows.append(len(batch.fingerprints))
+        self.samples.extend(batch.fingerprints)
+        self.keys.extend(batch.keys)
+        self.inputs = self.inputs or batch.names
+        self.lengths.append(batch.length)
+        self.exact &= batch.exact
+
     def ended_by_step(self, optimizer: str) -> None:
         """The optimizer step that ends this phase: its name and the micro-batches it accumulated."""
         self.events["optimizer_step"] += 1

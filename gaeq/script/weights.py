@@ -59,13 +59,15 @@ class UpdateSketch:
         return dtensors.local(p.detach()).reshape(-1)[at].double()
 
     def __call__(self, params: list[torch.Tensor]) -> tuple[float, float]:
-        """(Σ weight × (entry − its start), Σ |that|) over the projected entries."""
+        """(Σ weight × (entry − its start), Σ |that|) over the projected entries (one host sync)."""
         self.start(params)
-        total = torch.zeros(2, dtype=torch.float64)
+        sums: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # per mesh and sharding: summed over its ranks
         for p, p0, (at, v, _) in zip(params, self._start, self._where):
             term = (self._entries(p, at) - p0) * v
-            here = torch.stack([term.sum(), term.abs().sum()]).cpu()
-            total += dtensors.sum_over_blocks(here, p)
+            here = torch.stack([term.sum(), term.abs().sum()])
+            key = dtensors.sharded_over(p) + (here.device,)
+            sums[key] = (sums[key][0] + here, p) if key in sums else (here, p)
+        total = sum((dtensors.sum_over_blocks(t, like).cpu() for t, like in sums.values()), torch.zeros(2).double())
         return float(total[0]), float(total[1])
 
 
@@ -76,24 +78,20 @@ gradient — on a GPU, the float64 copy of a large model's gradients would not f
 
 def grad_norm(grads: list[torch.Tensor]) -> float:
     """The L2 norm of `grads`, their squares summed in float64 where they live, a chunk at a time — of a
-    DTensor (FSDP2's sharded gradients), the whole tensor's: each block's, summed over its ranks."""
+    DTensor (FSDP2's sharded gradients), the whole tensor's: each block's, summed over its ranks. One host
+    sync per device, not one per gradient."""
     if not grads:
         return float("nan")
-    total = 0.0
-    sharded: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # one reduction per mesh and sharding
+    sums: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # per mesh and sharding: summed over its ranks
     for g in grads:
+        here = dtensors.local(g.detach())
         squares = sum(
-            (chunk.double().square().sum() for chunk in dtensors.local(g.detach()).reshape(-1).split(NORM_CHUNK)),
-            torch.zeros((), dtype=torch.float64, device=dtensors.local(g).device),
+            (chunk.double().square().sum() for chunk in here.reshape(-1).split(NORM_CHUNK)),
+            torch.zeros((), dtype=torch.float64, device=here.device),
         )
-        if (key := dtensors.sharded_over(g)) and key in sharded:
-            sharded[key] = (sharded[key][0] + squares, g)
-        elif key:
-            sharded[key] = (squares, g)
-        else:
-            total += float(squares)
-    for squares, like in sharded.values():
-        total += float(dtensors.sum_over_blocks(squares.reshape(1), like))
+        key = dtensors.sharded_over(g) + (here.device,)
+        sums[key] = (sums[key][0] + squares, g) if key in sums else (squares, g)
+    total = sum(float(dtensors.sum_over_blocks(t.reshape(1), like)) for t, like in sums.values())
     return total**0.5
 
 

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 
 def _nbytes(t) -> int:
@@ -341,3 +342,18 @@ class PeakMemory:
         if self._status is not None:
             os.close(self._status)
             self._status = None
+
+
+def watch_cost(model: torch.nn.Module) -> tuple[PeakMemory, CommCounter | None]:
+    """A script's model (gaeq.script.probe): this process's peak memory from now on, and what its training
+    wrapper sends (attached before its first backward: DDP takes a comm hook only then) — None where it
+    cannot be counted (DDP with a comm hook of the script's own: one hook per model)."""
+    memory = PeakMemory(next(model.parameters()).device)
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return memory, CommCounter()  # a single process sends nothing
+    counter = CommCounter()
+    try:
+        counter.attach(model)
+    except RuntimeError:
+        return memory, None
+    return memory, counter if counter.attached else None

@@ -38,10 +38,27 @@ def test_the_gpu_checks_cpu_dry_run_says_ok_with_every_phase(tmp_path, monkeypat
     assert set(report["phases"]["repeat"]["groups"]) == {"fp32", "bf16@bf16", "fp16@fp16", "ds_fp16@ds_fp16"}
     script = {c["id"]: c["verdict"] for c in report["phases"]["script"]["cells"]}
     assert script["script-w1-mb4-ga8"] == "match" and script["script-w1-mb4-ga8-args_bug_mean_of_means"] == "diverge"
+    assert script["script-w1-mb4-ga8-bf16"] == "match"  # a bf16-autocast script as trained,
+    assert script["script-w1-mb4-ga8-args_bug_mean_of_means"] == "diverge"  # its mistake caught made float32
+    assert report["phases"]["script"]["script_fsdp2_summary"]["match"] == 1  # an FSDP2 script at GA 8
     assert {"torch", "deepspeed"} <= set(report["phases"]["speed"])
     summary = (tmp_path / "summary.txt").read_text()
     assert "CPU dry run" in summary and summary.strip().endswith("OK")
     assert "## speed" in (tmp_path / "report.md").read_text()
+
+
+def test_the_dry_run_says_ok_on_a_cpu_without_fp16(tmp_path, monkeypatch):
+    """A CPU whose DeepSpeed accelerator answers no to fp16 (an AMD EPYC; forced here, whatever this one
+    is): the fp16 groups are skipped with that reason, their baselines have nothing to repeat — said, not
+    counted wrong — and the check says OK."""
+    monkeypatch.setenv("GAEQ_ACCELERATOR_FP16", "no")
+    proc = run([str(CHECK), "--cpu", str(tmp_path)], timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    groups = report["phases"]["repeat"]["groups"]
+    assert "skipped" in groups["fp16@fp16"] and "skipped" in groups["ds_fp16@ds_fp16"]
+    assert "skipped" not in groups["fp32"]
+    assert (tmp_path / "summary.txt").read_text().strip().endswith("OK")
 
 
 def test_a_baseline_trained_twice_is_judged_against_the_tolerance_its_verdicts_used():

@@ -130,11 +130,19 @@ def test_an_fsdp2_script_matches_and_its_mistakes_are_caught_where_they_change_t
     proc, report, _ = fsdp2
     assert proc.returncode == 0, proc.stdout[-3000:]
     cells = cells_by_id(report)
-    for cell in clean(report, "fp32"):
+    for cell in clean(report, "fp32"):  # HSDP (--replicas 2) among them
         assert cell["verdict"] == "match", cell["reason"]
+        assert cell["ran"]["precision"]["switched_off"] == ["FSDP2 MixedPrecisionPolicy(param_dtype=bfloat16)"]
+    # as it trains: its parameters stay float32 DTensors, its modules compute in bf16 — labelled so
+    for cell in clean(report, "bf16"):
+        assert cell["verdict"] == "match", cell["reason"]
+        assert cell["ran"]["precision"]["parameters"] == ["float32"]
+        assert cell["ran"]["compute_dtype"] == "bfloat16"
+    assert "script-w2-mb4-ga4-bf16-args_replicas_2" in cells
     # the grad norm at world 2 is the whole model's (each rank holds half of every gradient): a norm of the
-    # local shards only would be ~1/√2 of the baseline's
+    # local shards only would be ~1/√2 of the baseline's; HSDP's replicas hold the same block (not summed)
     assert cells["script-w2-mb4-ga4"]["max_rel_grad_norm_diff"] < 1e-6
+    assert cells["script-w2-mb4-ga4-args_replicas_2"]["max_rel_grad_norm_diff"] < 1e-6
     caught = {i: (c["verdict"], c["caught_by"]) for i, c in cells.items() if "args_bug" in i}
     assert caught == {
         "script-w1-mb4-ga8-args_bug_loss_not_scaled_for_reduction": ("match", None),  # one rank: nothing averaged
