@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 
 from gaeq.matrix.schema import METRICS
 from gaeq.names import Name
-from gaeq.results.floor import NoiseFloor, envelope, nanmax, rel_diff
+from gaeq.results.floor import Allowed, NoiseFloor, envelope, nanmax, rel_diff
 from gaeq.results.snapshots import KINDS as TENSOR_KINDS
 from gaeq.results.snapshots import TensorComparison
 from gaeq.results.trace import StepRecord
@@ -142,6 +142,12 @@ def compare_traces(
     first: dict[str, tuple[int, str]] = {}  # metric → (step, reason) of its first divergence
     for b, o, d in zip(base, other, diffs):
         loss_tol, grad_tol = tolerances_at(tol, b, floor)
+        if b.loss_resolution or o.loss_resolution:  # losses recorded in bf16/fp16: each known to its resolution
+            loss_tol = Allowed(
+                value=loss_tol.value + b.loss_resolution + o.loss_resolution,
+                by_floor=loss_tol.by_floor,
+                resolution=b.loss_resolution + o.loss_resolution,
+            )
         if b.skipped != o.skipped and "skipped" not in first:
             who = "the cell" if o.skipped else "the baseline"
             first["skipped"] = (d.step, f"{who} skipped the update of step {d.step} (fp16 overflow), the other did not")

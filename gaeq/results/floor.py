@@ -178,9 +178,13 @@ class Allowed:
 
     value: float
     by_floor: bool
+    resolution: float = 0.0
+    """Of `value`: the recorded losses' own resolution (values handed to backward in bf16 or fp16)."""
 
     def describe(self) -> str:
-        return f"tol {self.value:.1e}" + (f" ({FACTOR:g} × the noise floor)" if self.by_floor else "")
+        said = [f"{FACTOR:g} × the noise floor"] if self.by_floor else []
+        said += [f"with {self.resolution:.1e} of the losses' own bf16/fp16 resolution"] if self.resolution else []
+        return f"tol {self.value:.1e}" + (f" ({', '.join(said)})" if said else "")
 
 
 def envelope(constant: float, floor: float | None) -> Allowed:

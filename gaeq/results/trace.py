@@ -37,6 +37,10 @@ class StepRecord:
     """Wall time of this optimizer step (all its micro-steps)."""
     skipped: bool = False
     """The update was skipped: an fp16 gradient overflowed (the loss scale is lowered instead)."""
+    loss_resolution: float = 0.0
+    """How far `loss` may be from the exact sum by the rounding of the values it was summed from: a script's
+    losses handed to backward in bf16 or fp16 are each known to half a unit of their dtype (0: float32 or
+    better, whose rounding the tolerance's constants cover). Two runs' losses are compared within it too."""
     comm_bytes: int | None = 0
     """Bytes rank 0 put through collectives during this step (nccl-tests sizes, gaeq.trainers.cost);
     None: not measured (a script whose training wrapper gaeq does not know)."""

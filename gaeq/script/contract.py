@@ -3,7 +3,8 @@
 ENV = "GAEQ_PROBE"
 """JSON the launch hands every rank: {"out": the cell's directory, "steps": optimizer steps to record,
 "perturbation": an instrument's {"twin_seed", "weight", "unit"} (gaeq.perturb), only for one; "float32": the
-cell is labelled fp32, so its autocast and loss scaler are switched off (gaeq.script.precision)}."""
+cell is labelled fp32, so its autocast and loss scaler are switched off (gaeq.script.precision); "switched_off":
+what the launch itself switched off (a DeepSpeed config's bf16/fp16 section)}."""
 PROBE_FILE = "probe.json"
 """Rank 0's record of what it saw, per optimizer step (written even when the script stops early)."""
 FAILURE_FILE = "probe-failure-rank{rank}.json"

@@ -73,6 +73,7 @@ def prepare(cell: Cell, problem: ProblemSpec, *, run_dir: Path) -> tuple[Path, l
     and what the probe is to record (each launch path adds where the ranks meet)."""
     out = cell_dir(run_dir.resolve(), cell.id)  # absolute: the ranks run in the script's folder
     out.mkdir(parents=True, exist_ok=True)
+    switched_off: list[str] = []
     if problem.script.deepspeed_config is not None:  # the user's config with the cell's batch triple
         config = problem.script.deepspeed_config | {
             "train_batch_size": cell.train_batch_size,
@@ -80,12 +81,14 @@ def prepare(cell: Cell, problem: ProblemSpec, *, run_dir: Path) -> tuple[Path, l
             "gradient_accumulation_steps": cell.grad_accum_steps,
         }
         if cell.dtype == "fp32":  # the float32 run: its mixed-precision sections off (the probe says they were)
-            config |= {k: {**config[k], "enabled": False} for k in ("bf16", "fp16") if config.get(k, {}).get("enabled")}
+            off = [k for k in ("bf16", "fp16") if config.get(k, {}).get("enabled")]
+            config |= {k: {**config[k], "enabled": False} for k in off}
+            switched_off += [f"DeepSpeed {k} section" for k in off]
         atomic_write(out / DEEPSPEED_CONFIG_FILE, json.dumps(config, indent=1), shared=True)  # every launched rank
     values = placeholder_values(cell, problem, out=out)
     for name, content in problem.script.files.items():  # the config files it reads, filled for the split
         atomic_write(out / name, "".join(fill(line, values) for line in content.splitlines(keepends=True)), shared=True)
-    probe = {"out": str(out), "steps": problem.steps, "float32": cell.dtype == "fp32"}
+    probe = {"out": str(out), "steps": problem.steps, "float32": cell.dtype == "fp32", "switched_off": switched_off}
     if cell.perturbation is not None:  # a noise-floor twin's nudge, or an error of known size (gaeq.perturb)
         probe["perturbation"] = dataclasses.asdict(cell.perturbation) | {"unit": ROUNDING_UNIT.get(cell.dtype)}
     env = {"PYTHONUNBUFFERED": "1", **problem.script.env, ENV: json.dumps(probe)}

@@ -86,6 +86,16 @@ class Precision:
         value = loss.detach().double()
         return value if scale is None else value / scale.double()
 
+    def loss_dtype(self, loss: torch.Tensor) -> torch.dtype | None:
+        """The low precision a loss handed to backward was computed in, if any: its own dtype, or — where the
+        model's parameters are bf16/fp16 (DeepSpeed's bf16, a cast model: no autocast to take the loss to
+        float32) — theirs, which its forward and the loss on its logits computed in. Its value is known to
+        half a unit of it; None: float32 or better."""
+        if loss.dtype in (torch.bfloat16, torch.float16):
+            return loss.dtype
+        low = [d for d in self.parameters if d in ("bfloat16", "float16")]
+        return getattr(torch, low[0]) if low else None
+
     def label(self) -> str:
         """gaeq's dtype for what ran."""
         if self.deepspeed:

@@ -110,6 +110,7 @@ class Probe:
         self._calls: list[bool] = []
         """Per module call in progress: whether it is a training call of the model (its inputs are read)."""
         self._first_forward = True
+        self._resolutions: list[torch.Tensor] = []
         self._pending: list[tuple[torch.nn.Module, tuple]] = []
         """Micro-batches received on an accelerator, read at the phase's end (no host sync per forward)."""
         self._sketch = UpdateSketch()
@@ -129,9 +130,11 @@ class Probe:
     @classmethod
     def from_env(cls) -> Probe:
         config = json.loads(os.environ[ENV])
-        return cls(
+        probe = cls(
             Path(config["out"]), int(config["steps"]), config.get("perturbation"), float32=config.get("float32", False)
         )
+        probe.precision.switched_off += config.get("switched_off", [])  # by the launch: a config's sections
+        return probe
 
     def failed(self, exc: BaseException) -> None:
         """The probe's own code raised: written down once, for the launch to read."""
@@ -181,6 +184,8 @@ class Probe:
         if isinstance(tensors, torch.Tensor) and tensors.numel() == 1:
             started = time.perf_counter()
             self.seen.losses.append(self.precision.unscaled(tensors))  # on its device: read at the step's end
+            if (low := self.precision.loss_dtype(tensors)) is not None:  # the value known to half a unit of it
+                self._resolutions.append(self.seen.losses[-1].abs() * torch.finfo(low).eps / 2)
             self.boundary.spent += time.perf_counter() - started
         self.events["backward"] += 1
         newton_schulz.count(loaded_only=True)  # a Muon the script has imported by now: its kernels counted
@@ -301,6 +306,8 @@ class Probe:
         seen, read = self.seen, self.boundary
         seen.ended_by_step(name)
         seen.losses = [float(v) for v in torch.stack(seen.losses).cpu()] if seen.losses else []  # one sync a phase
+        seen.resolution = float(sum(self._resolutions)) if self._resolutions else 0.0
+        self._resolutions = []
         if orthogonalised := newton_schulz.calls() - self._orthogonalised:  # Muon's, this phase on this rank
             seen.newton_schulz = orthogonalised
             if seen.events["backward"]:

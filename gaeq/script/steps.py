@@ -25,6 +25,8 @@ class Seen:
     to backward, the model's rows per call and its samples, the calls made."""
 
     losses: list[float] = field(default_factory=list)
+    resolution: float = 0.0
+    """Half a unit of their dtype, summed over the losses handed to backward in bf16 or fp16."""
     rows: list[int] = field(default_factory=list)
     """Rows of each training call of the model (its micro-batch sizes)."""
     samples: list[str] = field(default_factory=list)
@@ -63,6 +65,7 @@ class Seen:
         """A later phase of the same training step."""
         for name in ("losses", "rows", "samples", "keys", "lengths", "phases"):
             getattr(self, name).extend(getattr(later, name))
+        self.resolution += later.resolution
         self.inputs = self.inputs or later.inputs
         self.exact &= later.exact
         stepped = {e for e in self.events if e.startswith("stepped:")}
@@ -147,6 +150,7 @@ def record(step: int, ranks: list[dict[str, Any]], read: Boundary, *, sketch: tu
     return {
         "step": step,
         "objective": sum(sum(r["losses"]) for r in ranks) / world,  # DDP averages the ranks' gradients
+        "objective_resolution": sum(r["resolution"] for r in ranks) / world,
         "grad_norm": read.grad_norm,
         "lr": read.lr,
         "sketch": sketch[0],
@@ -190,6 +194,7 @@ def write_trace(out, records: list[dict[str, Any]]) -> None:
                 comm_bytes=r["comm_bytes"],
                 peak_mem_bytes=r["peak_mem_bytes"],
                 skipped=r.get("skipped", False),
+                loss_resolution=r.get("objective_resolution", 0.0),
             )
         )
     writer.close()

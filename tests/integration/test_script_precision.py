@@ -154,6 +154,30 @@ def test_an_fsdp2_script_matches_and_its_mistakes_are_caught_where_they_change_t
     }
 
 
+def test_a_deepspeed_bf16_script_matches_within_its_losses_resolution_and_its_mistake_is_caught(tmp_path_factory):
+    """DeepSpeed's bf16 engine, its config's section on: labelled ds_bf16 from the engine; made float32 by
+    the config gaeq writes; its losses (computed from bf16 logits) compared within their own resolution."""
+    spec = yaml.safe_load((REPO / "experiments" / "your_deepspeed_bf16_script.yaml").read_text())
+    spec["script"]["deepspeed_config"] = str(REPO / "experiments" / spec["script"]["deepspeed_config"])
+    proc, report, run_dir = run(tmp_path_factory, "your_deepspeed_bf16_script.yaml", script=spec["script"])
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    for cell in clean(report, "ds_bf16"):
+        assert cell["verdict"] == "match" and cell["ran"]["precision"]["deepspeed"] == "bf16"
+    for cell in clean(report, "fp32"):
+        assert cell["verdict"] == "match", cell["reason"]
+        assert cell["ran"]["precision"]["switched_off"] == ["DeepSpeed bf16 section"]
+    control = cells_by_id(report)["script-w2-mb4-ga4-ds_bf16-args_bug_loss_divided_twice"]
+    assert (control["verdict"], control["caught_by"]) == ("diverge", "loss")
+    assert "of the losses' own bf16/fp16 resolution" in control["reason"]
+    # the resolution is the split's own: half a bf16 unit of each value handed to backward (8 at GA 8)
+    from gaeq.results.trace import read_trace
+
+    base, split = (
+        read_trace(run_dir / "cells" / c) for c in ("script-w1-mb32-ga1-ds_bf16", "script-w1-mb4-ga8-ds_bf16")
+    )
+    assert 0 < base[0].loss_resolution < split[0].loss_resolution < 0.02
+
+
 def test_a_failure_of_gaeqs_probe_is_said_as_gaeqs(tmp_path):
     """A failure planted in the probe's own code (its fingerprint of the weights raises): the cell is an
     error that says gaeq's probe failed and where — never a guess about the script's loop."""
