@@ -132,3 +132,26 @@ def test_a_twins_rows_are_reordered_from_the_models_first_call_keyword_arguments
     assert torch.equal(out, x)  # and its output put back
     model(x=x)  # outside: as it is
     assert seen[1] == list(range(8))
+
+
+def test_the_model_a_script_names_is_the_one_the_instruments_weigh_not_a_teacher_called_first():
+    """gaeq.probe(model=…) names the student: the detection limit's weighting goes on its output, not on a
+    frozen teacher's called before it with requires_grad left on."""
+    import gaeq.perturb as perturb
+
+    torch.manual_seed(0)
+    teacher, student, x = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2), torch.randn(4, 3)
+    with perturb.applied(weight=0.5) as applied:
+        applied.name_model(student)
+        teacher(x).sum().backward()
+        student(x).sum().backward()
+    rows = torch.tensor([1.5, 1.5, 1.0, 1.0]).unsqueeze(1)  # the first half of the rows weighed 1 + 0.5
+    assert torch.allclose(student.weight.grad, (rows * x).sum(0).expand(2, 3))
+    assert torch.allclose(teacher.weight.grad, x.sum(0).expand(2, 3))  # the teacher as it is
+    # the control: unnamed, the first trainable module called is taken for the model — the teacher is weighed
+    teacher.weight.grad = student.weight.grad = None
+    with perturb.applied(weight=0.5):
+        teacher(x).sum().backward()
+        student(x).sum().backward()
+    assert torch.allclose(teacher.weight.grad, (rows * x).sum(0).expand(2, 3))
+    assert torch.allclose(student.weight.grad, x.sum(0).expand(2, 3))
