@@ -15,9 +15,10 @@ small (a DeepSpeed config's bf16/fp16 section gaeq writes is switched off by the
 A cast the script writes itself (``model.to(torch.bfloat16)``) cannot be undone: its parameters' dtype says
 so, and the label check says why.
 
-A loss scaler's skipped update (inf or NaN in the gradients: ``scaler.step`` steps no optimizer) is a
-training step without an update: the probe is told (``on_skipped``) and records it ``skipped``. The
-objective of a scaled loss is read unscaled (the scale it was multiplied by at ``scaler.scale``).
+A loss scaler's skipped update (inf or NaN in the gradients: ``scaler.step`` steps no optimizer; a DeepSpeed
+fp16 engine's step that counts a skipped step) is a training step without an update: the probe is told
+(``on_skipped``) and records it ``skipped``. The objective of a scaled loss is read unscaled (the scale it
+was multiplied by at ``scaler.scale``, or the engine's loss scale).
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ class Precision:
         """The lowest-precision float dtype a module inside the model produced in its first training forward."""
         self._inside = 0
         self._seen_forward = False
+        self._engine = None
+        """A DeepSpeed fp16 engine (its loss scale divides the losses handed to backward)."""
+        self._on_skipped: Callable[[Any], None] | None = None
 
     # --- what the probe tells it ----------------------------------------------------------------
 
@@ -65,7 +69,24 @@ class Precision:
             enabled = getattr(model, f"{'bfloat16' if name == 'bf16' else 'fp16'}_enabled", None)
             if callable(enabled) and enabled():  # a DeepSpeed engine
                 self.deepspeed = name
-                self.loss_scaler = "DeepSpeed fp16" if name == "fp16" else self.loss_scaler
+                if name == "fp16":
+                    self.loss_scaler, self._engine = "DeepSpeed fp16", model
+                    self._watch_engine_steps(model)
+
+    def _watch_engine_steps(self, engine) -> None:
+        """A DeepSpeed fp16 engine's step that overflowed steps no optimizer and counts `skipped_steps`:
+        the probe is told, with the optimizer the engine wraps (its client optimizer)."""
+        take, precision = engine._take_model_step, self
+
+        @functools.wraps(take)
+        def probed_take(*args, **kwargs):
+            before = engine.skipped_steps
+            result = take(*args, **kwargs)
+            if engine.skipped_steps > before and precision._on_skipped is not None:
+                precision._on_skipped(engine.basic_optimizer)
+            return result
+
+        engine._take_model_step = probed_take
 
     def output(self, output) -> None:
         """A module's output inside the model's first training forward: its lowest float dtype noted."""
@@ -84,6 +105,10 @@ class Precision:
         """A loss handed to backward, without the loss scale it was multiplied by (if it was)."""
         scale = self._scaled.pop(id(loss), None)
         value = loss.detach().double()
+        if scale is None and self._engine is not None:  # a DeepSpeed fp16 engine's backward: loss × its scale
+            optimizer = self._engine.optimizer
+            engine_scale = getattr(optimizer, "loss_scale", None) or getattr(optimizer, "cur_scale", None)
+            return value / float(engine_scale) if engine_scale else value
         return value if scale is None else value / scale.double()
 
     def loss_dtype(self, loss: torch.Tensor) -> torch.dtype | None:
@@ -136,6 +161,7 @@ class Precision:
         autocast = torch.amp.autocast_mode.autocast
         init, enter = autocast.__init__, autocast.__enter__
         precision = self
+        self._on_skipped = on_skipped
 
         @functools.wraps(init)
         def probed_init(ctx, device_type, dtype=None, enabled=True, cache_enabled=None):

@@ -227,3 +227,30 @@ def test_a_failure_of_gaeqs_probe_is_said_as_gaeqs(tmp_path):
     (cell,) = report["cells"]
     assert cell["verdict"] == "error" and "gaeq's probe failed" not in cell["reason"]
     assert "ZeroDivisionError: planted" in cell["reason"]  # the script's log tail
+
+
+def test_a_deepspeed_fp16_engines_skipped_steps_are_steps(tmp_path_factory, monkeypatch):
+    """DeepSpeed's fp16 engine from a loss scale of 2^23: its first 3 steps overflow and are skipped (the
+    engine counts them in skipped_steps; its client optimizer never steps) — the same steps in every split,
+    each recorded `skipped`, the objective read without the engine's loss scale. Before, the probe saw no
+    step there and the cell was an error. (DeepSpeed's fp16 on this CPU: forced, emulated.)"""
+    import json
+
+    monkeypatch.setenv("GAEQ_ACCELERATOR_FP16", "yes")
+    spec = yaml.safe_load((REPO / "experiments" / "your_deepspeed_bf16_script.yaml").read_text())
+    spec["script"]["deepspeed_config"] = str(REPO / "experiments" / "scripts" / "ds_config_fp16.json")
+    spec["axes"]["dtype"] = ["fp32", "ds_fp16"]
+    proc, report, run_dir = run(
+        tmp_path_factory, "your_deepspeed_bf16_script.yaml", script=spec["script"], axes=spec["axes"], cells=[],
+        steps=6, detection_limit=False,
+    )  # fmt: skip
+    cells = [c for c in judged(report["cells"]) if c["dtype"] == "ds_fp16"]
+    assert len(cells) == 3 and all(c["verdict"] in ("match", "diverge") for c in cells), proc.stdout[-3000:]
+    fp32 = json.loads((run_dir / "cells" / "script-w1-mb32-ga1" / "probe.json").read_text())["steps"]
+    for cell in cells:
+        assert cell["ran"]["precision"]["loss_scaler"] == "DeepSpeed fp16"
+        steps = json.loads((run_dir / "cells" / cell["id"] / "probe.json").read_text())["steps"]
+        assert [s["skipped"] for s in steps] == [True] * 3 + [False] * 3, cell["id"]
+        assert abs(steps[0]["objective"] - fp32[0]["objective"]) < 1e-2  # unscaled: not × 2^23
+        assert cell["max_rel_grad_norm_diff"] < 1e-3  # the norms of the steps that updated
+    assert all(c["verdict"] == "match" for c in judged(report["cells"]) if c["dtype"] == "fp32")
