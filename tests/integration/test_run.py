@@ -129,6 +129,7 @@ def test_default_matrix_from_the_readme(default_run):
         "samples",
         "seconds",
         "skipped",
+        "loss_resolution",
         "comm_bytes",
         "peak_mem_bytes",
         "model_state_bytes",
