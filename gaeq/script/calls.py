@@ -24,26 +24,22 @@ def patch(probe) -> None:
 
     torch.autograd.backward = probed_backward  # Tensor.backward calls it too
 
-    clip = torch.nn.utils.clip_grad_norm_
+    def read_before(clip):
+        """A clipping function that tells the probe first (it reads the gradients' norm before they are clipped)."""
 
-    @functools.wraps(clip)
-    def probed_clip(parameters, *args, **kwargs):
-        parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        probe._before_clip(parameters)
-        return clip(parameters, *args, **kwargs)
+        @functools.wraps(clip)
+        def probed_clip(parameters, *args, **kwargs):
+            parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+            probe._before_clip(parameters)
+            return clip(parameters, *args, **kwargs)
 
-    torch.nn.utils.clip_grad_norm_ = probed_clip
-    torch.nn.utils.clip_grad.clip_grad_norm_ = probed_clip
+        return probed_clip
 
-    clip_with_norm = torch.nn.utils.clip_grads_with_norm_  # torchtitan's: get_total_norm, then this
-
-    @functools.wraps(clip_with_norm)
-    def probed_clip_with_norm(parameters, *args, **kwargs):
-        parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        probe._before_clip(parameters)
-        return clip_with_norm(parameters, *args, **kwargs)
-
-    torch.nn.utils.clip_grads_with_norm_ = probed_clip_with_norm
+    torch.nn.utils.clip_grad_norm_ = torch.nn.utils.clip_grad.clip_grad_norm_ = read_before(
+        torch.nn.utils.clip_grad_norm_
+    )
+    # torchtitan's clipping: get_total_norm, then this (clip_grad_norm_ calls its own module's, not this name)
+    torch.nn.utils.clip_grads_with_norm_ = read_before(torch.nn.utils.clip_grads_with_norm_)
 
     zero_grad = torch.optim.Optimizer.zero_grad
 
