@@ -118,8 +118,17 @@ class Precision:
         half a unit of it; None: float32 or better."""
         if loss.dtype in (torch.bfloat16, torch.float16):
             return loss.dtype
-        low = [d for d in self.parameters if d in ("bfloat16", "float16")]
-        return getattr(torch, low[0]) if low else None
+        low = self._low_parameters()
+        return getattr(torch, low) if low else None
+
+    def _low_parameters(self) -> str | None:
+        """The model's parameters' low-precision dtype (bfloat16, float16: a cast model, DeepSpeed's), if any."""
+        return next((d for d in self.parameters if d in ("bfloat16", "float16")), None)
+
+    def _computed_in(self) -> str | None:
+        """The low precision the forward ran in without autocast: the parameters', else what the modules
+        produced with float32 parameters (FSDP2's mixed precision, say)."""
+        return self._low_parameters() or (self.produced if self.produced in ("bfloat16", "float16") else None)
 
     def label(self) -> str:
         """gaeq's dtype for what ran."""
@@ -127,10 +136,8 @@ class Precision:
             return f"ds_{self.deepspeed}"
         if self.autocast in ("bfloat16", "float16"):
             return SHORT[getattr(torch, self.autocast)]
-        low = [d for d in self.parameters if d in ("bfloat16", "float16")]
-        if not low and self.produced in ("bfloat16", "float16"):
-            low = [self.produced]  # computed so with float32 parameters: FSDP2's mixed precision, say
-        return SHORT[getattr(torch, low[0])] if low else "fp32"
+        low = self._computed_in()
+        return SHORT[getattr(torch, low)] if low else "fp32"
 
     def compute_dtype(self) -> str:
         """The dtype the forward computed in (the report's `ran` column)."""
@@ -138,8 +145,7 @@ class Precision:
             return self.autocast
         if self.deepspeed:
             return "bfloat16" if self.deepspeed == "bf16" else "float16"
-        low = [d for d in self.parameters if d in ("bfloat16", "float16")]
-        return low[0] if low else self.produced if self.produced in ("bfloat16", "float16") else "float32"
+        return self._computed_in() or "float32"
 
     def facts(self) -> dict[str, Any]:
         return {
