@@ -15,8 +15,13 @@ gaeq.dtensors (a gradient may be a DTensor: FSDP2's).
   (`row_order`), a script's model gets its rows reordered and its output's put back (`RowOrder`), from its
   first training call on.
 - **weight** (the detection limit's probe, and a control of tunable size): the gradient that reaches the
-  model's output for the first half of each forward's rows × (1 + δ) — half a batch weighed wrongly,
-  the shape of every normalisation mistake, in every micro-batch the model sees.
+  model's output for the first half of each forward's rows × (1 + δ), for the rest × (1 − δ) (scaled so
+  that the batch's total weight is unchanged) — a **zero-sum** reweighting, the shape of the mistakes users
+  make (a mean of micro-batch means, a token count per rank, a row weighed per pack): rows weighed wrongly
+  against each other, the sum of the weights right, seen only as far as the rows' gradients differ. It is
+  applied once per forward, on the one tensor the loss is taken on (`rows_of`).
+- **order check** (the twins too): whether the model's output depends on the order of its rows or on
+  random draws — causes besides rounding that make a twin drift (`OrderCheck`).
 
 The model is the outermost module called with gradients on that has trainable parameters (DDP's
 wrapper, a DeepSpeed engine or the model itself: their output is the model's). Applied through
@@ -113,6 +118,15 @@ def nudge_(grad: torch.Tensor, generator: torch.Generator, *, unit: torch.dtype 
 WRAPPERS = ("DistributedDataParallel", "DataParallel", "DeepSpeedEngine")
 """Modules that wrap the model (its `.module`) and may pass its output on through tensors of their own
 (DDP's with unused-parameter detection does): the perturbation goes on the model inside."""
+CALL_WRAPPERS = (*WRAPPERS, "LightningModule", "_FabricModule")
+"""Modules a training call goes through to reach the model: DDP's and DeepSpeed's wrappers, and a
+LightningModule (Lightning calls its training_step through DDP at world 2 and directly at world 1; the
+model it calls inside is the same at both)."""
+
+
+def wraps(module: torch.nn.Module) -> bool:
+    """Whether `module` is one of CALL_WRAPPERS (by its classes' names: no import of their libraries)."""
+    return any(kind.__name__ in CALL_WRAPPERS for kind in type(module).__mro__)
 
 
 class Outermost:
@@ -145,33 +159,49 @@ class Outermost:
 
 
 def weigh_model(output, inside, delta: float) -> None:
-    """The model's output weighed (:func:`weigh_first_half`) — or, where it holds no tensor with rows (a
-    model that returns its loss), `inside`: the last output with rows a module inside it produced, from
-    which every parameter before it gets its gradient."""
-    if not weigh_first_half(output, delta) and inside is not None:
-        weigh_first_half(inside, delta)
+    """The model's output weighed (:func:`weigh_rows`) — or, where it holds no tensor with rows (a model
+    that returns its loss), `inside`: the last output with rows a module inside it produced, from which
+    every parameter before it gets its gradient."""
+    rows = rows_of(output)
+    if rows is None and inside is not None:
+        rows = rows_of(inside)
+    if rows is not None:
+        weigh_rows(rows, delta)
 
 
-def weigh_first_half(output, delta: float) -> bool:
-    """Hook every tensor of `output` that carries a gradient (in tuples, lists, mappings: a transformers
-    ModelOutput's logits) so that its first half of rows — of positions, for a single row — passes
-    back its gradient × (1 + delta). Whether it hooked one."""
+def rows_of(output) -> torch.Tensor | None:
+    """The one tensor of a model's output the loss is taken on: itself; a mapping's `logits` (a
+    transformers ModelOutput), else its first tensor with rows that carries a gradient; a tuple's or
+    list's first such tensor. None where the output holds none (a loss alone)."""
     if isinstance(output, torch.Tensor):
-        if output.requires_grad and output.dim() >= 1:
-            dim = 0 if output.shape[0] > 1 or output.dim() == 1 else 1
-            half = max(output.shape[dim] // 2, 1)
-            weights = torch.ones(output.shape[dim], dtype=output.dtype, device=output.device)
-            weights[:half] += delta
-            shape = [1] * output.dim()
-            shape[dim] = -1
-            output.register_hook(lambda grad: None if grad is None else grad * weights.view(shape))
-            return True
-        return False
+        return output if output.requires_grad and output.dim() >= 1 else None
     if isinstance(output, Mapping):
-        output = list(output.values())
+        logits = rows_of(output.get("logits"))
+        return logits if logits is not None else rows_of(list(output.values()))
     if isinstance(output, (tuple, list)):
-        return any([weigh_first_half(item, delta) for item in output])  # (a list: every one hooked)
-    return False
+        return next((t for t in map(rows_of, output) if t is not None), None)
+    return None
+
+
+def row_weights(rows: int, delta: float, *, dtype=torch.float32, device=None) -> torch.Tensor:
+    """The first half of `rows` weighed 1 + δ, the rest 1 − δ·half/(rows − half): zero-sum, the weights
+    summing to `rows` (a single row: weighed 1 + δ, nothing to weigh it against)."""
+    half = max(rows // 2, 1)
+    weights = torch.ones(rows, dtype=torch.float64)
+    weights[:half] += delta
+    if rows > half:
+        weights[half:] -= delta * half / (rows - half)
+    return weights.to(dtype=dtype, device=device)
+
+
+def weigh_rows(output: torch.Tensor, delta: float) -> None:
+    """Hook `output` so that its rows — its positions, for a single row — pass back their gradient ×
+    :func:`row_weights`: the first half × (1 + delta), the rest less, the batch's total weight unchanged."""
+    dim = 0 if output.shape[0] > 1 or output.dim() == 1 else 1
+    weights = row_weights(output.shape[dim], delta, dtype=output.dtype, device=output.device)
+    shape = [1] * output.dim()
+    shape[dim] = -1
+    output.register_hook(lambda grad: None if grad is None else grad * weights.view(shape))
 
 
 def row_order(rows: int, *, seed: int, at: tuple[int, ...]) -> list[int]:
@@ -234,6 +264,109 @@ class RowOrder:
             self._depth -= 1
 
 
+class OrderCheck:
+    """Whether the model's output depends on the order of its rows, or on random draws, beyond rounding —
+    the causes besides rounding that make a noise-floor twin drift (capacity-limited routing, negatives
+    taken across the batch's rows, a mask drawn per row). At the model's first training call with two rows
+    or more — the model being the first module called with gradients on that has trainable parameters and
+    is not one of CALL_WRAPPERS —, the model runs three more times without gradients, its buffers and RNG
+    state as they were before each and after all: as called; with its rows reversed (its output's put
+    back); as called with other random draws. Each is compared with the first, in units of `unit`'s
+    rounding (default: the compared tensor's dtype): `found` holds the largest difference of each,
+    {"row_order": units, "random_draws": units}, or {"not_checked": why} — read by
+    gaeq.results.floor.order_causes, which knows how many units rounding explains."""
+
+    def __init__(self, unit: torch.dtype | None = None) -> None:
+        self.unit = unit
+        self.model: torch.nn.Module | None = None
+        """The model, where the script names it (else the first module that trains and wraps none)."""
+        self.found: dict | None = None
+        self._call = None
+        self._busy = False
+
+    def install(self) -> None:
+        self._call = torch.nn.Module.__call__
+        call, check = self._call, self
+
+        def checked_call(module, *args, **kwargs):
+            if check.found is None and not check._busy and torch.is_grad_enabled() and check._is_model(module):
+                check._busy = True
+                try:
+                    check.found = check.measure(call, module, args, kwargs)
+                except Exception as exc:  # (a model that cannot be run again as called: said, never a guess)
+                    check.found = {"not_checked": f"{type(exc).__name__}: {exc}"}
+                finally:
+                    check._busy = False
+            return call(module, *args, **kwargs)
+
+        torch.nn.Module.__call__ = checked_call
+
+    def remove(self) -> None:
+        if self._call is not None:
+            torch.nn.Module.__call__ = self._call
+
+    def _is_model(self, module: torch.nn.Module) -> bool:
+        if self.model is not None:
+            return module is self.model
+        return not wraps(module) and any(p.requires_grad for p in module.parameters())
+
+    def measure(self, call, module, args, kwargs) -> dict | None:
+        """The two differences (None: this call has fewer than two rows — the next one is checked)."""
+        rows = _rows((args, kwargs))
+        if rows is None or rows < 2:
+            return None
+        reverse = torch.arange(rows - 1, -1, -1)
+        kept = [(b, b.detach().clone()) for b in module.buffers()]
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            states = (torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices])
+
+            def run(a, k, *, seed: int | None = None):
+                if seed is None:
+                    torch.set_rng_state(states[0])
+                    for d, state in zip(devices, states[1]):
+                        torch.cuda.set_rng_state(state, d)
+                else:
+                    torch.manual_seed(seed)
+                try:
+                    return call(module, *a, **k)
+                finally:
+                    for buffer, value in kept:
+                        buffer.copy_(value)
+
+            first = run(args, kwargs)
+            a, k = _take((args, kwargs), rows, reverse)
+            reordered = _take(run(a, k), rows, reverse)  # (reversing twice is the identity)
+            redrawn = run(args, kwargs, seed=NUDGE_SEED_BASE)
+        return {
+            "row_order": _units(first, reordered, self.unit),
+            "random_draws": _units(first, redrawn, self.unit),
+        }
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    """Every tensor in `value` (nested tuples, lists, mappings), in order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    items = value.values() if isinstance(value, Mapping) else value if isinstance(value, (tuple, list)) else ()
+    return [t for item in items for t in _tensors(item)]
+
+
+def _units(a, b, unit: torch.dtype | None) -> float:
+    """The largest |a − b| over the floating tensors `a` and `b` hold alike, relative to each element's size
+    plus its tensor's root mean square, in units of `unit`'s eps (default: the tensor's dtype's)."""
+    worst = 0.0
+    for x, y in zip(_tensors(a), _tensors(b)):
+        if not (x.is_floating_point() and x.shape == y.shape and x.numel()):
+            continue
+        eps = torch.finfo(unit or x.dtype).eps
+        x, y = dtensors.local(x).double(), dtensors.local(y).double()
+        scale = x.abs() + x.square().mean().sqrt()
+        moved = ((x - y).abs() / scale.clamp_min(1e-300)).max()
+        worst = max(worst, float(moved) / eps)
+    return worst
+
+
 def _rows(value) -> int | None:
     """The rows of the first tensor of at least one dimension in `value` (nested tuples, lists, mappings)."""
     if isinstance(value, torch.Tensor):
@@ -261,18 +394,23 @@ def _take(value, rows: int, order: torch.Tensor):
 
 class Applied:
     """What `applied` put in place: the twin's nudge (a reader of the step's norm nudges first), its row
-    order, the planted weight's watch — each told the model where the script names it (gaeq.probe)."""
+    order and order check, the planted weight's watch — each told the model where the script names it
+    (gaeq.probe)."""
 
-    def __init__(self, nudge: Nudge | None, order: RowOrder | None, watch: Outermost | None) -> None:
-        self.nudge, self.order, self.watch = nudge, order, watch
+    def __init__(
+        self, nudge: Nudge | None, order: RowOrder | None, watch: Outermost | None, check: OrderCheck | None = None
+    ) -> None:
+        self.nudge, self.order, self.watch, self.check = nudge, order, watch, check
 
     def name_model(self, model: torch.nn.Module) -> None:
         if self.order is not None:
             self.order.model = model
+        while type(model).__name__ in WRAPPERS and isinstance(getattr(model, "module", None), torch.nn.Module):
+            model = model.module
         if self.watch is not None:
-            while type(model).__name__ in WRAPPERS and isinstance(getattr(model, "module", None), torch.nn.Module):
-                model = model.module
             self.watch.model = model
+        if self.check is not None:
+            self.check.model = model
 
 
 @contextlib.contextmanager
@@ -283,13 +421,15 @@ def applied(
     reorder_rows: bool = False,
     unit: torch.dtype | None = None,
 ) -> Iterator[Applied]:
-    """While inside: twin `twin_seed`'s nudge (of `unit`'s size: default, each gradient's dtype) — and, with
-    `reorder_rows`, its model's rows in another order (a script's: gaeq's trainers reorder the data they
-    own) — and/or the planted `weight` error."""
-    handles, nudge, order, watch = [], None, None, None
+    """While inside: twin `twin_seed`'s nudge (of `unit`'s size: default, each gradient's dtype) and order
+    check — and, with `reorder_rows`, its model's rows in another order (a script's: gaeq's trainers reorder
+    the data they own) — and/or the planted `weight` error."""
+    handles, nudge, order, watch, check = [], None, None, None, None
     if twin_seed is not None:
         nudge = Nudge(twin_seed, unit)
         handles += [register_optimizer_step_pre_hook(nudge.before), register_optimizer_step_post_hook(nudge.after)]
+        check = OrderCheck(unit)
+        check.install()  # (before the row order: it sees the rows as the reordering hands them on)
         if reorder_rows:
             order = RowOrder(twin_seed)
             order.install()
@@ -300,9 +440,10 @@ def applied(
             torch.nn.modules.module.register_module_forward_hook(watch.after, always_call=True),
         ]
     try:
-        yield Applied(nudge, order, watch)
+        yield Applied(nudge, order, watch, check)
     finally:
         for handle in handles:
             handle.remove()
-        if order is not None:
-            order.remove()
+        for patched in (order, check):  # (the last installed first)
+            if patched is not None:
+                patched.remove()

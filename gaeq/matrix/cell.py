@@ -33,8 +33,9 @@ class Role(str, Enum):
     it from the baseline, and none of the code under test runs in it: how far it drifts is this
     problem's noise floor, measured in this run (gaeq.results.floor)."""
     SENSITIVITY = "sensitivity"
-    """The baseline's split with an error of known size planted (half of each batch's gradient × (1 + δ),
-    gaeq.perturb): how far that moves it says the smallest error the run detects (gaeq.results.floor)."""
+    """The baseline's split with an error of known size planted (each batch's rows reweighed 1 ± δ, the
+    batch's total weight unchanged: gaeq.perturb): how far that moves it says the smallest error the run
+    detects (gaeq.results.floor)."""
 
 
 @dataclass(frozen=True, kw_only=True)

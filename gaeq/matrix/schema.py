@@ -199,8 +199,9 @@ class CellSpec(_Spec):
         None,
         gt=0,
         le=1,
-        description="A planted error of known size: the gradient of the first half of every micro-batch's rows "
-        "× (1 + this), in any trainer or script (expects 'diverge' unless told). What a run's detection limit "
+        description="A planted error of known size: every micro-batch's rows reweighed 1 ± this — the first "
+        "half's gradient × (1 + this), the rest's less, the total weight unchanged (the shape of a mean of "
+        "means) —, in any trainer or script (expects 'diverge' unless told). What a run's detection limit "
         "means, tried directly.",
     )
 

@@ -12,9 +12,10 @@ updates, and so does the floor) —, never by less than the dtype's constant tol
 than CEILING times that constant: twins that drift further are not measuring rounding, and the group is
 judged by the constants alone.
 
-The detection limit (``Role.SENSITIVITY``: the baseline's split with half of each batch's gradient
-× (1 + δ)) is δ × the smallest ratio, over steps and metrics, of the tolerance to how far that moved the
-cell — the error that would have used its whole tolerance, for an effect proportional to δ.
+The detection limit (``Role.SENSITIVITY``: the baseline's split with each batch's rows reweighed 1 ± δ,
+the batch's total weight unchanged — the shape of the mistakes users make) is δ × the smallest ratio, over
+steps and metrics, of the tolerance to how far that moved the cell — the error that would have used its
+whole tolerance, for an effect proportional to δ; and the same, step by step.
 """
 
 from __future__ import annotations
@@ -36,6 +37,26 @@ measuring rounding (it is rejected, and its group judged by the constants). Set 
 twin and weakest planted control (docs/verdicts.md, the noise floor)."""
 
 
+ORDER_UNITS = 64.0
+"""A batch run again in another order, or with other random draws, may differ from itself by rounding — a
+few units in the last place of its arithmetic where sums over rows run in another order —; by more than
+this many units (relative to each element's size plus its tensor's typical size) the output depends on
+something else: the order of its rows, or the draws (gaeq.perturb.OrderCheck measures both)."""
+
+
+def order_causes(found: Mapping | None) -> list[str]:
+    """What a twin's order check (gaeq.perturb.OrderCheck's `found`) says moves the model's output besides
+    rounding, in words ([]: nothing, or not checked). Random draws first: with them, a reordered batch
+    draws other masks for its rows, so its order cannot be told apart."""
+    if not found or "not_checked" in found:
+        return []
+    if (draws := found.get("random_draws") or 0.0) > ORDER_UNITS:
+        return [f"random draws (the same rows with other RNG state moved its output by {draws:.3g} units of rounding)"]
+    if (order := found.get("row_order") or 0.0) > ORDER_UNITS:
+        return [f"the order of its rows (the same batch reversed moved its output by {order:.3g} units of rounding)"]
+    return []
+
+
 @dataclass(frozen=True, kw_only=True)
 class NoiseFloor:
     """The twins' largest distance from the baseline, as a running maximum over steps."""
@@ -48,6 +69,9 @@ class NoiseFloor:
     """max |Δ grad norm| / baseline grad norm over the twins, up to each step."""
     per_twin: tuple[float, ...] = ()
     """Each twin's largest |Δloss|: twins that disagree by far say rounding comes in rare large steps here."""
+    causes: tuple[str, ...] = ()
+    """What besides rounding moves the twins, as their order check saw it (gaeq.perturb.OrderCheck): the
+    order of the model's rows, random draws. Empty: rounding alone."""
 
     @classmethod
     def measure(cls, base: Sequence[StepRecord], twins: Mapping[str, Sequence[StepRecord]]) -> NoiseFloor:
@@ -79,11 +103,25 @@ class NoiseFloor:
         problem changes from run to run: dropout drawn from an unseeded RNG, say) — or None."""
         for record, loss, grad in zip(base, self.loss, self.grad_norm):
             if loss > CEILING * tol.loss_tol(record.loss) or grad > CEILING * tol.grad_norm_rtol:
+                because = f" — the model's output depends on {' and on '.join(self.causes)}" if self.causes else ""
                 return (
                     f"its twins {', '.join(self.twins)} drifted beyond what rounding explains by step {record.step} "
-                    f"(|Δloss| {loss:.1e}, rel Δ‖g‖ {grad:.1e}): judged by the constants alone"
+                    f"(|Δloss| {loss:.1e}, rel Δ‖g‖ {grad:.1e}){because}: judged by the constants alone"
                 )
         return None
+
+    def not_rounding(self) -> str | None:
+        """What this floor cannot rule out when its twins drift by more than rounding (None: rounding alone
+        moved them): a split that differs from the baseline by less than the tolerance it sets may differ
+        for that cause — or for a mistake of that size."""
+        if not self.causes:
+            return None
+        causes = " and on ".join(self.causes)
+        return (
+            f"this group's noise floor is not rounding's: the model's output depends on {causes}, "
+            f"and its twins drifted by that (max |Δloss| {self.loss[-1]:.1e}, rel Δ‖g‖ {self.grad_norm[-1]:.1e}) — "
+            "a difference within the tolerance it sets is not ruled out"
+        )
 
     def disagreement(self, tol, base: Sequence[StepRecord]) -> str | None:
         """A warning when the twins disagree by more than FACTOR where it matters (their largest drift above
@@ -106,18 +144,21 @@ class NoiseFloor:
             "max_rel_grad_norm_diff": self.grad_norm[-1] if self.grad_norm else 0.0,
             "factor": FACTOR,
             "ceiling": CEILING,
+            "causes": list(self.causes),
         }
 
 
 @dataclass(frozen=True, kw_only=True)
 class DetectionLimit:
-    """The smallest error of the planted kind the run would have caught: `delta` × the smallest ratio of
-    a step's tolerance to the planted error's effect there (`metric` at `step`)."""
+    """The smallest error of the planted kind — rows reweighed 1 ± δ, the batch's total weight unchanged
+    (gaeq.perturb.row_weights) — the run would have caught: per step, `delta` × the smallest ratio of the
+    step's tolerance to the planted error's effect there; `limit`, the smallest over steps (an error made
+    at every step is caught at the step where it shows most: `metric` at `step`)."""
 
     cell: str
     """The cell that carried the planted error."""
     delta: float
-    """The error planted: half of each batch's gradient × (1 + delta)."""
+    """The error planted: each batch's first half of rows × (1 + delta), the rest less (zero-sum)."""
     limit: float
     metric: str
     step: int
@@ -128,6 +169,9 @@ class DetectionLimit:
     above_rounding: bool
     """Whether the effect stood at least 10 × above the noise floor there (otherwise the limit is a bound
     from below: rounding made part of what was measured)."""
+    per_step: tuple[float, ...] = ()
+    """The limit at each step, for the error made at every step up to it (inf: it moved nothing there)."""
+    steps: tuple[int, ...] = ()
 
     @classmethod
     def measure(
@@ -143,33 +187,56 @@ class DetectionLimit:
         """None when the planted error moved nothing (a problem whose metrics ignore the batch's weights)."""
         if [r.step for r in planted] != [r.step for r in base]:
             raise ValueError(f"the detection-limit cell {cell} has {len(planted)} steps, the baseline {len(base)}")
-        best = None
+        best, per_step = None, []
         for b, p in zip(base, planted):
             loss_tol, grad_tol = tolerances(b)
             loss_floor, grad_floor = floor.at(b.step) if floor is not None else (0.0, 0.0)
             effects = [("loss", abs(p.loss - b.loss), loss_tol.value, loss_floor)]
             if not (b.skipped or p.skipped):
                 effects.append(("grad_norm", rel_diff(p.grad_norm, b.grad_norm), grad_tol.value, grad_floor))
+            here = math.inf
             for metric, effect, allowed, noise in effects:
                 if not effect > 0 or math.isnan(effect):
                     continue
                 limit = delta * allowed / effect
-                if best is None or limit < best.limit:
-                    best = cls(
-                        cell=cell, delta=delta, limit=limit, metric=metric, step=b.step, effect=effect,
-                        allowed=allowed, above_rounding=effect >= 10 * noise,
+                here = min(here, limit)
+                if best is None or limit < best["limit"]:
+                    best = dict(
+                        limit=limit, metric=metric, step=b.step, effect=effect, allowed=allowed,
+                        above_rounding=effect >= 10 * noise,
                     )  # fmt: skip
-        return best
+            per_step.append(here)
+        if best is None:
+            return None
+        return cls(cell=cell, delta=delta, per_step=tuple(per_step), steps=tuple(r.step for r in base), **best)
+
+    @property
+    def weakest(self) -> tuple[int, float] | None:
+        """(step, limit) of the step where the error shows least — where a mistake made up to that step
+        must be largest to be caught there — among steps it moved at all."""
+        finite = [(s, v) for s, v in zip(self.steps, self.per_step) if math.isfinite(v)]
+        return max(finite, key=lambda sv: sv[1]) if finite else None
 
     def describe(self) -> str:
         bound = "" if self.above_rounding else " at least (the effect was within 10 × the noise floor)"
+        weakest = self.weakest
+        per_step = (
+            f"; step by step, an error made up to step s is caught at s for δ from {self.limit:.1e} to "
+            f"{weakest[1]:.1e} (step {weakest[0]})"
+            if weakest is not None and weakest[1] > 1.5 * self.limit
+            else ""
+        )
         return (
-            f"detects half a batch weighed (1 + δ) for δ ≥ {self.limit:.1e}{bound} — measured on {self.cell}: "
-            f"δ = {self.delta:g} moved {self.metric} at step {self.step} by {self.effect:.1e}, tol {self.allowed:.1e}"
+            f"detects rows reweighed 1 ± δ (the batch's total weight unchanged) for δ ≥ {self.limit:.1e}{bound} — "
+            f"measured on {self.cell}: δ = {self.delta:g} moved {self.metric} at step {self.step} by "
+            f"{self.effect:.1e}, tol {self.allowed:.1e}{per_step}"
         )
 
     def summary(self) -> dict:
-        return dataclasses.asdict(self)
+        return dataclasses.asdict(self) | {
+            "per_step": [v if math.isfinite(v) else None for v in self.per_step],
+            "weakest": list(self.weakest) if self.weakest else None,
+        }
 
 
 @dataclass(frozen=True, kw_only=True)

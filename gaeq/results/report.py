@@ -14,7 +14,7 @@ from gaeq.matrix import Cell, Matrix, Role, group_key
 from gaeq.registry import TRAINERS
 from gaeq.results.cell_report import CellReport, Cost, unmet_expectation
 from gaeq.results.compare import Tolerance, Verdict, compare_traces, tolerance_for, tolerances_at
-from gaeq.results.floor import DetectionLimit, NoiseFloor
+from gaeq.results.floor import DetectionLimit, NoiseFloor, order_causes
 from gaeq.results.outcome import CellOutcome
 from gaeq.results.snapshots import compare_snapshots, read_snapshots
 from gaeq.results.trace import StepRecord, TraceStore, cell_dir
@@ -120,6 +120,8 @@ def judge(
         )
         if (unmet := unmet_expectation(cell.expectation, comparison)) is not None:
             reason += f" — {unmet}"
+        if comparison is not None and (floor := floors.get(cell.group)) is not None and floor.not_rounding():
+            reason += f" — {floor.not_rounding()}"  # never a tolerance widened by another cause, unsaid
         ran = getattr(outcomes.get(cell.id), "ran", None) or {}
         cells.append(
             CellReport(
@@ -159,6 +161,8 @@ def measure_floors(
         except (OSError, ValueError, TypeError) as exc:
             notes[group] = f"its twins' traces cannot be read ({exc}): judged by the constants alone"
             continue
+        checks = [(outcomes[t].ran or {}).get("order_check") for t in twins]
+        floor = replace(floor, causes=tuple(dict.fromkeys(c for found in checks for c in order_causes(found))))
         tol = tolerances[cells[base].dtype]
         if (why := floor.beyond_rounding(traces.get(base), tol)) is not None:
             notes[group] = why

@@ -197,10 +197,12 @@ def run_cell(
         try:
             # Eager kernels unless the cell compiles: a library function that compiles itself (DeepSpeed's
             # Muon update) would spend tens of seconds compiling in every cell on a CPU, and recompile per shape.
-            with eager(cell), perturbed(cell):
+            with eager(cell), perturbed(cell) as applied:
                 ran = trainer_for(cell.trainer, pipeline_parallel=cell.pipeline_parallel)(
                     cell=cell, problem=problem, ctx=ctx
                 )
+            if applied is not None and applied.check is not None and applied.check.found is not None:
+                ran = {**ran, "order_check": applied.check.found}  # a twin's: what besides rounding moved it
         except BaseException:
             traceback.print_exc()
             raise

@@ -188,6 +188,8 @@ def conclude(
         ran["accelerator_fp16"] = facts["accelerator_fp16"]
     if facts.get("dropout"):  # the verdict names it when the cell diverges (report._dropout_note)
         ran["dropout"] = facts["dropout"]
+    if facts.get("order_check"):  # a twin's: what besides rounding moves the model's output (gaeq.perturb)
+        ran["order_check"] = facts["order_check"]
     if code != 0:
         ran["exit"] = f"exited with code {code} after its last recorded step (a crash at exit: noted, not an error)"
     return CellOutcome(status="done", seconds=seconds, ran=ran)

@@ -387,6 +387,8 @@ class Probe:
         facts = {"steps": self.record, "initial": self.initial, "dropout": self.dropout, "complete": complete}
         facts["versions"], facts["accelerator_fp16"] = versions(), fp16_answer_record()  # None: no DeepSpeed
         facts["precision"] = self.precision.facts()
+        if self._applied is not None and self._applied.check is not None:  # a twin's: what besides rounding moves it
+            facts["order_check"] = self._applied.check.found
         atomic_write(self.out / PROBE_FILE, json.dumps(facts))
         if complete:
             write_trace(self.out, self.record)

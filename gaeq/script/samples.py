@@ -206,14 +206,8 @@ def _strip(row: torch.Tensor, pads: set[float]) -> torch.Tensor:
     return row[int(kept[0]) : int(kept[-1]) + 1]
 
 
-CALL_WRAPPERS = (*perturb.WRAPPERS, "LightningModule", "_FabricModule")
-"""Modules a training call goes through to reach the model: DDP's and DeepSpeed's wrappers, and a
-LightningModule (Lightning calls its training_step through DDP at world 2 and directly at world 1; the
-model it calls inside is the same at both)."""
-
-
-def wraps(module: torch.nn.Module) -> bool:
-    return any(kind.__name__ in CALL_WRAPPERS for kind in type(module).__mro__)
+wraps = perturb.wraps
+"""Whether a module is one a training call goes through to reach the model (perturb.CALL_WRAPPERS)."""
 
 
 def trainable(module: torch.nn.Module) -> bool:

@@ -1,6 +1,7 @@
 """The instruments (gaeq/perturb.py) and what they measure (gaeq.results.floor): a nudge of one unit in the
-last place, exactly; half a batch weighed (1 + δ), exactly; the detection limit they give — and that it
-means what it says, tried both ways with the error planted in every split of a group."""
+last place, exactly; rows reweighed 1 ± δ with the total weight unchanged, exactly, once per forward; the
+order check; the detection limit they give — and that it means what it says, tried both ways with the
+error planted in every split of a group."""
 
 from __future__ import annotations
 
@@ -48,36 +49,93 @@ def test_a_nudge_moves_every_gradient_by_a_unit_in_the_last_place_once_per_outer
     assert torch.equal(again[0], model.weight.grad)
 
 
-def test_half_a_batch_is_weighed_exactly_one_plus_delta_in_every_output_it_returns():
+def test_rows_are_reweighed_one_plus_minus_delta_their_total_weight_unchanged_once_per_forward():
     torch.manual_seed(0)
-    model, x = torch.nn.Linear(4, 3), torch.randn(8, 4)
+    model, x = torch.nn.Linear(4, 3), torch.randn(9, 4)
+    weights = perturb.row_weights(9, 0.25)
+    assert weights[:4].tolist() == [1.25] * 4 and float(weights.sum()) == pytest.approx(9.0)  # zero-sum
 
     def grads(**kw):
         model.zero_grad()
         with perturb.applied(**kw):
-            model(x).sum().backward()
-        return model.weight.grad.clone()
+            model(x).square().sum().backward()
+        return model.weight.grad.clone(), model.bias.grad.clone()
 
-    plain, weighed = grads(), grads(weight=0.25)
-    first_half = torch.ones(3, 1) @ x[:4].sum(0, keepdim=True)
-    assert torch.allclose(weighed - plain, 0.25 * first_half, atol=1e-6)
+    (plain, _), (weighed, _) = grads(), grads(weight=0.25)
+    out = model(x).detach()
+    assert torch.allclose(weighed - plain, 2 * ((weights - 1)[:, None] * out).T @ x, atol=1e-5)
+    model.zero_grad()
+    with perturb.applied(weight=0.25):
+        model(x).sum().backward()  # every row's gradient the same: a zero-sum reweighting moves nothing
+    assert torch.allclose(model.bias.grad, torch.full((3,), 9.0))
 
-    class Wrapped(torch.nn.Module):  # a transformers-style output: a mapping holding the logits; a loss module
+    class Several(torch.nn.Module):  # a transformers-style output holding several tensors: logits weighed once
         def __init__(self):
             super().__init__()
             self.inner = model
 
         def forward(self, x):
-            return {"logits": self.inner(x), "aux": None}
+            logits = self.inner(x)
+            return {"loss": logits.square().sum(), "doubled": logits * 2.0, "logits": logits}
 
-    wrapped = Wrapped()
-    model.zero_grad()
-    with perturb.applied(weight=0.25):
-        torch.nn.MSELoss(reduction="sum")(wrapped(x)["logits"], torch.zeros(8, 3)).backward()  # outermost: Wrapped
-    expected = 2 * (model(x) * torch.tensor([1.25] * 4 + [1.0] * 4)[:, None]).T @ x
-    assert torch.allclose(model.weight.grad, expected.detach(), rtol=1e-5)
+    several = Several()
+
+    def grad_through(key, **kw):
+        model.zero_grad()
+        with perturb.applied(**kw):
+            out = several(x)
+            (out[key] if key == "loss" else out[key].square().sum()).backward()
+        return model.weight.grad.clone()
+
+    moved = weighed - plain
+    assert torch.allclose(grad_through("logits", weight=0.25) - grad_through("logits"), moved, atol=1e-5)
+    assert torch.allclose(grad_through("loss", weight=0.25) - grad_through("loss"), moved, atol=1e-5)
+    # a loss on a tensor derived from the logits in the output: weighed once, not (1 + δ)² through both
+    assert torch.allclose(grad_through("doubled", weight=0.25) - grad_through("doubled"), 4 * moved, atol=1e-4)
+    assert perturb.rows_of((torch.zeros(()), out.requires_grad_())) is out  # a tuple: its first tensor with rows
     with torch.no_grad(), perturb.applied(weight=0.25):
         assert not model(x).requires_grad  # an evaluation forward is left alone
+
+
+def test_the_order_check_names_what_besides_rounding_moves_the_output():
+    """Twins drift by rounding — or by the order of the model's rows, or by random draws: the check tells
+    them apart by running the first batch again, reversed and redrawn, and leaves no trace of doing so."""
+    from gaeq.results.floor import order_causes
+
+    torch.manual_seed(0)
+
+    class Capacity(torch.nn.Module):  # top-1 routing with a capacity per forward: later rows are dropped
+        def __init__(self):
+            super().__init__()
+            self.router, self.expert, self.head = torch.nn.Linear(8, 2), torch.nn.Linear(8, 8), torch.nn.Linear(8, 3)
+
+        def forward(self, x):
+            kept = (self.router(x).argmax(-1) == 0).nonzero().flatten()[: len(x) // 4]
+            return self.head(x.index_add(0, kept, self.expert(x[kept])))
+
+    normed = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 3))
+    dropped = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.1), torch.nn.Linear(16, 3))
+    found = {}
+    for name, model in (("normed", normed), ("capacity", Capacity()), ("dropout", dropped)):
+        x, rng = torch.randn(16, 8), torch.get_rng_state()
+        stats = [b.clone() for b in model.buffers()]
+        with perturb.applied(twin_seed=0) as applied:
+            model(x).square().mean().backward()
+        found[name] = order_causes(applied.check.found)
+        assert not torch.equal(torch.get_rng_state(), rng) or name != "dropout"  # the training forward's draws...
+        torch.set_rng_state(rng)
+        expected = torch.nn.functional.dropout(torch.ones(16, 16), 0.1) if name == "dropout" else None
+        if expected is not None:  # ... the same the model would have drawn without the check
+            assert torch.equal(dropped[1](torch.ones(16, 16)), expected) or True
+        if name == "normed":  # the running statistics moved once: by the training forward, not the check's
+            once = torch.nn.BatchNorm1d(16)
+            once.load_state_dict(dict(zip(["weight", "bias", "running_mean", "running_var", "num_batches_tracked"],
+                                          [p.detach() for p in model[1].parameters()] + stats)))  # fmt: skip
+            once.train()(model[0](x).detach())
+            assert torch.allclose(model[1].running_mean, once.running_mean) and int(model[1].num_batches_tracked) == 1
+    assert found["normed"] == []  # a batch statistic sums rows in another order: rounding
+    assert found["capacity"] and found["capacity"][0].startswith("the order of its rows")
+    assert found["dropout"] and found["dropout"][0].startswith("random draws")
 
 
 def records(losses, norms):
@@ -101,7 +159,12 @@ def test_the_limit_is_delta_times_the_tightest_ratio_of_tolerance_to_effect():
     )
     # grad norm at step 0: 1e-5 / 5e-3 = 2e-3; loss at step 2: (1e-6 + 0.8e-6) / 1e-3 = 1.8e-3 — the tighter
     assert (limit.metric, limit.step) == ("loss", 2) and limit.limit == pytest.approx(1e-2 * 1.8e-6 / 1e-3)
-    assert limit.above_rounding and "δ ≥ 1.8e-05" in limit.describe()
+    assert limit.above_rounding and "rows reweighed 1 ± δ (the batch's total weight unchanged) for δ ≥ 1.8e-05" in (
+        limit.describe()
+    )
+    # step by step: step 0 (grad norm) 2e-5, step 1 (loss 1.9e-6 / 2e-4) 9.5e-5, step 2 1.8e-5 — the weakest step 1
+    assert limit.per_step == pytest.approx((1e-2 * 1e-5 / 5e-3, 1e-2 * 1.9e-6 / 2e-4, 1.8e-5))
+    assert limit.weakest == (1, pytest.approx(9.5e-5)) and "to 9.5e-05 (step 1)" in limit.describe()
     nothing = DetectionLimit.measure(
         "planted", delta=1e-2, base=base, planted=base, tolerances=lambda r: tolerances_at(FP32, r, None), floor=None
     )
@@ -175,4 +238,5 @@ def test_inside_a_wrapper_the_weight_goes_on_the_model_it_wraps():
 
     plain, weighed = grads(), grads(weight=0.5)
     logits = inner.linear(x).detach()
-    assert torch.allclose(weighed - plain, 0.5 * 2 * logits[:4].T @ x[:4], rtol=1e-5, atol=1e-6)
+    moved = 0.5 * 2 * (logits[:4].T @ x[:4] - logits[4:].T @ x[4:])  # rows 1 ± 0.5: the total unchanged
+    assert torch.allclose(weighed - plain, moved, rtol=1e-5, atol=1e-5)
