@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from gaeq.results.outcome import CellOutcome, write_outcome
-from gaeq.trainers import RunContext, trainer_for
+from gaeq.trainers import RunContext
 from tests.processes import CHILDREN_OF, gaeq_command, new_tag, run, start_session_fork_server
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -53,7 +53,7 @@ def ga_spec(**overrides) -> dict:
 def run_in_process(matrix, run_dir):
     """Train every runnable cell of a world-size-1 matrix in this process; return their outcomes
     (a cell that raises is an `error`, as in a rank)."""
-    from gaeq.runtime.worker import eager, perturbed
+    from gaeq.runtime.worker import train
 
     outcomes = {}
     for cell in matrix.runnable():
@@ -61,8 +61,7 @@ def run_in_process(matrix, run_dir):
         cell_dir.mkdir(parents=True)
         ctx = RunContext(rank=0, world_size=1, device=torch.device("cpu"), cell_dir=cell_dir, run_dir=run_dir)
         try:
-            with eager(cell), perturbed(cell):  # as a rank runs it (gaeq/runtime/worker.py)
-                ran = trainer_for(cell.trainer)(cell=cell, problem=matrix.problems[cell.variant], ctx=ctx)
+            ran = train(cell, matrix.problems[cell.variant], ctx)  # as a rank trains it
         except Exception as exc:  # noqa: BLE001 - reported like a failed rank
             outcomes[cell.id] = CellOutcome(status="error", seconds=0.0, reason=f"{type(exc).__name__}: {exc}")
         else:

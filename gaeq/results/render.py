@@ -295,7 +295,7 @@ def write_report(run_dir: Path, report: Report, *, figure: str | None = None) ->
 
 INSTRUMENT_NOTES = {
     Role.FLOOR: "measures the noise floor (the baseline, nudged)",
-    Role.SENSITIVITY: "measures the detection limit (the baseline, its rows reweighed 1 ± δ, the total weight unchanged)",
+    Role.SENSITIVITY: "measures the detection limit (the baseline, its rows reweighed 1 ± δ, zero-sum)",
 }
 
 

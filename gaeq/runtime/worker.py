@@ -180,7 +180,7 @@ def run_cell(
 ) -> CellOutcome:
     """Train one cell on this rank, everything it prints going to ``cells/<id>/rank<r>.log``.
     Returns its `done` outcome (seconds, what ran); a failure is printed into that log and re-raised."""
-    from gaeq.trainers import RunContext, trainer_for
+    from gaeq.trainers import RunContext
 
     out = cell_dir(run_dir, cell.id)
     out.mkdir(parents=True, exist_ok=True)
@@ -195,18 +195,27 @@ def run_cell(
             run_dir=run_dir,
         )
         try:
-            # Eager kernels unless the cell compiles: a library function that compiles itself (DeepSpeed's
-            # Muon update) would spend tens of seconds compiling in every cell on a CPU, and recompile per shape.
-            with eager(cell), perturbed(cell) as applied:
-                ran = trainer_for(cell.trainer, pipeline_parallel=cell.pipeline_parallel)(
-                    cell=cell, problem=problem, ctx=ctx
-                )
-            if applied is not None and applied.check is not None and applied.check.found is not None:
-                ran = {**ran, "order_check": applied.check.found}  # a twin's: what besides rounding moved it
+            ran = train(cell, problem, ctx)
         except BaseException:
             traceback.print_exc()
             raise
         return CellOutcome(status="done", seconds=time.perf_counter() - started, ran=ran)
+
+
+def train(cell: Cell, problem: ProblemSpec, ctx: Any) -> dict:
+    """Train `cell` in this rank with its trainer (`ctx`: its gaeq.trainers.RunContext); what ran — a
+    noise-floor twin's with its order check (what besides rounding moves the model's output:
+    gaeq.perturb.OrderCheck)."""
+    from gaeq.trainers import trainer_for
+
+    # Eager kernels unless the cell compiles: a library function that compiles itself (DeepSpeed's
+    # Muon update) would spend tens of seconds compiling in every cell on a CPU, and recompile per shape.
+    with eager(cell), perturbed(cell) as applied:
+        train_cell = trainer_for(cell.trainer, pipeline_parallel=cell.pipeline_parallel)
+        ran = train_cell(cell=cell, problem=problem, ctx=ctx)
+    if applied is not None and applied.check is not None and applied.check.found is not None:
+        ran = {**ran, "order_check": applied.check.found}
+    return ran
 
 
 def eager(cell: Cell) -> contextlib.AbstractContextManager:
