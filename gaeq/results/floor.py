@@ -71,7 +71,7 @@ class NoiseFloor:
     """Each twin's largest |Δloss|: twins that disagree by far say rounding comes in rare large steps here."""
     causes: tuple[str, ...] = ()
     """What besides rounding moves the twins, as their order check saw it (gaeq.perturb.OrderCheck): the
-    order of the model's rows, random draws. Empty: rounding alone."""
+    order of the model's rows, random draws. Empty: rounding alone; else the floor sets no tolerance."""
 
     @classmethod
     def measure(cls, base: Sequence[StepRecord], twins: Mapping[str, Sequence[StepRecord]]) -> NoiseFloor:
@@ -103,24 +103,22 @@ class NoiseFloor:
         problem changes from run to run: dropout drawn from an unseeded RNG, say) — or None."""
         for record, loss, grad in zip(base, self.loss, self.grad_norm):
             if loss > CEILING * tol.loss_tol(record.loss) or grad > CEILING * tol.grad_norm_rtol:
-                because = f" — the model's output depends on {' and on '.join(self.causes)}" if self.causes else ""
                 return (
                     f"its twins {', '.join(self.twins)} drifted beyond what rounding explains by step {record.step} "
-                    f"(|Δloss| {loss:.1e}, rel Δ‖g‖ {grad:.1e}){because}: judged by the constants alone"
+                    f"(|Δloss| {loss:.1e}, rel Δ‖g‖ {grad:.1e}): judged by the constants alone"
                 )
         return None
 
     def not_rounding(self) -> str | None:
-        """What this floor cannot rule out when its twins drift by more than rounding (None: rounding alone
-        moved them): a split that differs from the baseline by less than the tolerance it sets may differ
-        for that cause — or for a mistake of that size."""
+        """Why this floor is not rounding's, where the twins' order check saw another cause (None: it saw
+        none). Such a floor sets no tolerance: a drift of that cause is what a split may really change."""
         if not self.causes:
             return None
-        causes = " and on ".join(self.causes)
         return (
-            f"this group's noise floor is not rounding's: the model's output depends on {causes}, "
-            f"and its twins drifted by that (max |Δloss| {self.loss[-1]:.1e}, rel Δ‖g‖ {self.grad_norm[-1]:.1e}) — "
-            "a difference within the tolerance it sets is not ruled out"
+            f"its twins {', '.join(self.twins)} drifted max |Δloss| {self.loss[-1]:.1e}, rel Δ‖g‖ "
+            f"{self.grad_norm[-1]:.1e}, and not by rounding: the model's output depends on "
+            f"{' and on '.join(self.causes)} — a floor of that would hide what a split changes: judged by the "
+            "constants alone"
         )
 
     def disagreement(self, tol, base: Sequence[StepRecord]) -> str | None:

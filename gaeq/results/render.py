@@ -190,7 +190,7 @@ def floor_lines(report: Report) -> list[str]:
             f"Noise floor {group}: {len(f['twins'])} nudged twin(s) of the baseline drifted max |Δloss| "
             f"{f['max_abs_loss_diff']:.1e}, max rel Δ‖g‖ {f['max_rel_grad_norm_diff']:.1e} by rounding alone; "
             f"tolerances are {f['factor']:g}× that where it is larger than the constants "
-            f"(at most {f['ceiling']:g}× them)" + (f" — but {floor.not_rounding()}" if floor.causes else "")
+            f"(at most {f['ceiling']:g}× them)"
         )
     lines += [
         f"Noise floor {group}: {'warning' if group in report.floors else 'none'} — {why}"

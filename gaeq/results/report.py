@@ -103,7 +103,7 @@ def judge(
     """Compare every cell's trace with the baseline of its dtype group; a divergence that is not the
     one its cell expects says why in its reason."""
     tolerances = dict(tolerances or resolve_tolerances(matrix))
-    floors, notes = measure_floors(matrix, outcomes, traces, tolerances)
+    floors, notes, causes = measure_floors(matrix, outcomes, traces, tolerances)
     limits = measure_detection_limits(matrix, outcomes, traces, tolerances, floors)
     cells = []
     for cell in matrix.cells:
@@ -117,11 +117,10 @@ def judge(
             tracked=tuple(matrix.spec.track),
             floor=floors.get(cell.group),
             twins=matrix.floors.get(cell.group, ()),
+            causes=causes.get(cell.group, ()),
         )
         if (unmet := unmet_expectation(cell.expectation, comparison)) is not None:
             reason += f" — {unmet}"
-        if comparison is not None and (floor := floors.get(cell.group)) is not None and floor.not_rounding():
-            reason += f" — {floor.not_rounding()}"  # never a tolerance widened by another cause, unsaid
         ran = getattr(outcomes.get(cell.id), "ran", None) or {}
         cells.append(
             CellReport(
@@ -144,10 +143,11 @@ def judge(
 
 def measure_floors(
     matrix: Matrix, outcomes: Mapping[str, CellOutcome], traces: TraceStore, tolerances: Mapping[str, Tolerance]
-) -> tuple[dict[str, NoiseFloor], dict[str, str]]:
+) -> tuple[dict[str, NoiseFloor], dict[str, str], dict[str, tuple[str, ...]]]:
     """Each group's noise floor (its twins' distance from its baseline, where all finished and the
-    drift is rounding's); and, for a group whose twins set none, why."""
-    floors, notes = {}, {}
+    drift is rounding's); for a group whose twins set none, why; and what besides rounding moved the
+    twins of a group whose order check saw it (its diverging splits name it)."""
+    floors, notes, causes = {}, {}, {}
     cells = {c.id: c for c in matrix.cells}
     for group, twins in matrix.floors.items():
         base = matrix.baselines[group]
@@ -164,13 +164,14 @@ def measure_floors(
         checks = [(outcomes[t].ran or {}).get("order_check") for t in twins]
         floor = replace(floor, causes=tuple(dict.fromkeys(c for found in checks for c in order_causes(found))))
         tol = tolerances[cells[base].dtype]
-        if (why := floor.beyond_rounding(traces.get(base), tol)) is not None:
+        if (why := floor.not_rounding() or floor.beyond_rounding(traces.get(base), tol)) is not None:
             notes[group] = why
+            causes[group] = floor.causes
         else:
             floors[group] = floor
             if (warning := floor.disagreement(tol, traces.get(base))) is not None:
                 notes[group] = warning
-    return floors, notes
+    return floors, notes, causes
 
 
 def measure_detection_limits(
@@ -250,6 +251,7 @@ def _judge_cell(
     tracked: tuple[str, ...],
     floor: NoiseFloor | None,
     twins: tuple[str, ...] = (),
+    causes: tuple[str, ...] = (),
 ):
     if cell.skip_reason:
         return Verdict.SKIPPED, cell.skip_reason, None
@@ -302,6 +304,7 @@ def _judge_cell(
     reason = "baseline" if cell.id == base_id else comparison.reason
     if comparison.verdict == Verdict.DIVERGE:
         reason += _dropout_note((outcome.ran or {}).get("dropout"), script=TRAINERS[cell.trainer].script)
+        reason += _order_note(causes, (outcome.ran or {}).get("dropout"))
         reason += _short_step_note(traces.get(cell.id), comparison.first_divergent_step, cell.train_batch_size)
         reason += _muon_norm_note(outcome.ran or {}, comparison)
         reason += _trainer_sp_note(outcome.ran or {}, comparison, traces.get(base_id), traces.get(cell.id))
@@ -381,6 +384,17 @@ def _short_step_note(trace: list[StepRecord], step: int | None, batch: int) -> s
     return (
         f" — step {step} held {held} samples, not {batch} (an epoch's short last step): a loop that still ÷ GA "
         f"there is off by {held}/{batch}"
+    )
+
+
+def _order_note(causes: tuple[str, ...], dropout: Mapping | None) -> str:
+    """Why a split of a model whose output depends on its rows' order or on random draws diverges (what
+    the twins' order check measured: gaeq.perturb.OrderCheck) — unless dropout, named on its own, is it."""
+    if not causes or (dropout and all(c.startswith("random draws") for c in causes)):
+        return ""
+    return (
+        f" — the model's output depends on {' and on '.join(causes)}: a split changes which rows share a "
+        "forward and in what order, and so what the model computes"
     )
 
 
