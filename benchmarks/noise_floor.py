@@ -7,8 +7,8 @@
 For each group of the run (a model size × configuration × dtype): the parameters, how far the
 baseline's nudged twins drifted by rounding alone (their max |Δloss| and max rel Δ‖g‖: the floor), the
 largest margin of a correct split (its largest share of its tolerance: < 1 is a match), the smallest
-margin of a planted control (> 1 is caught), and the detection limit — the smallest δ of half a batch
-weighed (1 + δ) the run would have caught — beside what a split with that error planted really showed
+margin of a planted control (> 1 is caught), and the detection limit — the smallest δ of rows reweighed
+1 ± δ (the total weight unchanged) the run would have caught — beside what a split with that error planted really showed
 (weight_error cells: a verdict that contradicts the limit by 3× or more fails the benchmark). A verdict
 holds at a size when the first margin stays below 1 and the second above it.
 

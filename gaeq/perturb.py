@@ -31,7 +31,7 @@ torch's global hooks, so gaeq's trainers and a user's unchanged script are pertu
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -264,6 +264,12 @@ class RowOrder:
             self._depth -= 1
 
 
+ROW_STATE: list[Callable[[list[int]], contextlib.AbstractContextManager]] = []
+"""State a model reads per row besides its arguments (gaeq's indexed dropout reads its rows' sample keys
+from a context variable): each entry, given an order of the rows, a context under which that state
+follows them — the order check reorders it with the rows it reverses."""
+
+
 class OrderCheck:
     """Whether the model's output depends on the order of its rows, or on random draws, beyond rounding —
     the causes besides rounding that make a noise-floor twin drift (capacity-limited routing, negatives
@@ -336,7 +342,10 @@ class OrderCheck:
 
             first = run(args, kwargs)
             a, k = _take((args, kwargs), rows, reverse)
-            reordered = _take(run(a, k), rows, reverse)  # (reversing twice is the identity)
+            with contextlib.ExitStack() as state:
+                for follow in ROW_STATE:
+                    state.enter_context(follow(reverse.tolist()))
+                reordered = _take(run(a, k), rows, reverse)  # (reversing twice is the identity)
             redrawn = run(args, kwargs, seed=NUDGE_SEED_BASE)
         return {
             "row_order": _units(first, reordered, self.unit),

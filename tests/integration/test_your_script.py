@@ -402,4 +402,42 @@ def test_a_mistake_in_every_split_of_your_script_is_caught_and_the_floor_never_r
     assert twins["max_abs_loss_diff"] < 1e-6  # rounding only: the mistake is not in the baseline's split
     limit = report["detection_limits"]["fp32"]
     assert limit["cell"] == "script-w1-mb16-ga1-weight1e-02" and 0 < limit["limit"] < 1e-3
-    assert "Detection limit fp32: detects half a batch weighed (1 + δ) for δ ≥" in proc.stdout
+    assert "Detection limit fp32: detects rows reweighed 1 ± δ (the batch's total weight unchanged) for δ ≥" in (
+        proc.stdout
+    )
+
+
+@pytest.mark.parametrize("capacity", ["1.0", "0"])
+def test_a_model_whose_output_depends_on_its_rows_order_gets_no_floor_of_it_and_says_why(tmp_path, capacity):
+    """experiments/your_moe_capacity_script.yaml: a capacity-limited MoE drops other tokens when a forward
+    holds other rows, so every split diverges — and so would the twins, reordering the baseline's rows:
+    their order check names the cause, the floor of it sets no tolerance (it would hide what the splits
+    change), and each diverging split says why. Without capacity (0) the same model matches everywhere,
+    on a floor of rounding alone."""
+    import yaml
+
+    from tests.conftest import REPO
+    from tests.helpers import gaeq_run_here
+
+    spec = yaml.safe_load((REPO / "experiments" / "your_moe_capacity_script.yaml").read_text())
+    spec["script"]["path"] = str(REPO / "experiments" / "scripts" / "moe_capacity.py")
+    spec["script"]["args"] += ["--capacity_factor", capacity]
+    verdict = "diverge" if capacity != "0" else "match"
+    spec |= {"steps": 3, "cells": [{"world_size": 1, "micro_batch_size": 4, "expect": verdict}]}
+    spec["cells"].append({"world_size": 2, "micro_batch_size": 16, "expect": verdict})  # each rank: half the rows
+    (tmp_path / "moe.yaml").write_text(yaml.safe_dump(spec))
+    proc, report, _ = gaeq_run_here(tmp_path / "moe.yaml", tmp_path / "run")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    splits = [c for c in report["cells"] if c["role"] == "cell" and c["grad_accum_steps"] * c["world_size"] > 1]
+    assert [c["verdict"] for c in splits] == [verdict, verdict]
+    checks = [c["ran"]["order_check"] for c in report["cells"] if c["role"] == "floor"]
+    assert len(checks) == 2
+    if capacity == "0":
+        assert all(c["row_order"] == 0.0 and c["random_draws"] == 0.0 for c in checks)  # bitwise: rounding at most
+        assert report["noise_floors"]["fp32"]["causes"] == []
+        return
+    assert all(c["row_order"] > 1e5 and c["random_draws"] == 0.0 for c in checks), checks
+    assert "fp32" not in report["noise_floors"]  # no tolerance from a drift that is the splits' own change
+    assert "not by rounding: the model's output depends on the order of its rows" in proc.stdout
+    for c in splits:
+        assert c["margin"] > 10 and "the model's output depends on the order of its rows" in c["reason"], c
