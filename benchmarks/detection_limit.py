@@ -6,6 +6,7 @@ third of it: caught in each, and in none.
     python benchmarks/detection_limit.py experiments/ga.yaml experiments/pitfalls.yaml experiments/your_script.yaml
     python benchmarks/detection_limit.py experiments/your_amp_script.yaml --dtype bf16 --dtype fp32
     python benchmarks/detection_limit.py experiments/your_script.yaml --deltas 3e-5,1e-4,1e-3   # a ladder of δ
+    python benchmarks/detection_limit.py experiments/scale.yaml --as-is runs/scale   # the ladder, already run
     python benchmarks/detection_limit.py --tiny      # a tiny matrix: keeps the code working, numbers mean nothing
 
 Each matrix is trained twice with `gaeq run`: as it is (its report states each group's limit), then with
@@ -103,8 +104,10 @@ def planted_spec(spec: dict, cells: list[dict], deltas: dict[str, list[float]], 
     return out
 
 
-def check(matrix: Path, folder: Path, *, dtypes: tuple[str, ...], deltas: list[float] | None) -> list[dict]:
-    """One row per group: its limit and what the planted splits showed."""
+def check(
+    matrix: Path, folder: Path, *, dtypes: tuple[str, ...], deltas: list[float] | None, as_is: Path | None = None
+) -> list[dict]:
+    """One row per group: its limit and what the planted splits showed (`as_is`: the matrix's run, if made)."""
     spec = yaml.safe_load(matrix.read_text())
     if "script" in spec:
         spec["script"]["path"] = str((matrix.parent / spec["script"]["path"]).resolve())
@@ -112,7 +115,10 @@ def check(matrix: Path, folder: Path, *, dtypes: tuple[str, ...], deltas: list[f
             if spec["script"].get(key):
                 spec["script"][key] = str((matrix.parent / spec["script"][key]).resolve())
     (folder / "as_is.yaml").write_text(yaml.safe_dump(spec))
-    first = gaeq_run(folder / "as_is.yaml", folder / "as_is")
+    if as_is is not None:
+        first = json.loads((as_is / "report.json").read_text())
+    else:
+        first = gaeq_run(folder / "as_is.yaml", folder / "as_is")
     limits = {g: lim for g, lim in first.get("detection_limits", {}).items() if g.split("@")[0] in dtypes}
     cells = judged(first, set(limits))
     plant = {g: deltas or [t * lim["limit"] for t in TIMES] for g, lim in limits.items()}
@@ -153,6 +159,7 @@ def main() -> None:
     parser.add_argument("--deltas", help="plant these δ (comma-separated) instead of 3 × and a third of the limit")
     parser.add_argument("--tiny", action="store_true", help="a tiny MLP matrix, 3 steps: the code, not the numbers")
     parser.add_argument("--keep", type=Path, help="train into this folder (kept) instead of a temporary one")
+    parser.add_argument("--as-is", type=Path, help="the (one) matrix's run as it is, already made: its RUN_DIR")
     args = parser.parse_args()
     dtypes = tuple(args.dtype or ["fp32"])
     deltas = [float(d) for d in args.deltas.split(",")] if args.deltas else None
@@ -168,7 +175,7 @@ def main() -> None:
         for i, matrix in enumerate(matrices):
             folder = root / f"{i}-{matrix.stem}"
             folder.mkdir(parents=True, exist_ok=True)
-            rows += check(matrix.resolve(), folder, dtypes=dtypes, deltas=deltas)
+            rows += check(matrix.resolve(), folder, dtypes=dtypes, deltas=deltas, as_is=args.as_is)
     if args.tiny:
         print("tiny run (--tiny): a 3-step MLP, to keep the code working — its numbers mean nothing")
     print("| matrix | group | detects δ ≥ | weakest step (δ) | planted δ | caught | margins |")

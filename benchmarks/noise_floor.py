@@ -3,6 +3,7 @@
     gaeq run --matrix experiments/scale.yaml --out runs/scale
     python benchmarks/noise_floor.py runs/scale            # prints the table, writes docs/noise_floor.png
     python benchmarks/noise_floor.py --tiny     # trains a tiny scale-like run itself; the figure to a temp path
+    python benchmarks/noise_floor.py --long 100 --variants base,gpt_43k --out runs/scale-long   # fp32, 100 steps
 
 For each group of the run (a model size × configuration × dtype): the parameters, how far the
 baseline's nudged twins drifted by rounding alone (their max |Δloss| and max rel Δ‖g‖: the floor), the
@@ -60,6 +61,27 @@ def train_tiny(folder: Path) -> Path:
     return run_dir
 
 
+def train_long(folder: Path, steps: int, variants: list[str] | None) -> Path:
+    """experiments/scale.yaml's fp32 rows (its bf16 cells left out) at `steps` steps — its `variants` only,
+    where named — trained into `folder`/run: the ladder's claims over a long run."""
+    import yaml
+
+    spec = yaml.safe_load((REPO / "experiments" / "scale.yaml").read_text())
+    spec["problem"]["steps"] = steps
+    keep = variants or ["base", *spec["variants"]]
+    spec["variants"] = {name: v for name, v in spec["variants"].items() if name in keep}
+    spec["axes"]["variant"] = [v for v in spec["axes"]["variant"] if v in keep]
+    spec["cells"] = [c for c in spec["cells"] if c.get("dtype", "fp32") == "fp32" and c["variant"] in keep]
+    (folder / "scale_long.yaml").write_text(yaml.safe_dump(spec))
+    run_dir = folder / "run"
+    subprocess.run(
+        [sys.executable, "-m", "gaeq", "run", "--matrix", str(folder / "scale_long.yaml"), "--out", str(run_dir)],
+        cwd=REPO,
+        check=False,  # (a verdict against its expectation exits 1: the table says which)
+    )
+    return run_dir
+
+
 def parameters(run_dir: Path) -> dict[str, int]:
     """variant → parameters of its model, built from the run's own matrix."""
     from gaeq.matrix import load_matrix
@@ -109,7 +131,7 @@ def ladder(run_dir: Path) -> list[dict]:
 
 
 def contradicts(limit: float | None, delta: float, verdict: str) -> bool:
-    """Whether a split with half of each micro-batch weighed (1 + delta) contradicts the detection limit
+    """Whether a split with each micro-batch's rows reweighed 1 ± delta contradicts the detection limit
     measured on the baseline's split: caught at a third of the limit or less, or missed at three times it or
     more (between the two, the split's own samples decide: either verdict agrees)."""
     if limit is None:
@@ -169,7 +191,16 @@ def main() -> None:
         action="store_true",
         help="Train a tiny scale-like run first (2 variants, 2 steps) and read it: for the suite, numbers meaningless.",
     )
+    parser.add_argument("--long", type=int, metavar="STEPS", help="Train the ladder's fp32 rows at STEPS steps first.")
+    parser.add_argument("--variants", help="--long: only these variants (comma-separated; base is the 3 k MLP).")
+    parser.add_argument("--out", type=Path, help="--long: train into this folder (kept).")
     args = parser.parse_args()
+    if args.long:
+        folder = args.out or Path(tempfile.mkdtemp(prefix="gaeq-scale-long-"))
+        folder.mkdir(parents=True, exist_ok=True)
+        run_dir = train_long(folder, args.long, args.variants.split(",") if args.variants else None)
+        table_and_figure(run_dir, args.figure or folder / "noise_floor.png")
+        return
     if args.tiny == (args.run_dir is not None):
         parser.error("give a run directory, or --tiny (which trains its own)")
     if args.tiny:

@@ -163,14 +163,18 @@ def measure_floors(
             continue
         checks = [(outcomes[t].ran or {}).get("order_check") for t in twins]
         floor = replace(floor, causes=tuple(dict.fromkeys(c for found in checks for c in order_causes(found))))
+        unchecked = [f"{t}: {c['not_checked']}" for t, c in zip(twins, checks) if c and "not_checked" in c]
         tol = tolerances[cells[base].dtype]
         if (why := floor.not_rounding() or floor.beyond_rounding(traces.get(base), tol)) is not None:
             notes[group] = why
             causes[group] = floor.causes
         else:
             floors[group] = floor
-            if (warning := floor.disagreement(tol, traces.get(base))) is not None:
-                notes[group] = warning
+            warnings = [floor.disagreement(tol, traces.get(base))]
+            warnings += [f"its twins' order check could not run the model again ({'; '.join(unchecked)}): its "
+                         "floor is taken as rounding's unchecked"] if unchecked else []  # fmt: skip
+            if said := [w for w in warnings if w]:
+                notes[group] = "; ".join(said)
     return floors, notes, causes
 
 
