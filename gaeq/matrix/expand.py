@@ -57,8 +57,12 @@ from gaeq.registry import (
 SENSITIVITY_WEIGHT = 1e-2
 """The error the detection limit is measured with: each batch's rows reweighed 1 ± this (the first half's
 gradient × (1 + this), the rest's less, the batch's total weight unchanged: gaeq.perturb.row_weights) — large
-enough that its effect stands far above rounding at every size of the scale ladder, small enough that
-the effect is still proportional to it (docs/verdicts.md: the detection limit, checked both ways)."""
+enough that its effect stands far above rounding at every size of the scale ladder, small enough that the
+effect is still proportional to it (docs/verdicts.md: the detection limit, checked both ways)."""
+MIXED_SENSITIVITY_WEIGHT = 1e-1
+"""The same for a mixed-precision group (bf16, fp16, ds_*): at 1e-2 its effect stood only a few times above
+bf16's rounding, and the limit it measured was 2.3 × too small (your_amp_script.yaml: a split planted at
+3 × it matched)."""
 
 
 class Expander:
@@ -190,7 +194,8 @@ class Expander:
             if instruments:
                 self.floors[key] = tuple(c.id for c in instruments)
             if detection_limit:  # (its error is meant to be caught: that is what it measures)
-                instruments.append(self.instrument(baseline, Role.SENSITIVITY, weight=SENSITIVITY_WEIGHT))
+                weight = SENSITIVITY_WEIGHT if baseline.dtype == "fp32" else MIXED_SENSITIVITY_WEIGHT
+                instruments.append(self.instrument(baseline, Role.SENSITIVITY, weight=weight))
                 self.sensitivities[key] = instruments[-1].id
             at = self.cells.index(baseline) + 1
             self.cells[at:at] = instruments
