@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import gaeq.perturb as perturb
+import gaeq.rows as rows
 from gaeq.problem.spec import GPTSpec, MLPSpec
 
 _SAMPLE_KEYS: ContextVar[Sequence[int] | None] = ContextVar("gaeq_sample_keys", default=None)
@@ -35,14 +35,14 @@ def sample_keys(keys: Sequence[int]) -> Iterator[None]:
 
 
 def _keys_following(order: list[int]) -> contextlib.AbstractContextManager:
-    """The current sample keys put in `order`, as rows reordered carry them (gaeq.perturb.ROW_STATE)."""
+    """The current sample keys put in `order`, as rows reordered carry them (gaeq.rows.ROW_STATE)."""
     keys = _SAMPLE_KEYS.get()
     if keys is None or len(keys) != len(order):
         return contextlib.nullcontext()
     return sample_keys([keys[i] for i in order])
 
 
-perturb.ROW_STATE.append(_keys_following)
+rows.ROW_STATE.append(_keys_following)
 
 
 class IndexedDropout(nn.Module):

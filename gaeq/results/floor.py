@@ -41,11 +41,11 @@ ORDER_UNITS = 64.0
 """A batch run again in another order, or with other random draws, may differ from itself by rounding — a
 few units in the last place of its arithmetic where sums over rows run in another order —; by more than
 this many units (relative to each element's size plus its tensor's typical size) the output depends on
-something else: the order of its rows, or the draws (gaeq.perturb.OrderCheck measures both)."""
+something else: the order of its rows, or the draws (gaeq.rows.OrderCheck measures both)."""
 
 
 def order_causes(found: Mapping | None) -> list[str]:
-    """What a twin's order check (gaeq.perturb.OrderCheck's `found`) says moves the model's output besides
+    """What a twin's order check (gaeq.rows.OrderCheck's `found`) says moves the model's output besides
     rounding, in words ([]: nothing, or not checked). Random draws first: with them, a reordered batch
     draws other masks for its rows, so its order cannot be told apart."""
     if not found or "not_checked" in found:
@@ -70,7 +70,7 @@ class NoiseFloor:
     per_twin: tuple[float, ...] = ()
     """Each twin's largest |Δloss|: twins that disagree by far say rounding comes in rare large steps here."""
     causes: tuple[str, ...] = ()
-    """What besides rounding moves the twins, as their order check saw it (gaeq.perturb.OrderCheck): the
+    """What besides rounding moves the twins, as their order check saw it (gaeq.rows.OrderCheck): the
     order of the model's rows, random draws. Empty: rounding alone; else the floor sets no tolerance."""
 
     @classmethod

@@ -205,7 +205,7 @@ def run_cell(
 def train(cell: Cell, problem: ProblemSpec, ctx: Any) -> dict:
     """Train `cell` in this rank with its trainer (`ctx`: its gaeq.trainers.RunContext); what ran — a
     noise-floor twin's with its order check (what besides rounding moves the model's output:
-    gaeq.perturb.OrderCheck)."""
+    gaeq.rows.OrderCheck)."""
     from gaeq.trainers import trainer_for
 
     # Eager kernels unless the cell compiles: a library function that compiles itself (DeepSpeed's

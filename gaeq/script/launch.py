@@ -186,7 +186,7 @@ def conclude(
         ran["compute_dtype"], ran["precision"] = precision["compute_dtype"], precision
     if facts.get("accelerator_fp16"):  # what DeepSpeed's accelerator answered to fp16, where the script loaded it
         ran["accelerator_fp16"] = facts["accelerator_fp16"]
-    if facts.get("dropout"):  # the verdict names it when the cell diverges (report._dropout_note)
+    if facts.get("dropout"):  # the verdict names it when the cell diverges (results.notes.dropout_note)
         ran["dropout"] = facts["dropout"]
     if facts.get("order_check"):  # a twin's: what besides rounding moves the model's output (gaeq.perturb)
         ran["order_check"] = facts["order_check"]

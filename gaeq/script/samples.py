@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-import gaeq.perturb as perturb
+import gaeq.rows as rows
 
 IGNORE_INDEX = -100
 """The label ignore index of torch's cross-entropy and of transformers' collators: label padding."""
@@ -206,8 +206,8 @@ def _strip(row: torch.Tensor, pads: set[float]) -> torch.Tensor:
     return row[int(kept[0]) : int(kept[-1]) + 1]
 
 
-wraps = perturb.wraps
-"""Whether a module is one a training call goes through to reach the model (perturb.CALL_WRAPPERS)."""
+wraps = rows.wraps
+"""Whether a module is one a training call goes through to reach the model (gaeq.rows.CALL_WRAPPERS)."""
 
 
 def trainable(module: torch.nn.Module) -> bool:

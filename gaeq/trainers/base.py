@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import gaeq.perturb as perturb
+import gaeq.rows as rows
 from gaeq.bugs import GENERATION_STEPS, Bug
 from gaeq.matrix import Cell
 from gaeq.problem.build import BuiltProblem, build_problem
@@ -184,7 +184,7 @@ class CellProblem:
         positions = self.plan.positions(step=step, micro_step=micro_step, rank=self.data_rank)
         indices = self.plan.samples_at(positions)
         if self.row_order is not None:  # a noise-floor twin: the same samples, in another order
-            order = perturb.row_order(len(indices), seed=self.row_order, at=(step, micro_step))
+            order = rows.row_order(len(indices), seed=self.row_order, at=(step, micro_step))
             positions, indices = [positions[i] for i in order], [indices[i] for i in order]
         inputs, targets = self.built.dataset.batch(indices)
         if self.dtype in HALF_MODEL and inputs.is_floating_point():

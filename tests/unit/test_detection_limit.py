@@ -137,7 +137,7 @@ def test_the_order_check_names_what_besides_rounding_moves_the_output():
 
     indexed = torch.nn.Sequential(torch.nn.Linear(8, 16), models._dropout(0.2, "indexed", seed=1, layer=0))
     with models.sample_keys(list(range(100, 116))), perturb.applied(twin_seed=0) as applied:
-        indexed(torch.randn(16, 8)).sum().backward()  # its masks follow its rows' keys (perturb.ROW_STATE)
+        indexed(torch.randn(16, 8)).sum().backward()  # its masks follow its rows' keys (rows.ROW_STATE)
     assert order_causes(applied.check.found) == [] and applied.check.found["row_order"] == 0.0
     assert found["normed"] == []  # a batch statistic sums rows in another order: rounding
     assert found["capacity"] and found["capacity"][0].startswith("the order of its rows")

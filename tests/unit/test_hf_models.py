@@ -15,7 +15,7 @@ from gaeq.problem.build import build_problem, check_problem
 from gaeq.problem.data import BatchPlan
 from gaeq.problem.hf import INSTALL_HINT, HFModelError, dropouts
 from gaeq.problem.spec import HFModelSpec, ProblemSpec
-from gaeq.results.report import _dropout_note
+from gaeq.results.notes import dropout_note
 from tests.helpers import small_spec
 
 LLAMA = {
@@ -110,9 +110,9 @@ def test_dropouts_are_the_configs_as_given():
     assert dropouts(build_problem(problem(LLAMA)).model) == {}
     quiet = {**GPT2, "config": {**GPT2["config"], "attn_pdrop": 0.0, "embd_pdrop": 0.0, "resid_pdrop": 0.0}}
     assert dropouts(build_problem(problem(quiet)).model) == {}
-    note = _dropout_note({"attn_pdrop": 0.1, "resid_pdrop": 0.1})
+    note = dropout_note({"attn_pdrop": 0.1, "resid_pdrop": 0.1})
     assert "config has dropout (attn_pdrop=0.1, resid_pdrop=0.1): torch's global RNG draws its masks" in note
-    assert _dropout_note({}) == ""
+    assert dropout_note({}) == ""
 
 
 def accumulated_grads(built, plan: BatchPlan, *, count: str) -> list[torch.Tensor]:

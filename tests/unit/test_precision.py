@@ -1,7 +1,7 @@
 """What a script's training computed in (gaeq.script.precision), named as gaeq's dtypes are and checked
 against its cell's label; the float32 run's switches (autocast off, GradScaler disabled) in a process of
 their own (they patch torch for the process's life); a twin's rows reordered from the model's first call,
-keyword arguments too (gaeq.perturb.RowOrder)."""
+keyword arguments too (gaeq.rows.RowOrder)."""
 
 from __future__ import annotations
 
@@ -112,15 +112,15 @@ def test_the_float32_runs_switches_and_a_scalers_skipped_step(code, said):
 def test_a_twins_rows_are_reordered_from_the_models_first_call_keyword_arguments_too():
     import gaeq.perturb as perturb
 
-    seen = []
+    seen, checked = [], []
 
     class Rows(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.w = torch.nn.Parameter(torch.ones(1))
 
-        def forward(self, *, x):
-            seen.append(x[:, 0].tolist())
+        def forward(self, *, x):  # (the twin's order check runs it again first, without gradients)
+            (seen if torch.is_grad_enabled() else checked).append(x[:, 0].tolist())
             return x * self.w
 
     model, x = Rows(), torch.arange(8.0).reshape(8, 1)
@@ -130,6 +130,7 @@ def test_a_twins_rows_are_reordered_from_the_models_first_call_keyword_arguments
     assert torch.nn.Module.__call__ is call  # put back
     assert seen[0] != list(range(8)) and sorted(seen[0]) == list(range(8))  # reordered at the first call
     assert torch.equal(out, x)  # and its output put back
+    assert checked[:2] == [seen[0], seen[0][::-1]] and len(checked) == 3  # as called, reversed, redrawn
     model(x=x)  # outside: as it is
     assert seen[1] == list(range(8))
 
@@ -145,7 +146,7 @@ def test_the_model_a_script_names_is_the_one_the_instruments_weigh_not_a_teacher
         applied.name_model(student)
         teacher(x).sum().backward()
         student(x).sum().backward()
-    rows = torch.tensor([1.5, 1.5, 1.0, 1.0]).unsqueeze(1)  # the first half of the rows weighed 1 + 0.5
+    rows = torch.tensor([1.5, 1.5, 0.5, 0.5]).unsqueeze(1)  # rows reweighed 1 ± 0.5, the total unchanged
     assert torch.allclose(student.weight.grad, (rows * x).sum(0).expand(2, 3))
     assert torch.allclose(teacher.weight.grad, x.sum(0).expand(2, 3))  # the teacher as it is
     # the control: unnamed, the first trainable module called is taken for the model — the teacher is weighed

@@ -259,13 +259,13 @@ def test_a_script_that_stops_short_is_an_error_that_says_where(tmp_path):
 def test_active_dropout_is_named_and_a_diverging_script_cell_says_so():
     import torch
 
-    from gaeq.results.report import _dropout_note
+    from gaeq.results.notes import dropout_note
     from gaeq.script.probe import active_dropout
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.1), torch.nn.Dropout(0.0))
     assert active_dropout(model) == {"1": 0.1}  # p = 0 draws no mask
     assert active_dropout(model.eval()) == {}  # nor does a module in eval mode
-    assert _dropout_note({"1": 0.1}, script=True).startswith(" — your model has active dropout (1=0.1)")
+    assert dropout_note({"1": 0.1}, script=True).startswith(" — your model has active dropout (1=0.1)")
 
 
 def test_a_deepspeed_engines_norm_is_its_zero_optimizers_then_its_own():
