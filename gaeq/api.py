@@ -187,6 +187,7 @@ def run(
     from gaeq.runtime.cells import RunOptions, check_launch
     from gaeq.runtime.events import Event, EventKind, ignore
     from gaeq.runtime.launch import run_all
+    from gaeq.runtime.ops import ensure_built, needed
     from gaeq.runtime.server import warm_up
     from gaeq.script.launchers import launch_mismatch
 
@@ -219,6 +220,8 @@ def run(
         lanes=lanes,
         on_event=on_event,
     )
+    # DeepSpeed's ops built before any deadline starts (first use on this machine; a dead build's lock named)
+    ensure_built(needed([c for c in m.runnable() if c.id not in kept], m.problems), on_event)
     _import_report_libraries_meanwhile()
     outcomes = kept | run_all([c for c in m.runnable() if c.id not in kept], opts, done=kept)
     return judge_run(m, run_dir, outcomes)

@@ -24,8 +24,9 @@ from gaeq.matrix import Matrix, MatrixError
 from gaeq.progress import RunProgress
 from gaeq.results.compare import Verdict
 from gaeq.results.render import cells_table, cost_table, floor_lines, problem_line, verdict_table, versions_line
-from gaeq.results.report import EXIT_BAD_INPUT
+from gaeq.results.report import EXIT_BAD_INPUT, EXIT_RUN_FAILED
 from gaeq.results.tensorboard import TB_ANSWER_URL, TB_DIR
+from gaeq.runtime.ops import StaleBuild
 from gaeq.script.spec import Launcher
 
 app = typer.Typer(
@@ -186,6 +187,9 @@ def run(
             _bad_input(str(exc))
         except MatrixError as exc:
             _bad_input(f"{matrix}: {exc}")
+        except StaleBuild as exc:  # a killed build's lock: named with the command that clears it, never waited on
+            err_console.print(f"[bold red]error[/]: {escape(str(exc))}", highlight=False, soft_wrap=True)
+            raise typer.Exit(EXIT_RUN_FAILED) from None
         except KeyboardInterrupt:
             err_console.print(
                 "[bold red]interrupted[/]: every rank was stopped; finished cells are kept, no report written "

@@ -51,6 +51,11 @@ class RunProgress:
                 f"freed {event.freed_bytes / 2**20:.0f} MB of /dev/shm: {event.freed_segments} all-reduce "
                 "buffer(s) left by gaeq runs that were killed"
             )
+        elif kind == EventKind.BUILD and event.seconds is None:
+            self.say(f"building {event.op}: its first use on this machine (cached after; before any cell starts)")
+            self.progress.update(current, description=f"  building {event.op.split(' (')[0]}", visible=True)
+        elif kind == EventKind.BUILD:
+            self.say(f"built {event.op} in {event.seconds:.0f} s")
         elif kind == EventKind.CONVERT:
             where = f"  ds_to_universal {event.cell_id} @ step {event.step}"
             self.progress.update(current, description=where, visible=True)

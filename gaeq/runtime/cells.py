@@ -15,8 +15,7 @@ from gaeq.results.trace import cell_dir
 from gaeq.runtime.events import Event, EventKind, OnEvent, ignore
 
 DEFAULT_INIT_TIMEOUT_S = 600.0
-"""Joining a group: the first start-up on a fresh machine JIT-builds DeepSpeed's comm op (tens of seconds
-on 2 cores)."""
+"""Joining a group (DeepSpeed's ops are built before, by the parent: gaeq.runtime.ops; a rank loads them)."""
 LOG_TAIL_LINES = 12
 LAUNCHERS = ("local", "torchrun", "deepspeed")
 """Who starts the ranks: gaeq itself, or that launcher (once per world size, on `gaeq worker`)."""

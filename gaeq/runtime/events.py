@@ -24,6 +24,8 @@ class EventKind(Name):
     """ds_to_universal converts a resume source's checkpoint."""
     SHM_FREED = "shm_freed"
     """Shared memory that killed runs left was removed."""
+    BUILD = "build"
+    """DeepSpeed JIT-builds an op the run needs (first use on this machine): `op`; `seconds` once built."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,6 +42,10 @@ class Event:
     """shm_freed: bytes of /dev/shm freed."""
     freed_segments: int = 0
     """shm_freed: how many segments."""
+    op: str | None = None
+    """build: the op being built (gaeq.runtime.ops)."""
+    seconds: float | None = None
+    """build: how long it took, once built (None while it builds)."""
 
 
 OnEvent = Callable[[Event], None]

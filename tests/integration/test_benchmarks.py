@@ -49,6 +49,7 @@ PHASES = {
         "plain launches (target: fewer than 3",
         "probe overhead at",
     ),
+    "suite_time.py": ("folder                tests   seconds", "tests/unit", "unit tests", "slowest tests"),
     "trainer_sequence_parallel.py": ("w1 GA 1 ", "w1 GA 2 ", "sp2 GA 1 ", "sp2 GA 2 ", "× w1 GA 1's"),
     "pipeline_bubble.py": (
         "bubble  theory  p2p KB/step",

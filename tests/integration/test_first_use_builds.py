@@ -1,0 +1,49 @@
+"""A DeepSpeed op's first use on a machine, as a newcomer meets it (gaeq/runtime/ops.py): a lock a killed
+build left is named with the command that clears it, at once — never waited on —; after that command, the
+op is built by `gaeq run` itself before any cell starts, shown as progress, and the run trains."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+import pytest
+import yaml
+
+from gaeq.runtime.ops import STALE_AFTER_S
+from tests.helpers import small_spec
+from tests.processes import gaeq_command, leftovers, new_tag, run
+
+pytestmark = pytest.mark.integration
+
+
+def test_a_dead_builds_lock_is_named_and_a_first_use_build_runs_before_any_cell(tmp_path):
+    extensions = tmp_path / "torch_extensions"  # an empty cache: this machine's first use of the comm op
+    folder = extensions / "deepspeed_shm_comm"
+    folder.mkdir(parents=True)
+    (folder / "lock").touch()  # what a build killed mid-compile leaves: the lock, no library
+    os.utime(folder / "lock", (time.time() - 2 * STALE_AFTER_S,) * 2)
+    spec = small_spec(axes={"trainer": ["deepspeed"], "world_size": [1], "micro_batch_size": [8], "zero_stage": [1]})
+    spec["problem"]["steps"] = 2
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump(spec | {"noise_floor": False, "detection_limit": False}))
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions)}
+    tag = new_tag()
+    try:
+        started = time.perf_counter()
+        stale = run(gaeq_command("run", "--matrix", str(tmp_path / "m.yaml"), "--out", str(tmp_path / "a")),
+                    timeout=120, tag=tag, env=env, capture_output=True, text=True)  # fmt: skip
+        said = stale.stdout + stale.stderr
+        assert stale.returncode == 3, said
+        assert f"rm -rf {folder}" in said and "a killed build's" in said, said
+        assert time.perf_counter() - started < 120 and not (tmp_path / "a" / "report.json").exists()
+        shutil.rmtree(folder)  # the command it named
+        built = run(gaeq_command("run", "--matrix", str(tmp_path / "m.yaml"), "--out", str(tmp_path / "b")),
+                    timeout=900, tag=tag, env=env, capture_output=True, text=True)  # fmt: skip
+        said = built.stdout + built.stderr
+        assert built.returncode == 0, said[-4000:]
+        building = said.index("building ShareMemCommBuilder")
+        assert building < said.index("built ShareMemCommBuilder") and "before any cell starts" in said
+        assert (folder / "deepspeed_shm_comm.so").exists()
+    finally:
+        assert leftovers(tag) == []

@@ -1,0 +1,73 @@
+"""DeepSpeed's ops a run needs (gaeq/runtime/ops.py): which, and a dead build's lock told from a live one."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+import yaml
+
+from gaeq.matrix import load_matrix
+from gaeq.runtime.ops import ASYNC_IO, COMM, CPU_ADAM, FUSED_ADAM, STALE_AFTER_S, needed, stale
+from tests.helpers import small_spec
+from tests.processes import running
+
+
+def ops_of(tmp_path, **overrides) -> list:
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump(small_spec(**overrides)))
+    matrix = load_matrix(tmp_path / "m.yaml")
+    return needed(matrix.runnable(), matrix.problems)
+
+
+def test_the_ops_a_matrix_needs(tmp_path):
+    assert ops_of(tmp_path) == []  # torch alone builds nothing
+    assert ops_of(tmp_path, axes={"trainer": ["torch", "deepspeed"], "zero_stage": [1]}) == [COMM]
+    nvme = {"trainer": "deepspeed", "micro_batch_size": 4, "zero_stage": 3, "offload": "nvme"}
+    assert ops_of(tmp_path, cells=[nvme]) == [COMM, ASYNC_IO]
+    config = {"optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "train_batch_size": 16}
+    mine = ("optimizer", "schedule", "gradient_clipping")  # (the config's, with a deepspeed_config)
+    problem = {k: v for k, v in small_spec()["problem"].items() if k not in mine} | {"deepspeed_config": config}
+    offload = {"trainer": "deepspeed", "micro_batch_size": 4, "zero_stage": 2, "offload": "cpu"}
+    axes = {"trainer": ["deepspeed"], "world_size": [1], "micro_batch_size": [4], "zero_stage": [1]}
+    adam = {"problem": problem, "axes": axes, "cells": [offload]}
+    (tmp_path / "a.yaml").write_text(yaml.safe_dump({**small_spec(), **adam}))
+    matrix = load_matrix(tmp_path / "a.yaml")
+    # DeepSpeed's own Adam, as configured: fused, and its CPU Adam where the optimizer is offloaded
+    assert needed(matrix.runnable(), matrix.problems) == [COMM, FUSED_ADAM, CPU_ADAM]
+
+
+def test_a_lock_is_a_dead_builds_only_when_old_alone_and_no_process_builds_there(tmp_path):
+    folder, library = tmp_path / "async_io", tmp_path / "async_io" / "async_io.so"
+    folder.mkdir()
+    assert not stale(folder, library)  # no lock: nothing to say
+    (folder / "lock").touch()
+    assert not stale(folder, library)  # a fresh lock: a build may have just begun
+    old = time.time() - 2 * STALE_AFTER_S
+    os.utime(folder / "lock", (old, old))
+    assert stale(folder, library)  # old, no library, nobody compiling: a killed build's
+    with running([sys.executable, "-c", "import time; time.sleep(60)", str(folder)]):  # its compiler, say
+        time.sleep(0.2)
+        assert not stale(folder, library)
+    library.touch()
+    assert not stale(folder, library)  # built: the lock is harmless
+
+
+@pytest.mark.parametrize("builder", ["ShareMemCommBuilder"])
+def test_a_planted_dead_lock_is_named_with_the_command_that_clears_it(tmp_path, monkeypatch, builder):
+    """The process that builds reports the stale lock instead of waiting on it (torch's FileBaton would)."""
+    from gaeq.runtime.ops import StaleBuild, ensure_built
+
+    folder = tmp_path / "deepspeed_shm_comm"
+    folder.mkdir()
+    (folder / "lock").touch()
+    os.utime(folder / "lock", (time.time() - 2 * STALE_AFTER_S,) * 2)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    events = []
+    started = time.perf_counter()
+    with pytest.raises(StaleBuild) as caught:
+        ensure_built([COMM], events.append)
+    assert f"rm -rf {folder}" in str(caught.value) and "a killed build's" in str(caught.value)
+    assert events == [] and time.perf_counter() - started < 60  # named at once, nothing built, nothing waited on
