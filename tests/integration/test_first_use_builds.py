@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from subprocess import PIPE
 
 import pytest
 import yaml
@@ -25,21 +26,21 @@ def test_a_dead_builds_lock_is_named_and_a_first_use_build_runs_before_any_cell(
     (folder / "lock").touch()  # what a build killed mid-compile leaves: the lock, no library
     os.utime(folder / "lock", (time.time() - 2 * STALE_AFTER_S,) * 2)
     spec = small_spec(axes={"trainer": ["deepspeed"], "world_size": [1], "micro_batch_size": [8], "zero_stage": [1]})
-    spec["problem"]["steps"] = 2
+    spec["problem"] |= {"steps": 3, "schedule": {"name": "constant"}}
     (tmp_path / "m.yaml").write_text(yaml.safe_dump(spec | {"noise_floor": False, "detection_limit": False}))
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions)}
     tag = new_tag()
     try:
         started = time.perf_counter()
         stale = run(gaeq_command("run", "--matrix", str(tmp_path / "m.yaml"), "--out", str(tmp_path / "a")),
-                    timeout=120, tag=tag, env=env, capture_output=True, text=True)  # fmt: skip
+                    timeout=120, tag=tag, env=env, stdout=PIPE, stderr=PIPE, text=True)  # fmt: skip
         said = stale.stdout + stale.stderr
         assert stale.returncode == 3, said
         assert f"rm -rf {folder}" in said and "a killed build's" in said, said
         assert time.perf_counter() - started < 120 and not (tmp_path / "a" / "report.json").exists()
         shutil.rmtree(folder)  # the command it named
         built = run(gaeq_command("run", "--matrix", str(tmp_path / "m.yaml"), "--out", str(tmp_path / "b")),
-                    timeout=900, tag=tag, env=env, capture_output=True, text=True)  # fmt: skip
+                    timeout=900, tag=tag, env=env, stdout=PIPE, stderr=PIPE, text=True)  # fmt: skip
         said = built.stdout + built.stderr
         assert built.returncode == 0, said[-4000:]
         building = said.index("building ShareMemCommBuilder")
