@@ -36,16 +36,13 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 import gaeq.dtensors as dtensors
 from gaeq.rows import TWIN_SEED_BASE, OrderCheck, RowOrder, unwrap
 
-NUDGE_SEED_BASE = TWIN_SEED_BASE
-"""Twin k's signs come from a generator seeded NUDGE_SEED_BASE + k."""
-
 
 class Nudge:
     """Each gradient × (1 ± eps of its dtype, or of `unit`) before the outermost optimizer step, signs
     from a seeded generator (on the CPU, so every device draws the same signs)."""
 
     def __init__(self, seed: int, unit: torch.dtype | None = None) -> None:
-        self.generator = torch.Generator().manual_seed(NUDGE_SEED_BASE + seed)
+        self.generator = torch.Generator().manual_seed(TWIN_SEED_BASE + seed)  # twin k: its own signs
         self.unit = unit
         self.depth = 0
         self._nudged: set[int] = set()

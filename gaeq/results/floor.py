@@ -44,6 +44,10 @@ this many units (relative to each element's size plus its tensor's typical size)
 something else: the order of its rows, or the draws (gaeq.rows.OrderCheck measures both)."""
 
 
+RANDOM_DRAWS = "random draws"
+"""How a cause that is the draws begins (a dropout the report names on its own is one)."""
+
+
 def order_causes(found: Mapping | None) -> list[str]:
     """What a twin's order check (gaeq.rows.OrderCheck's `found`) says moves the model's output besides
     rounding, in words ([]: nothing, or not checked). Random draws first: with them, a reordered batch
@@ -51,7 +55,9 @@ def order_causes(found: Mapping | None) -> list[str]:
     if not found or "not_checked" in found:
         return []
     if (draws := found.get("random_draws") or 0.0) > ORDER_UNITS:
-        return [f"random draws (the same rows with other RNG state moved its output by {draws:.3g} units of rounding)"]
+        return [
+            f"{RANDOM_DRAWS} (the same rows with other RNG state moved its output by {draws:.3g} units of rounding)"
+        ]
     if (order := found.get("row_order") or 0.0) > ORDER_UNITS:
         return [f"the order of its rows (the same batch reversed moved its output by {order:.3g} units of rounding)"]
     return []

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from gaeq.results.floor import RANDOM_DRAWS
 from gaeq.results.trace import StepRecord
 
 
@@ -86,7 +87,7 @@ def short_step_note(trace: list[StepRecord], step: int | None, batch: int) -> st
 def order_note(causes: tuple[str, ...], dropout: Mapping | None) -> str:
     """Why a split of a model whose output depends on its rows' order or on random draws diverges (what
     the twins' order check measured: gaeq.rows.OrderCheck) — unless dropout, named on its own, is it."""
-    if not causes or (dropout and all(c.startswith("random draws") for c in causes)):
+    if not causes or (dropout and all(c.startswith(RANDOM_DRAWS) for c in causes)):
         return ""
     return (
         f" — the model's output depends on {' and on '.join(causes)}: a split changes which rows share a "

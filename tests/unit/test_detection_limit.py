@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import gaeq.perturb as perturb
+import gaeq.rows as rows
 from gaeq.matrix import load_matrix
 from gaeq.results.compare import DEFAULT_TOLERANCES, tolerances_at
 from gaeq.results.floor import DetectionLimit, NoiseFloor
@@ -45,7 +46,7 @@ def test_a_nudge_moves_every_gradient_by_a_unit_in_the_last_place_once_per_outer
     assert all(torch.equal(p.grad, n) for p, n in zip(model.parameters(), nudged))
     again = [b.clone() for b in before]
     for g in again:  # the same seed, the same signs
-        perturb.nudge_(g, torch.Generator().manual_seed(perturb.NUDGE_SEED_BASE))
+        perturb.nudge_(g, torch.Generator().manual_seed(rows.TWIN_SEED_BASE))
     assert torch.equal(again[0], model.weight.grad)
 
 
