@@ -14,6 +14,7 @@ Two halves:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -153,7 +154,9 @@ def run_launched_group(*, world_size: int, cells: Sequence[Cell], opts: RunOptio
     port = dist.free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.setdefault("DS_ACCELERATOR", "cuda" if dist.has_cuda() else "cpu")
-    with shm.group_on(port):  # a marker while it runs; DeepSpeed's shm segments freed after
+    with contextlib.ExitStack() as groups:
+        for each in _ports(port, cells=cells, opts=opts):  # a marker while it runs; DeepSpeed's segments freed after
+            groups.enter_context(shm.group_on(each))
         with log.open("ab") as out:
             # Its own session: a stalled or interrupted launch is killed with every rank it started.
             # (It dies with gaeq, too: a killed gaeq cannot kill it.)
@@ -170,6 +173,15 @@ def run_launched_group(*, world_size: int, cells: Sequence[Cell], opts: RunOptio
             return _watch(proc, cells=cells, world_size=world_size, log=log, opts=opts)
         finally:
             _stop(proc)
+
+
+def _ports(base: int, *, cells: Sequence[Cell], opts: RunOptions) -> list[int]:
+    """Every port a launch on `base` meets on: a user's script cells each on one of their own."""
+    if all(opts.problems[cell.variant].script is None for cell in cells):
+        return [base]
+    from gaeq.script.launched import cell_port
+
+    return [base] + [cell_port(base, k) for k in range(len(cells))]
 
 
 def worker_command(opts: RunOptions, *, world_size: int, port: int, cells: Sequence[Cell]) -> list[str]:
@@ -201,8 +213,10 @@ def _watch(
             if outcome.status != "done":  # the failing rank exits; the launcher stops the rest
                 _wait(proc, seconds=30)
                 break
-            if pending:
-                opts.on_event(Event(kind=EventKind.START, world_size=world_size, cell_id=pending[0].id))
+            if not pending:  # the ranks end on their own: one killed mid-teardown leaves behind what it frees
+                _wait(proc, seconds=30)
+                break
+            opts.on_event(Event(kind=EventKind.START, world_size=world_size, cell_id=pending[0].id))
             deadline = time.monotonic() + opts.timeout_s
             continue
         code = proc.poll()

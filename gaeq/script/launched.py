@@ -39,6 +39,11 @@ AGENT_ONLY = ("TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE")
 """What torchrun tells its workers about its agent, which a script cell's group does not use."""
 
 
+def cell_port(base: int, k: int) -> int:
+    """The port the `k`-th script cell of a launch on `base` meets on: a fresh group per cell."""
+    return base + 1 + k
+
+
 def run_launched_script_cells(cells: Sequence[Cell], *, problem: ProblemSpec, run_dir: Path, timeout_s: float) -> int:
     """This rank's part of every script cell of `cells`, one after another: 0 when each finished, 1
     when one failed (its outcome says why; the rank exits and the launcher stops the others)."""
@@ -47,7 +52,7 @@ def run_launched_script_cells(cells: Sequence[Cell], *, problem: ProblemSpec, ru
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # the launcher stops its workers: each stops its script
     for k, cell in enumerate(cells):
         out, args, env = prepare(cell, problem, run_dir=run_dir)
-        port = base + 1 + k
+        port = cell_port(base, k)
         env = {key: value for key, value in os.environ.items() if key not in AGENT_ONLY} | env
         env |= {"MASTER_PORT": str(port), **_launcher_extras(problem.script.launcher, env)}
         started = time.perf_counter()
@@ -59,8 +64,8 @@ def run_launched_script_cells(cells: Sequence[Cell], *, problem: ProblemSpec, ru
             cwd=problem.script.cwd,
             log=rank_log(out, rank),
             timeout_s=timeout_s,
+            port=port,
         )
-        shm.release_shm_buffers(addr=os.environ["MASTER_ADDR"], port=port, rank=rank)  # DeepSpeed's comm op
         seconds = time.perf_counter() - started
         if rank != 0:  # rank 0 concludes; another rank reports only a failure before the trace was published
             if code == 0 or (out / TRACE_FILE).is_file():
@@ -97,9 +102,12 @@ def _launcher_extras(launcher: Launcher, env: dict[str, str]) -> dict[str, str]:
     return {key: value for key, value in ours.items() if key.startswith("ACCELERATE_") and key not in env}
 
 
-def _run_rank(cmd: list[str], *, env: dict[str, str], cwd: str, log: Path, timeout_s: float) -> int | None:
+def _run_rank(
+    cmd: list[str], *, env: dict[str, str], cwd: str, log: Path, timeout_s: float, port: int
+) -> int | None:
     """Run one rank of the script: its exit code, or None when it ran past `timeout_s` (then it is
-    killed). It runs in a session of its own, which goes with it — and with this rank, however that ends."""
+    killed). It runs in a session of its own, which goes with it — and with this rank, however that
+    ends; so does the shared memory DeepSpeed's comm op made for it (on a cluster nobody else frees it)."""
     with log.open("ab") as out:
         proc = subprocess.Popen(
             cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -115,6 +123,7 @@ def _run_rank(cmd: list[str], *, env: dict[str, str], cwd: str, log: Path, timeo
         except (ProcessLookupError, PermissionError):
             pass
         proc.wait()
+        shm.release_shm_buffers(addr=env["MASTER_ADDR"], port=port, rank=int(env["RANK"]))
 
 
 def _exit_on_sigterm(signum, frame) -> None:

@@ -3,6 +3,8 @@ its probe saw compared with the baseline's — all without launching it (tests/i
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import yaml
 
@@ -12,6 +14,7 @@ from gaeq.script.launchers import worker_args, worker_env
 from gaeq.script.spec import Launcher
 from gaeq.script.verdict import ran_another_split, script_checks
 from tests.conftest import REPO
+from tests.helpers import small_spec
 
 SCRIPT = REPO / "experiments" / "scripts" / "ddp_manual.py"
 
@@ -563,3 +566,30 @@ def test_a_ranks_threads_are_what_its_launcher_gives_at_each_world_size():
         (Launcher.DEEPSPEED, 1): None,
         (Launcher.DEEPSPEED, 2): None,
     }
+
+
+def test_a_launched_script_ranks_shared_memory_goes_with_it_and_the_parent_frees_every_cells_port(tmp_path):
+    """Under `--launcher deepspeed|torchrun` each script cell meets on a port of its own: a rank frees
+    its script's DeepSpeed segment however the script ended (finished, ran past its deadline), and the
+    parent frees every such port's — a rank the launcher killed mid-teardown frees nothing."""
+    from gaeq.runtime import shm
+    from gaeq.runtime.cells import RunOptions
+    from gaeq.runtime.dist import free_port
+    from gaeq.runtime.external import _ports
+    from gaeq.script.launched import _run_rank, cell_port
+
+    port = free_port()
+    env = {**os.environ, "MASTER_ADDR": shm.LOCALHOST, "RANK": "1"}
+    for cmd, timeout_s, code in ([["true"], 10, 0], [["sleep", "30"], 0.2, None]):
+        planted = shm.SHM_DIR / f"deepspeed_allreduce_buffer_{os.getuid()}_{shm.LOCALHOST}_{port}_1"
+        planted.write_bytes(b"")  # what DeepSpeed's comm op makes in the script's rank 1
+        ran = _run_rank(cmd, env=env, cwd=str(tmp_path), log=tmp_path / "log", timeout_s=timeout_s, port=port)
+        assert ran == code and not planted.exists()
+
+    m = script_matrix(tmp_path)
+    opts = RunOptions(problems=m.problems, run_dir=tmp_path / "run", timeout_s=60)
+    cells = [c for c in m.cells if c.world_size == 2]
+    assert _ports(port, cells=cells, opts=opts) == [port] + [cell_port(port, k) for k in range(len(cells))]
+    (tmp_path / "own.yaml").write_text(yaml.safe_dump(small_spec()))
+    own = load_matrix(tmp_path / "own.yaml")
+    assert _ports(port, cells=own.cells, opts=RunOptions(problems=own.problems, run_dir=tmp_path, timeout_s=60)) == [port]
