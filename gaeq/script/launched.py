@@ -102,9 +102,7 @@ def _launcher_extras(launcher: Launcher, env: dict[str, str]) -> dict[str, str]:
     return {key: value for key, value in ours.items() if key.startswith("ACCELERATE_") and key not in env}
 
 
-def _run_rank(
-    cmd: list[str], *, env: dict[str, str], cwd: str, log: Path, timeout_s: float, port: int
-) -> int | None:
+def _run_rank(cmd: list[str], *, env: dict[str, str], cwd: str, log: Path, timeout_s: float, port: int) -> int | None:
     """Run one rank of the script: its exit code, or None when it ran past `timeout_s` (then it is
     killed). It runs in a session of its own, which goes with it — and with this rank, however that
     ends; so does the shared memory DeepSpeed's comm op made for it (on a cluster nobody else frees it)."""

@@ -592,4 +592,5 @@ def test_a_launched_script_ranks_shared_memory_goes_with_it_and_the_parent_frees
     assert _ports(port, cells=cells, opts=opts) == [port] + [cell_port(port, k) for k in range(len(cells))]
     (tmp_path / "own.yaml").write_text(yaml.safe_dump(small_spec()))
     own = load_matrix(tmp_path / "own.yaml")
-    assert _ports(port, cells=own.cells, opts=RunOptions(problems=own.problems, run_dir=tmp_path, timeout_s=60)) == [port]
+    mine = RunOptions(problems=own.problems, run_dir=tmp_path, timeout_s=60)
+    assert _ports(port, cells=own.cells, opts=mine) == [port]
