@@ -53,6 +53,10 @@ TINY = {
 """--cpu: the problem at its smallest (the phases and their code unchanged)."""
 
 
+PHASES = ("equivalence", "repeat", "script", "speed")
+"""In the order they run (repeat reads equivalence's report)."""
+
+
 def gaeq(*args: str, log: Path) -> int:
     """`gaeq …` as its user types it, its output in `log`."""
     with log.open("w") as out:
@@ -279,13 +283,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--cpu", action="store_true", help="Every phase at its smallest, on the CPU (the suite).")
+    parser.add_argument(
+        "--phases", default=",".join(PHASES), help=f"Which phases, comma-separated (default: all, {','.join(PHASES)})."
+    )
     args = parser.parse_args()
+    chosen = args.phases.split(",")
+    if unknown := [name for name in chosen if name not in PHASES]:
+        parser.error(f"no phase {', '.join(unknown)}: one of {', '.join(PHASES)}")
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     env = environment()
     if not args.cpu and env["gpus"] == 0:
         sys.exit("no CUDA device: run with --cpu for the dry run")
-    phases = {
+    phases = {  # PHASES, each
         "equivalence": lambda: equivalence(out, cpu=args.cpu, gpus=env["gpus"]),
         "repeat": lambda: repeat(out),
         "script": lambda: script(out, cpu=args.cpu),
@@ -293,6 +303,8 @@ def main() -> None:
     }
     results: dict = {"environment": env, "cpu": args.cpu, "phases": {}}
     for name, phase in phases.items():
+        if name not in chosen:
+            continue
         started = time.perf_counter()
         print(f"{name} …", flush=True)
         try:

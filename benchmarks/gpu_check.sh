@@ -3,7 +3,7 @@
 #
 #   benchmarks/gpu_check.sh --prepare WHEELS_DIR [--python 3.12]   # where pip reaches a registry: the wheels
 #   benchmarks/gpu_check.sh --wheels WHEELS_DIR OUT_DIR              # on the GPU machine, no network needed
-#   benchmarks/gpu_check.sh --cpu OUT_DIR                            # the same phases at their smallest (the suite)
+#   benchmarks/gpu_check.sh --cpu OUT_DIR [--phases a,b]             # the same phases at their smallest (the suite)
 #
 # The GPU machine brings its own CUDA build of PyTorch (any version: the report prints the ones that ran);
 # the wheels add what such an image lacks: gaeq, DeepSpeed (without prebuilt ops: nothing of it is compiled
@@ -65,7 +65,9 @@ case "${1:-}" in
         cd "$REPO" && exec python3 benchmarks/gpu_check.py "$@"
         ;;
     --cpu)
-        cd "$REPO" && exec python3 benchmarks/gpu_check.py "$2" --cpu
+        out="$2"
+        shift 2
+        cd "$REPO" && exec python3 benchmarks/gpu_check.py "$out" --cpu "$@"
         ;;
     -h|--help|"")
         sed -n '2,14p' "$0"

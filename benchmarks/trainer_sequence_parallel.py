@@ -5,7 +5,7 @@ DeepSpeed as installed) without gaeq: the independent witness of experiments/seq
 `hf_deepspeed` cells, whose verdicts gaeq computes (docs/sequence-parallel.md).
 
     python benchmarks/trainer_sequence_parallel.py            # 4 runs of 4 steps, ~1 minute on 2 cores
-    python benchmarks/trainer_sequence_parallel.py --tiny     # 2 steps, for the suite: its numbers mean nothing
+    python benchmarks/trainer_sequence_parallel.py --tiny     # 2 runs of 2 steps, for the suite: numbers mean nothing
 
 A Llama of 2 layers (hidden 32, 4 heads, sdpa), 64 samples of 32 tokens with 8–31 valid labels each (the
 rest -100) and position_ids (Ulysses requires them), AdamW at a constant lr, clipping off (so the grad norm
@@ -29,6 +29,8 @@ TINY = "tiny run (--tiny): the smallest sizes, to keep the code working — its 
 SEQ, SAMPLES, BATCH = 32, 64, 8
 RUNS = {"w1 GA 1": (1, 1), "w1 GA 2": (1, 2), "sp2 GA 1": (2, 1), "sp2 GA 2": (2, 2)}
 """name → (sp, GA): the global batch of 8 always, micro-batches of 8 ÷ GA on each rank."""
+TINY_RUNS = ("w1 GA 1", "sp2 GA 2")
+"""--tiny: the reference and one run of each other kind (a launch at sp 2, GA > 1) — every code path."""
 
 
 def worker(sp: int, ga: int, steps: int, out: Path) -> None:
@@ -124,7 +126,8 @@ def main() -> None:
         print(TINY, flush=True)
     steps = 2 if args.tiny else 4
     with tempfile.TemporaryDirectory() as folder:
-        rows = {name: launch(sp, ga, steps, Path(folder) / name.replace(" ", "_")) for name, (sp, ga) in RUNS.items()}
+        runs = {name: RUNS[name] for name in TINY_RUNS} if args.tiny else RUNS
+        rows = {name: launch(sp, ga, steps, Path(folder) / name.replace(" ", "_")) for name, (sp, ga) in runs.items()}
     base = rows["w1 GA 1"]
     print("run        step  loss        Δloss vs w1 GA 1   grad norm   × w1 GA 1's")
     for name, trace in rows.items():

@@ -20,6 +20,26 @@ def pytest_sessionstart(session):
         start_session_fork_server()
 
 
+def pytest_collection_modifyitems(items):
+    """The test of a DeepSpeed op's first build goes first: on a fresh machine the build it makes is the
+    one every later DeepSpeed cell of the suite would otherwise pay (tests/integration/test_first_use_builds.py)."""
+    items.sort(key=lambda item: item.get_closest_marker("first_use_build") is None)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cli_built_once():
+    """typer builds the click command from gaeq's app anew on every `CliRunner().invoke` (~20 ms, most
+    of an in-process call): the app does not change during a session, so it is built once."""
+    import functools
+
+    import typer.testing
+
+    build = typer.testing._get_command
+    typer.testing._get_command = functools.cache(build)
+    yield
+    typer.testing._get_command = build
+
+
 @pytest.fixture
 def write_matrix(tmp_path):
     """Write a matrix dict as YAML; return its path."""

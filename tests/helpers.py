@@ -126,6 +126,19 @@ def gaeq_run_here(matrix: Path, out: Path, *, extra: list[str] = ()) -> tuple[su
     return proc, report, f"{CHILDREN_OF}{forkserver._forkserver._forkserver_pid}"
 
 
+def experiment_at(name: str, folder: Path, **problem) -> Path:
+    """experiments/<name>.yaml as it is but for these `problem` fields (fewer steps: the claim a test
+    checks holds at its smallest size; the file keeps the size a user runs), written into `folder`. For
+    experiments that name no file beside them (a script, a plugin module, a DeepSpeed config file): a
+    copy elsewhere would not find it."""
+    spec = yaml.safe_load((REPO_ROOT / "experiments" / f"{name}.yaml").read_text())
+    assert "script" not in spec, "a script's path is relative to its experiment: the copy would not find it"
+    spec["problem"] |= problem
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
 def experiment_corner(
     name: str, cells: list[dict], *, steps: int, tmp_path: Path, noise_floor: bool = False
 ) -> tuple[dict[str, dict], str]:

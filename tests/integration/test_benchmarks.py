@@ -50,7 +50,7 @@ PHASES = {
         "probe overhead at",
     ),
     "suite_time.py": ("folder                tests   seconds", "tests/unit", "unit tests", "slowest tests"),
-    "trainer_sequence_parallel.py": ("w1 GA 1 ", "w1 GA 2 ", "sp2 GA 1 ", "sp2 GA 2 ", "× w1 GA 1's"),
+    "trainer_sequence_parallel.py": ("w1 GA 1 ", "sp2 GA 2 ", "× w1 GA 1's"),  # (its TINY_RUNS)
     "pipeline_bubble.py": (
         "bubble  theory  p2p KB/step",
         "torch-w2-pp2-gpipe-",
