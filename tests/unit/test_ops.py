@@ -54,6 +54,7 @@ def test_a_lock_is_a_dead_builds_only_when_old_alone_and_no_process_builds_there
     assert not stale(folder, library)  # built: the lock is harmless
 
 
+@pytest.mark.integration  # starts processes of its own
 @pytest.mark.parametrize("builder", ["ShareMemCommBuilder"])
 def test_a_planted_dead_lock_is_named_with_the_command_that_clears_it(tmp_path, monkeypatch, builder):
     """The process that builds reports the stale lock instead of waiting on it (torch's FileBaton would)."""

@@ -103,6 +103,7 @@ print(len(skipped), precision.loss_scaler)
 @pytest.mark.parametrize(
     ("code", "said"), [(FLOAT32_RUN, "['autocast bf16 (cpu)', 'GradScaler']"), (AS_TRAINED, "True\n1 GradScaler")]
 )
+@pytest.mark.integration  # starts processes of its own
 def test_the_float32_runs_switches_and_a_scalers_skipped_step(code, said):
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -295,6 +295,7 @@ def _rank_exiting(code: int, after: float) -> None:
     os._exit(code)
 
 
+@pytest.mark.integration  # starts processes of its own
 def test_a_failing_rank_stops_its_peers_and_a_silent_one_times_out():
     """How a cell's ranks are waited for (gaeq.script.launch._wait): a rank that exits non-zero is the
     cell's code, its blocked peers are not waited for; ranks that run past the timeout give None."""
@@ -349,6 +350,7 @@ for s in range(a.steps):
 """
 
 
+@pytest.mark.integration  # starts processes of its own
 def test_gaeq_check_runs_a_script_under_the_splits_given_on_the_command_line(tmp_path):
     """`gaeq check` writes the script matrix for you and runs it, here under DeepSpeed's launcher, whose
     --local_rank the script requires (the controls of the machinery it runs on:

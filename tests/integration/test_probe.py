@@ -16,6 +16,8 @@ import pytest
 from gaeq.script.contract import ENV, PROBE_FILE
 from tests.processes import new_tag, owned, spawn
 
+pytestmark = pytest.mark.integration  # each test's script runs as a process of its own
+
 SCRIPT = """
 import json, sys
 import torch
