@@ -54,7 +54,7 @@ def tiny_matrix(matrix: Path, folder: Path) -> Path:
     spec = yaml.safe_load(matrix.read_text())
     spec["problem"]["steps"] = TINY_STEPS
     spec["axes"] = {"trainer": ["torch"], "world_size": [1], "micro_batch_size": [spec["problem"]["train_batch_size"]]}
-    spec["noise_floor"] = False
+    spec["noise_floor"] = spec["detection_limit"] = False  # the baseline alone: no instrument beside it
     spec.pop("cells", None), spec.pop("variants", None)
     path = folder / "tiny.yaml"
     path.write_text(yaml.safe_dump(spec))
@@ -81,6 +81,7 @@ def peer_comparison(*, steps: int, configs: list[tuple[int, int]], tiny: bool) -
             for zero, micro in configs
         ]
         spec.pop("axes", None), spec.pop("variants", None)
+        spec["detection_limit"] = False  # the cells, their baseline and its twins: what this measured before the limit
         matrix = Path(tmp) / "peer.yaml"
         matrix.write_text(yaml.safe_dump(spec))
         gaeq = run_matrix(matrix, Path(tmp) / "run")

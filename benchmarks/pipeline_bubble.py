@@ -49,7 +49,8 @@ def matrix(*, steps: int, n_embd: int, micro_batches: tuple[int, ...] = MICRO_BA
             "train_batch_size": BATCH,
         },
         "cells": torch_cells + deepspeed_cells,
-        "noise_floor": False,
+        "noise_floor": False,  # the cells alone: no instrument beside them
+        "detection_limit": False,
     }
 
 

@@ -54,7 +54,8 @@ def through_gaeq(steps: int, out: Path, splits: list[tuple[int, int]]) -> float:
         },
         "steps": steps,
         "train_batch_size": BATCH,
-        "noise_floor": False,  # the eight splits only (the baseline is one of them)
+        "noise_floor": False,  # the eight splits only (the baseline is one of them): no instrument beside them
+        "detection_limit": False,
         "cells": [{"world_size": w, "micro_batch_size": m} for w, m in splits],
     }
     matrix = out / "speed.yaml"
@@ -116,6 +117,7 @@ def probe_overhead(steps: int, out: Path, width: list[str]) -> tuple[float, floa
         "steps": steps,
         "train_batch_size": BATCH,
         "noise_floor": False,
+        "detection_limit": False,
         "baseline": {"world_size": 1, "micro_batch_size": BATCH},  # the one cell: the baseline
         "cells": [{"world_size": 1, "micro_batch_size": BATCH}],
     }
