@@ -220,10 +220,11 @@ def run(
         lanes=lanes,
         on_event=on_event,
     )
+    to_run = [c for c in m.runnable() if c.id not in kept]
     # DeepSpeed's ops built before any deadline starts (first use on this machine; a dead build's lock named)
-    ensure_built(needed([c for c in m.runnable() if c.id not in kept], m.problems), on_event)
+    ensure_built(needed(to_run, m.problems), on_event)
     _import_report_libraries_meanwhile()
-    outcomes = kept | run_all([c for c in m.runnable() if c.id not in kept], opts, done=kept)
+    outcomes = kept | run_all(to_run, opts, done=kept)
     return judge_run(m, run_dir, outcomes)
 
 

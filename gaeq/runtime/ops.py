@@ -28,6 +28,7 @@ from gaeq.matrix import Cell
 from gaeq.problem.spec import ProblemSpec
 from gaeq.registry import DEEPSPEED_TRAINERS
 from gaeq.runtime.events import Event, EventKind, OnEvent
+from gaeq.script.spec import Launcher
 
 STALE_AFTER_S = 60.0
 """A lock older than this, with no library beside it and no process building in its folder, is a dead
@@ -65,7 +66,7 @@ def needed(cells: Iterable[Cell], problems: Mapping[str, ProblemSpec]) -> list[O
         script = problem.script
         if on_cpu and (
             cell.trainer in DEEPSPEED_TRAINERS
-            or (script is not None and (script.deepspeed_config is not None or script.launcher.value == "deepspeed"))
+            or (script is not None and (script.deepspeed_config is not None or script.launcher is Launcher.DEEPSPEED))
         ):
             ops.append(COMM)
         if cell.offload == "nvme":
@@ -90,7 +91,7 @@ def ensure_built(ops: Iterable[Op], on_event: OnEvent) -> None:
             stderr=subprocess.STDOUT,
             text=True,
         )
-        said, lines, started = {}, [], time.perf_counter()
+        said, lines, started, what = {}, [], time.perf_counter(), f"{op.builder} ({op.why})"
         try:
             for line in proc.stdout:
                 lines.append(line)
@@ -98,7 +99,7 @@ def ensure_built(ops: Iterable[Op], on_event: OnEvent) -> None:
                     continue
                 said = json.loads(line)
                 if said["state"] == "building":
-                    on_event(Event(kind=EventKind.BUILD, world_size=0, op=f"{op.builder} ({op.why})"))
+                    on_event(Event(kind=EventKind.BUILD, world_size=0, op=what))
             code = proc.wait()
         finally:
             if proc.poll() is None:
@@ -106,7 +107,7 @@ def ensure_built(ops: Iterable[Op], on_event: OnEvent) -> None:
                 proc.wait()
         if said.get("state") == "stale":
             raise StaleBuild(
-                f"DeepSpeed's {op.builder} ({op.why}): a build left unfinished in {said['dir']} — a lock, no "
+                f"DeepSpeed's {what}: a build left unfinished in {said['dir']} — a lock, no "
                 "library, and no process building there (a killed build's). Every build of it would wait on "
                 f"that lock for ever: clear it with `rm -rf {said['dir']}`, then run again"
             )
@@ -114,7 +115,7 @@ def ensure_built(ops: Iterable[Op], on_event: OnEvent) -> None:
             raise RuntimeError(f"building DeepSpeed's {op.builder} failed (exit {code}):\n{''.join(lines[-20:])}")
         if said.get("seconds") is not None:
             seconds = time.perf_counter() - started
-            on_event(Event(kind=EventKind.BUILD, world_size=0, op=f"{op.builder} ({op.why})", seconds=seconds))
+            on_event(Event(kind=EventKind.BUILD, world_size=0, op=what, seconds=seconds))
 
 
 def built_here(op: Op) -> bool:

@@ -64,7 +64,6 @@ def run_launched_script_cells(cells: Sequence[Cell], *, problem: ProblemSpec, ru
             cwd=problem.script.cwd,
             log=rank_log(out, rank),
             timeout_s=timeout_s,
-            port=port,
         )
         seconds = time.perf_counter() - started
         if rank != 0:  # rank 0 concludes; another rank reports only a failure before the trace was published
@@ -102,7 +101,7 @@ def _launcher_extras(launcher: Launcher, env: dict[str, str]) -> dict[str, str]:
     return {key: value for key, value in ours.items() if key.startswith("ACCELERATE_") and key not in env}
 
 
-def _run_rank(cmd: list[str], *, env: dict[str, str], cwd: str, log: Path, timeout_s: float, port: int) -> int | None:
+def _run_rank(cmd: list[str], *, env: dict[str, str], cwd: str, log: Path, timeout_s: float) -> int | None:
     """Run one rank of the script: its exit code, or None when it ran past `timeout_s` (then it is
     killed). It runs in a session of its own, which goes with it — and with this rank, however that
     ends; so does the shared memory DeepSpeed's comm op made for it (on a cluster nobody else frees it)."""
@@ -121,7 +120,7 @@ def _run_rank(cmd: list[str], *, env: dict[str, str], cwd: str, log: Path, timeo
         except (ProcessLookupError, PermissionError):
             pass
         proc.wait()
-        shm.release_shm_buffers(addr=env["MASTER_ADDR"], port=port, rank=int(env["RANK"]))
+        shm.release_shm_buffers(addr=env["MASTER_ADDR"], port=env["MASTER_PORT"], rank=int(env["RANK"]))
 
 
 def _exit_on_sigterm(signum, frame) -> None:

@@ -42,15 +42,15 @@ def test_a_dead_builds_lock_is_named_and_a_first_use_build_runs_before_any_cell(
         assert f"rm -rf {folder}" in said and "a killed build's" in said, said
         assert time.perf_counter() - started < 120 and not (tmp_path / "a" / "report.json").exists()
         shutil.rmtree(folder)  # the command it named
-        if not built_here(COMM):  # this machine's own first build: paid here, once, for the whole suite
+        own_cache = not built_here(COMM)  # this machine's own first build: paid here, once, for the whole suite
+        if own_cache:
             env = dict(os.environ)
-            folder = None
         built = run(gaeq_command("run", "--matrix", str(tmp_path / "m.yaml"), "--out", str(tmp_path / "b")),
                     timeout=900, tag=tag, env=env, stdout=PIPE, stderr=PIPE, text=True)  # fmt: skip
         said = built.stdout + built.stderr
         assert built.returncode == 0, said[-4000:]
         building = said.index("building ShareMemCommBuilder")
         assert building < said.index("built ShareMemCommBuilder") and "before any cell starts" in said
-        assert built_here(COMM) if folder is None else (folder / f"{COMM.name}.so").exists()
+        assert built_here(COMM) if own_cache else (folder / f"{COMM.name}.so").exists()
     finally:
         assert leftovers(tag) == []

@@ -581,11 +581,11 @@ def test_a_launched_script_ranks_shared_memory_goes_with_it_and_the_parent_frees
     from gaeq.script.launched import _run_rank, cell_port
 
     port = free_port()
-    env = {**os.environ, "MASTER_ADDR": shm.LOCALHOST, "RANK": "1"}
+    env = {**os.environ, "MASTER_ADDR": shm.LOCALHOST, "MASTER_PORT": str(port), "RANK": "1"}
     for cmd, timeout_s, code in ([["true"], 10, 0], [["sleep", "30"], 0.2, None]):
         planted = shm.SHM_DIR / f"deepspeed_allreduce_buffer_{os.getuid()}_{shm.LOCALHOST}_{port}_1"
         planted.write_bytes(b"")  # what DeepSpeed's comm op makes in the script's rank 1
-        ran = _run_rank(cmd, env=env, cwd=str(tmp_path), log=tmp_path / "log", timeout_s=timeout_s, port=port)
+        ran = _run_rank(cmd, env=env, cwd=str(tmp_path), log=tmp_path / "log", timeout_s=timeout_s)
         assert ran == code and not planted.exists()
 
     m = script_matrix(tmp_path)
