@@ -21,10 +21,8 @@ MISSING=(pydantic pydantic-core annotated-types typing-inspection typing-extensi
 DEEPSPEED_VERSION=0.19.8
 
 prepare() {
-    local wheels="$1" python="$2" tmp
+    local wheels="$1" python="$2"
     mkdir -p "$wheels"
-    tmp="$(mktemp -d)"
-    trap 'rm -rf "$tmp"' RETURN
     local pins=()
     for name in "${MISSING[@]}"; do
         pins+=("$name==$(python3 -c "import importlib.metadata as m; print(m.version('$name'))")")
@@ -36,10 +34,10 @@ prepare() {
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$python" --implementation cp \
         "${platforms[@]}" -d "$wheels" "${pins[@]}"
     # DeepSpeed is published as a source distribution: built here into a wheel without ops (DS_BUILD_OPS=0),
-    # for the cuda accelerator (what it records as installed for).
-    python3 -m pip download -q --no-deps --no-binary=:all: -d "$tmp" "deepspeed==$DEEPSPEED_VERSION"
-    DS_BUILD_OPS=0 DS_ACCELERATOR=cuda python3 -m pip wheel -q --no-deps --no-build-isolation -w "$wheels" \
-        "$tmp"/deepspeed-*.tar.gz
+    # for the cuda accelerator (what it records as installed for) — downloaded and built in one step (its
+    # metadata is prepared once), never from pip's cache (a wheel built there for another accelerator).
+    DS_BUILD_OPS=0 DS_ACCELERATOR=cuda python3 -m pip wheel -q --no-cache-dir --no-deps --no-binary=:all: \
+        --no-build-isolation -w "$wheels" "deepspeed==$DEEPSPEED_VERSION"
     python3 -m pip wheel -q --no-deps --no-build-isolation -w "$wheels" "$REPO"
     du -sh "$wheels"
     ls "$wheels"

@@ -178,6 +178,7 @@ def run(
     _stop_on_signals()
     _print_overrides(m)  # a user's DeepSpeed config is never overridden silently
     with RunProgress(console, cells=len(m.runnable()), steps=m.problem.steps) as on_event:
+        named = out is None
         try:
             out = out or api.new_run_dir(m.spec.name)  # named here, so that an interruption can say where
             result = api.run(
@@ -186,8 +187,10 @@ def run(
         except FileExistsError as exc:
             _bad_input(str(exc))
         except MatrixError as exc:
+            _drop_unused(out, named=named)
             _bad_input(f"{matrix}: {exc}")
         except StaleBuild as exc:  # a killed build's lock: named with the command that clears it, never waited on
+            _drop_unused(out, named=named)
             err_console.print(f"[bold red]error[/]: {escape(str(exc))}", highlight=False, soft_wrap=True)
             raise typer.Exit(EXIT_RUN_FAILED) from None
         except KeyboardInterrupt:
@@ -207,6 +210,12 @@ def run(
         soft_wrap=True,
     )
     raise typer.Exit(code)
+
+
+def _drop_unused(out: Path, *, named: bool) -> None:
+    """The run directory this command named, removed where the run was refused before writing to it."""
+    if named and out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
 
 
 SPLIT = re.compile(r"^w(\d+):mb(\d+)$")

@@ -65,15 +65,17 @@ def pitfalls_run(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def default_run(tmp_path_factory):
-    """`gaeq run --matrix experiments/ga.yaml` (the README's), once per session, through the CLI on
-    the session's fork server. Its traces are the reference of the tests that run some of its cells
-    another way (--isolate and external launchers, in child processes of their own): a cell's trace
-    depends only on its problem and split, so theirs must be bitwise these."""
-    from tests.helpers import gaeq_run_here
+    """`gaeq run --matrix experiments/ga.yaml` (the README's), its cells as they are at the suite's size
+    (tests/helpers.py: ga_at_test_size), once per session, through the CLI on the session's fork server. Its
+    traces are the reference of the tests that run some of its cells another way (--isolate and external
+    launchers, in child processes of their own): a cell's trace depends only on its problem and split, so
+    theirs must be bitwise these."""
+    from tests.helpers import ga_at_test_size, gaeq_run_here
 
-    out = tmp_path_factory.mktemp("default") / "run"
-    proc, report, tag = gaeq_run_here(REPO / "experiments" / "ga.yaml", out)
-    return proc, report, tag, out
+    folder = tmp_path_factory.mktemp("default")
+    (folder / "ga.yaml").write_text(yaml.safe_dump(ga_at_test_size(), sort_keys=False))
+    proc, report, tag = gaeq_run_here(folder / "ga.yaml", folder / "run")
+    return proc, report, tag, folder / "run"
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,10 @@ from gaeq.results.report import Report
 from gaeq.results.trace import TraceStore
 
 OVERLAY_FILE = "overlay.png"
+FIGSIZE = (13.0, 8.5)
+"""Inches."""
+LEGEND_CHAR, LEGEND_PAD = 0.042, 0.5
+"""Inches a legend column takes per character of a cell id at its 7-point font, and for its line and gaps."""
 DIVERGENCE = ":first-divergence"
 """Suffix of the gid of a first-divergence marker (curves carry the bare cell id)."""
 
@@ -39,7 +43,12 @@ def overlay_figure(report: Report, traces: TraceStore, *, cells: Sequence[str] |
     if wanted is None:
         wanted = {c.id for c in report.cells if c.cell.role not in INSTRUMENTS}
     drawn = [(c, t) for c in report.cells if c.id in wanted and (t := traces.usable(c.id)) is not None]
-    fig = Figure(figsize=(13, 8.5), layout="constrained")
+    fig = Figure(figsize=(FIGSIZE[0], FIGSIZE[1]))
+    columns = 1 + len(drawn) // 28  # the legend of cell ids, right of the axes
+    # Fixed margins, the legend's sized from its longest id: a layout engine measures every tick label
+    # first (~1 s of a run's report, most of a short run's).
+    legend = columns * (LEGEND_PAD + LEGEND_CHAR * max((len(c.id) for c, _ in drawn), default=0)) / FIGSIZE[0]
+    fig.subplots_adjust(left=0.07, right=max(0.5, 0.98 - legend), top=0.95, bottom=0.07, hspace=0.06)
     ax_loss, ax_diff = fig.subplots(2, 1, sharex=True, height_ratios=[3, 2])
     palette = _colors(len(drawn))
     for (cell, trace), color in zip(drawn, palette):
@@ -79,7 +88,7 @@ def overlay_figure(report: Report, traces: TraceStore, *, cells: Sequence[str] |
     ax_diff.legend(loc="upper left", fontsize=8)
     if ax_loss.get_legend_handles_labels()[0]:  # a run whose cells all failed draws no curve
         ax_loss.legend(
-            loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, ncol=1 + len(drawn) // 28, frameon=False
+            loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, ncol=columns, frameon=False
         )
     for ax in (ax_loss, ax_diff):
         ax.grid(True, alpha=0.3)

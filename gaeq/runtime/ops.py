@@ -119,14 +119,21 @@ def ensure_built(ops: Iterable[Op], on_event: OnEvent) -> None:
 
 
 def built_here(op: Op) -> bool:
-    """Whether torch's extensions folder holds the op's library — the folder torch builds into for this
-    Python (``$TORCH_EXTENSIONS_DIR/<op>``, else ``~/.cache/torch_extensions/py<XY>_<cpu|cuXY>/<op>``). False
-    when unsure: the build process then looks, exactly."""
+    """Whether torch's extensions folder holds the op's library (`library`). False when unsure: the build
+    process then looks, exactly."""
+    return library(op) is not None
+
+
+def library(op: Op) -> Path | None:
+    """The op's library in the folder torch builds into for this Python (``$TORCH_EXTENSIONS_DIR/<op>``, else
+    ``~/.cache/torch_extensions/py<XY>_<cpu|cuXY>/<op>``), or None where it was not built there."""
     if root := os.environ.get("TORCH_EXTENSIONS_DIR"):
-        return (Path(root) / op.name / f"{op.name}.so").exists()
-    python = f"py{sys.version_info.major}{sys.version_info.minor}_"
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torch_extensions"
-    return any((folder / op.name / f"{op.name}.so").exists() for folder in cache.glob(python + "*"))
+        found = [Path(root) / op.name / f"{op.name}.so"]
+    else:
+        python = f"py{sys.version_info.major}{sys.version_info.minor}_"
+        cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torch_extensions"
+        found = [folder / op.name / f"{op.name}.so" for folder in cache.glob(python + "*")]
+    return next((path for path in found if path.exists()), None)
 
 
 def stale(folder: Path, library: Path, *, now: float | None = None) -> bool:

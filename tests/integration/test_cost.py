@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
-import yaml
 
 from gaeq.matrix import load_matrix
 from gaeq.problem.models import MLP
 from gaeq.problem.spec import MLPSpec
 from gaeq.results.trace import read_trace
-from tests.helpers import REPO_ROOT, cells_by_id, ga_spec, gaeq_run_here
+from tests.helpers import REPO_ROOT, cells_by_id, ga_at_test_size, ga_spec, gaeq_run_here
 
 pytestmark = pytest.mark.integration
 
@@ -64,7 +63,7 @@ def test_isolate_runs_one_group_per_cell_and_changes_no_number(write_matrix, tmp
     in a lane beside another, pinned to one core, here alone with every core (its traces differ
     bitwise between 1 and 2 intra-op threads: a rank always has one)."""
     *_, shared = default_run
-    gpt = yaml.safe_load((REPO_ROOT / "experiments" / "ga.yaml").read_text())["variants"]["gpt"]
+    gpt = ga_at_test_size()["variants"]["gpt"]
     spec = ga_spec(
         axes={"trainer": ["deepspeed"], "world_size": [2], "micro_batch_size": [4], "zero_stage": [1]},
         baseline={"trainer": "torch", "world_size": 2, "micro_batch_size": 16},

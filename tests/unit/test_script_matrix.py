@@ -443,7 +443,7 @@ def test_gaeq_probe_tells_the_probe_which_module_trains_and_is_a_no_op_outside_g
     assert listening.model is student  # ...but the model told is the one probed
 
 
-def test_a_launch_option_that_cannot_apply_to_a_script_is_bad_input(tmp_path):
+def test_a_launch_option_that_cannot_apply_to_a_script_is_bad_input(tmp_path, monkeypatch):
     """`--launcher` names the launcher that starts the script's ranks: the one its user starts it with
     (accelerate's is torchrun's start); `--lanes` is gaeq's own cells' (a script's run one at a time).
     Refused before any process starts, in one line."""
@@ -463,6 +463,10 @@ def test_a_launch_option_that_cannot_apply_to_a_script_is_bad_input(tmp_path):
         )
         assert result.exit_code == 2 and said in result.output and "Traceback" not in result.output, result.output
     assert not (tmp_path / "r").exists()
+    # without --out: the directory gaeq named (runs/<name>-<time>) goes with the refusal
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["run", "--matrix", str(tmp_path / "mine.yaml"), "--launcher", "deepspeed"])
+    assert result.exit_code == 2 and list((tmp_path / "runs").iterdir()) == [], result.output
 
 
 def test_a_scripts_muon_orthogonalises_each_matrix_once_a_step_however_its_ranks_share_the_work():
