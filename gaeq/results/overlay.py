@@ -87,9 +87,7 @@ def overlay_figure(report: Report, traces: TraceStore, *, cells: Sequence[str] |
     ax_diff.set_xlabel("optimizer step")
     ax_diff.legend(loc="upper left", fontsize=8)
     if ax_loss.get_legend_handles_labels()[0]:  # a run whose cells all failed draws no curve
-        ax_loss.legend(
-            loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, ncol=columns, frameon=False
-        )
+        ax_loss.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, ncol=columns, frameon=False)
     for ax in (ax_loss, ax_diff):
         ax.grid(True, alpha=0.3)
     return fig
