@@ -270,6 +270,12 @@ def new_run_dir(name: str, *, root: Path = Path("runs")) -> Path:
     raise FileExistsError(f"no free run directory for {name} under {root}")
 
 
+def discard_unused(run_dir: Path) -> None:
+    """A directory :func:`new_run_dir` made, removed where the run was refused before writing in it."""
+    if run_dir.is_dir() and not any(run_dir.iterdir()):
+        run_dir.rmdir()
+
+
 def _no_run_in(out: str | Path | None) -> dict[str, CellOutcome]:
     """A new run keeps no cell, and never writes over one that is there."""
     if out is not None and (Path(out) / "cells").exists():

@@ -187,10 +187,12 @@ def run(
         except FileExistsError as exc:
             _bad_input(str(exc))
         except MatrixError as exc:
-            _drop_unused(out, named=named)
+            if named:  # the directory named above, empty: a refused run leaves none behind
+                api.discard_unused(out)
             _bad_input(f"{matrix}: {exc}")
         except StaleBuild as exc:  # a killed build's lock: named with the command that clears it, never waited on
-            _drop_unused(out, named=named)
+            if named:  # the directory named above, empty: a refused run leaves none behind
+                api.discard_unused(out)
             err_console.print(f"[bold red]error[/]: {escape(str(exc))}", highlight=False, soft_wrap=True)
             raise typer.Exit(EXIT_RUN_FAILED) from None
         except KeyboardInterrupt:
@@ -210,12 +212,6 @@ def run(
         soft_wrap=True,
     )
     raise typer.Exit(code)
-
-
-def _drop_unused(out: Path, *, named: bool) -> None:
-    """The run directory this command named, removed where the run was refused before writing to it."""
-    if named and out.is_dir() and not any(out.iterdir()):
-        out.rmdir()
 
 
 SPLIT = re.compile(r"^w(\d+):mb(\d+)$")
