@@ -53,14 +53,29 @@ def write_matrix(tmp_path):
 
 
 @pytest.fixture(scope="session")
-def pitfalls_run(tmp_path_factory):
-    """`gaeq run experiments/pitfalls.yaml`, once per session: tests/integration/test_pitfalls.py
-    checks it, notebook 04 re-judges it (GAEQ_PITFALLS_RUN) instead of training it again."""
-    from tests.helpers import gaeq_run_here
+def notebooks_run(tmp_path_factory):
+    """Every notebook executed once for the session as a user runs it (tests/kernels.py): {stem: Executed},
+    and the folder their runs went to."""
+    from tests.kernels import execute_all
 
-    out = tmp_path_factory.mktemp("pitfalls") / "run"
-    proc, report, tag = gaeq_run_here(REPO / "experiments" / "pitfalls.yaml", out)
-    return proc, report, tag, out
+    tmpdir = tmp_path_factory.mktemp("kernels")
+    return execute_all(tmpdir), tmpdir
+
+
+@pytest.fixture(scope="session")
+def pitfalls_run(notebooks_run):
+    """`experiments/pitfalls.yaml` as notebook 4 runs it (`gaeq.run` of the file as it is, in its own kernel):
+    tests/integration/test_pitfalls.py checks that run — the same run a reader of the notebook gets, not a
+    second one. (report.json, the run directory)."""
+    import json
+
+    from tests.kernels import run_of
+
+    executed, tmpdir = notebooks_run
+    out = run_of(tmpdir, "04_pitfalls")
+    if not (out / "report.json").exists():
+        pytest.fail(f"notebook 04 left no judged run in {out}: {executed['04_pitfalls'].error}")
+    return json.loads((out / "report.json").read_text()), out
 
 
 @pytest.fixture(scope="session")
@@ -82,7 +97,7 @@ def default_run(tmp_path_factory):
 def your_script_run(tmp_path_factory):
     """experiments/your_script.yaml's corners, once per session: its script at world 2 against the
     baseline, and one mistake per level (data, events, numbers) — tests/integration/test_your_script.py
-    checks it, notebook 05 re-judges it (GAEQ_YOUR_SCRIPT_RUN) instead of launching it again."""
+    checks it (notebook 5 runs the whole file, as its reader does)."""
     import yaml
 
     from tests.helpers import gaeq_run_here
@@ -103,8 +118,8 @@ def your_script_run(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def universal_run(tmp_path_factory):
-    """`gaeq run experiments/universal.yaml`, once per session: tests/integration/test_universal.py
-    checks it, notebook 3 (whose resize experiment is a part of it) re-judges it (GAEQ_UNIVERSAL_RUN)."""
+    """`gaeq run experiments/universal.yaml`, once per session: tests/integration/test_universal.py checks it
+    (notebook 3 trains its own resize experiment, a part of it at 24 steps, as its reader does)."""
     from tests.helpers import gaeq_run_here
 
     out = tmp_path_factory.mktemp("universal") / "run"

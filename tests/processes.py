@@ -148,8 +148,13 @@ def leftovers(tag: str, *, grace: float = 5.0) -> list[int]:
     if tag.startswith(CHILDREN_OF):
         parent = int(tag.removeprefix(CHILDREN_OF))
         return _live_processes(lambda proc: _child_of(proc, parent), grace=grace)
-    marker = f"{TAG}={tag}".encode()
-    return _live_processes(lambda proc: marker in (proc / "environ").read_bytes() and _alive(proc), grace=grace)
+    return inheriting(f"{TAG}={tag}", grace=grace)
+
+
+def inheriting(variable: str, *, grace: float = 5.0) -> list[int]:
+    """PIDs of live processes whose environment holds `variable` (``NAME=value``), polled as `leftovers`."""
+    marker = b"\0" + variable.encode() + b"\0"
+    return _live_processes(lambda proc: marker in b"\0" + (proc / "environ").read_bytes() and _alive(proc), grace=grace)
 
 
 def _state_and_parent(proc: Path) -> tuple[str, int]:

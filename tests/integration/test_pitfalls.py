@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import pytest
 
+from gaeq.matrix import load_matrix
 from gaeq.results.trace import read_trace
+from tests.conftest import REPO
 from tests.helpers import cells_by_id
-from tests.processes import leftovers
 
 pytestmark = pytest.mark.integration
 
 
 def test_every_planted_bug_is_caught_and_every_twin_matches(pitfalls_run):
-    proc, report, tag, out = pitfalls_run
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    """The catalogue as notebook 4 trains it (tests/conftest.py: pitfalls_run): the file's cells, as they are."""
+    report, out = pitfalls_run
     assert report["ok"] is True
+    ids = {c.id for c in load_matrix(REPO / "experiments" / "pitfalls.yaml").cells}
+    assert {c["id"] for c in report["cells"]} == ids
     cells = cells_by_id(report)
     steps = {cell_id: c["divergence_steps"] for cell_id, c in cells.items()}
 
@@ -87,5 +90,4 @@ def test_every_planted_bug_is_caught_and_every_twin_matches(pitfalls_run):
     # bf16 accumulation over GA 16 stays inside the bf16 noise at this scale (see pitfalls.yaml).
     bf16 = cells["deepspeed-z1-w1-mb2-ga16-ds_bf16-bug_grad_accum_bf16@bf16_accum"]
     assert bf16["verdict"] == "match" and 1e-6 < bf16["max_abs_loss_diff"] < 1e-3
-    assert "caught" in proc.stdout and "grad_norm@0 loss@1" in proc.stdout
-    assert leftovers(tag) == []
+    assert "grad_norm@0 loss@1" in (out / "report.md").read_text()  # the caught column

@@ -6,11 +6,10 @@ import json
 
 import nbformat
 import pytest
-from nbclient import NotebookClient
 
 from tests.conftest import REPO
-
-NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
+from tests.kernels import NOTEBOOKS
+from tests.processes import inheriting
 
 
 def test_there_are_five_notebooks_linked_from_the_readme():
@@ -28,63 +27,25 @@ def test_outputs_are_stripped_in_git(path):
             assert cell["outputs"] == [] and cell["execution_count"] is None, f"{path.name}: strip the outputs"
 
 
-SHARED = {
-    "03_changing_world_size": ("universal_run", "GAEQ_UNIVERSAL_RUN"),
-    "04_pitfalls": ("pitfalls_run", "GAEQ_PITFALLS_RUN"),
-    "05_your_own_script": ("your_script_run", "GAEQ_YOUR_SCRIPT_RUN"),
-}
-"""Notebooks 3, 4 and 5 re-judge the suite's own runs of experiments/universal.yaml, pitfalls.yaml and
-your_script.yaml's corners (they say so) instead of training them again."""
-
-
-KERNEL_STARTS = 3
-"""Tries at starting a notebook's kernel. With five started at once on 2 cores, one died before it
-replied to kernel_info (seen once in a full run; jupyter_client picks each kernel's ports by binding and
-releasing them, so concurrent starts can collide): it had run nothing, so it is started again."""
-
-
-def execute(path):
-    """The executed notebook, or the exception (CellExecutionError names the failing cell)."""
-    for start in range(KERNEL_STARTS):
-        nb = nbformat.read(path, as_version=4)
-        # Each cell gets 5 minutes: the first DeepSpeed start on a fresh machine JIT-builds an op (tens of seconds).
-        resources = {"metadata": {"path": str(path.parent)}}
-        client = NotebookClient(nb, timeout=300, kernel_name="python3", resources=resources)
-        try:
-            client.execute()
-        except RuntimeError as exc:
-            if "before replying to kernel_info" in str(exc) and start + 1 < KERNEL_STARTS:
-                continue  # the kernel never started: no cell ran
-            return exc
-        except Exception as exc:  # noqa: BLE001 - reported by the notebook's own test
-            return exc
-        return nb
-
-
-@pytest.fixture(scope="session")
-def executed(request, tmp_path_factory):
-    """Every notebook executed once for the session, all side by side, each in a kernel of its
-    own: notebook 2's world-2 DeepSpeed group overlaps the others' imports and judging, which was
-    measured faster than running it after them (docs/tests.md)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with pytest.MonkeyPatch.context() as env:
-        # The runs a notebook writes to a temporary directory go to the session's, which pytest
-        # cleans up, not to the machine's /tmp.
-        env.setenv("TMPDIR", str(tmp_path_factory.mktemp("kernels")))
-        for fixture, variable in SHARED.values():
-            env.setenv(variable, str(request.getfixturevalue(fixture)[3]))  # kernels inherit it when they start
-        with ThreadPoolExecutor(len(NOTEBOOKS)) as pool:
-            return dict(zip((p.stem for p in NOTEBOOKS), pool.map(execute, NOTEBOOKS)))
-
-
 @pytest.mark.integration
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs_and_asserts_hold(path, tmp_path, executed):
-    nb = executed[path.stem]
-    if isinstance(nb, Exception):
-        raise nb  # the failing cell, its traceback
-    images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
+def test_notebook_runs_and_asserts_hold(path, tmp_path, notebooks_run):
+    """As its reader runs it: top to bottom in a fresh kernel, no gaeq environment variable, its own runs."""
+    executed, _ = notebooks_run
+    ran = executed[path.stem]
+    if ran.error is not None:
+        raise ran.error  # the failing cell, its traceback
+    images = [o for c in ran.notebook.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
     assert images, f"{path.name} shows no plot"
-    (tmp_path / path.name).write_text(nbformat.writes(nb))  # the executed copy, for a look after a failure
+    (tmp_path / path.name).write_text(nbformat.writes(ran.notebook))  # the executed copy, for a look after a failure
+
+
+@pytest.mark.integration
+def test_the_notebooks_read_no_gaeq_variable_and_leave_nothing_running(notebooks_run):
+    """No notebook reads a gaeq environment variable (their runs are their own: before, the suite handed three
+    of them its runs, and the lines a reader runs were never tested), and their kernels and ranks are gone."""
+    _, tmpdir = notebooks_run
+    for nb in NOTEBOOKS:
+        assert "GAEQ_" not in nb.read_text(), nb.name
+    assert inheriting(f"TMPDIR={tmpdir}") == []
