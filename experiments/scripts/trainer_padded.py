@@ -4,8 +4,10 @@
     torchrun --standalone --nproc_per_node 2 trainer_padded.py --batch_size 8 --grad_accum 2 --max_steps 5
 
 CPU only (gloo). Global batch = batch_size * grad_accum * world size. Nothing is downloaded: the tokenizer
-and the model are built in code. --padding_side left|right; --padding_free packs each micro-batch into
-one row (TRL's padding_free); --bug injects a common mistake.
+and the model are built in code. --padding_side left|right; --labels input_ids copies the ids into the
+labels (TRL's language-modelling collator; the model's loss shifts them) instead of leaving <s> out;
+--padding_free packs each micro-batch into one row (TRL's padding_free: transformers'
+DataCollatorWithFlattening, --seq_idx with its seq_idx); --bug injects a common mistake.
 """
 
 import argparse
@@ -38,11 +40,17 @@ parser.add_argument("--max_steps", type=int, default=5)
 parser.add_argument("--seed", type=int, default=42)
 parser.add_argument("--padding_side", default="right", choices=["left", "right"])
 parser.add_argument(
+    "--labels", default="no_bos", choices=["no_bos", "input_ids"], help="labels: <s> left out, or a copy of the ids"
+)
+parser.add_argument(
     "--padding_free", action="store_true", help="pack each micro-batch into one row (TRL's padding_free)"
 )
+parser.add_argument("--seq_idx", action="store_true", help="the packing collator's seq_idx too (TRL passes it)")
 parser.add_argument("--output_dir", default="trainer_padded_out")
 parser.add_argument(
-    "--bug", default="none", choices=["none", "model_without_loss_kwargs", "tokens_per_device", "bos_is_target"]
+    "--bug",
+    default="none",
+    choices=["none", "model_without_loss_kwargs", "tokens_per_device", "bos_is_target", "position_ids_run_on"],
 )
 args = parser.parse_args()
 torch.set_num_threads(1)
@@ -79,6 +87,8 @@ class CountingText(Dataset):
             # BUG: labels = input_ids. With left padding, <s> of every row shorter than the batch's longest is
             # "predicted" from a pad position: which rows those are depends on how the batch is split
             return {"input_ids": ids, "labels": list(ids)}
+        if args.labels == "input_ids":  # TRL's collator: the model's loss shifts them, <s> is never predicted
+            return {"input_ids": ids, "labels": list(ids)}  # (padded on the right: see bos_is_target)
         # <s> is never a target: with left padding the model would otherwise "predict" it from a pad position
         return {"input_ids": ids, "labels": [-100] + ids[1:]}
 
@@ -139,16 +149,31 @@ class MyTrainer(Trainer):
         return (outputs.loss, outputs) if return_outputs else outputs.loss
 
 
+class RunOnPositions(DataCollatorWithFlattening):
+    """BUG: a packing collator whose position_ids count on across the row instead of restarting at each
+    sequence: the model cannot tell where one ends, and every token attends to the sequences before it."""
+
+    def __call__(self, features, *a, **kw):
+        batch = super().__call__(features, *a, **kw)
+        batch["position_ids"] = torch.arange(batch["input_ids"].shape[1]).unsqueeze(0)
+        return batch
+
+
+def collator():
+    # padding_free: each micro-batch's sequences end to end in one row, position_ids restarting at each, no
+    # attention mask (the model masks across sequences from the positions); else padded to the batch's longest
+    if args.padding_free:
+        packing = RunOnPositions if args.bug == "position_ids_run_on" else DataCollatorWithFlattening
+        return packing(return_seq_idx=args.seq_idx)
+    return DataCollatorForSeq2Seq(tokenizer, padding="longest", label_pad_token_id=-100)
+
+
 trainer_cls = MyTrainer if args.bug == "model_without_loss_kwargs" else Trainer
 trainer = trainer_cls(
     model=model,
     args=training_args,
     train_dataset=CountingText(4096),
-    # padding_free: each micro-batch's sequences end to end in one row, position_ids restarting at each, no
-    # attention mask (the model masks across sequences from the positions); else padded to the batch's longest
-    data_collator=DataCollatorWithFlattening()
-    if args.padding_free
-    else DataCollatorForSeq2Seq(tokenizer, padding="longest", label_pad_token_id=-100),
+    data_collator=collator(),
     callbacks=[PrintLoss()],
 )
 trainer.train()

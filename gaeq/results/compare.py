@@ -126,6 +126,7 @@ def compare_traces(
     checks: Mapping[str, tuple[int, str] | None] | None = None,
     not_checked: Mapping[str, str] | None = None,
     notes: Mapping[str, str] | None = None,
+    remarks: Sequence[str] = (),
 ) -> Comparison:
     """Compare step by step from `first_step` (a resumed cell's first step) on — and, given
     `tensors`, parameter by parameter; the verdict names the first divergence. The loss and grad
@@ -183,7 +184,7 @@ def compare_traces(
     if caught_by in (*TENSOR_KINDS, *(checks or {})) and "loss" in tracked and "loss" not in first:
         reason += " (the loss still matches)"
     unchecked = "; ".join(f"{metric} not checked: {why}" for metric, why in (not_checked or {}).items())
-    reason = " — ".join(part for part in (reason, unchecked) if part)
+    reason = " — ".join(part for part in (reason, unchecked, *remarks) if part)
     return Comparison(
         verdict=Verdict.MATCH if caught_by is None else Verdict.DIVERGE,
         max_abs_loss_diff=max_loss,

@@ -310,6 +310,7 @@ def _judge_cell(
             checks=checks.first if checks else None,
             not_checked=checks.not_checked if checks else None,
             notes=checks.notes if checks else None,
+            remarks=checks.remarks if checks else (),
         )
     except (OSError, ValueError, TypeError) as exc:
         return Verdict.ERROR, f"unreadable or incomplete results: {exc}", None

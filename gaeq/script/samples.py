@@ -37,6 +37,12 @@ IGNORE_INDEX = -100
 """The label ignore index of torch's cross-entropy and of transformers' collators: label padding."""
 MASK_NAMES = ("attention_mask",)
 """Inputs that say which positions of a row are the sample's."""
+LAYOUT_NAMES = ("position_ids", "seq_idx", "cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens")
+"""Inputs that say where a packed row's sequences start — which positions attend to which —, with the mask:
+layout, read as the sequences they define, never hashed as data."""
+TARGET_NAMES = ("labels", "shift_labels")
+"""Inputs that are the loss's targets: read as the targets each position is trained to predict (labels a
+causal LM's loss shifts, or `shift_labels` a collator shifted already: transformers' models use them as they are)."""
 NOT_SAMPLES = ("num_items_in_batch",)
 """Inputs that are not a sample's data (transformers' count of the step's tokens)."""
 
@@ -46,20 +52,39 @@ class MicroBatch:
     """One forward of the model, as the data check reads it."""
 
     fingerprints: list[str]
-    """One per row, padding removed where gaeq can tell it."""
+    """One per sample (a row, or a sequence of a packed row): its data and the targets its positions are
+    trained to predict, without padding or layout, where gaeq can tell them."""
     keys: list[str]
-    """One per row: its first input alone (the token ids, the image), to tell a sample that is missing
-    from one that is there with other values in its other inputs (labels, masks)."""
+    """One per sample: its first input alone (the token ids, the image), to tell a sample that is missing
+    from one that is there with other values in its other inputs (labels)."""
     names: list[str]
     """The inputs hashed, in order (the first is the key)."""
     length: int | None
     """Positions per row as the model received them (None: no input laid out by position)."""
     exact: bool
     """Padding was removed by a rule that knows it (a mask, a known padding value), or there was none to remove."""
+    layout: str = "rows as received"
+    """How the samples were laid out: padded (which side, told by what), packed (by which inputs), as received."""
+    count: int | None = None
+    """Samples the micro-batch holds, where not one per fingerprint: a packed row whose layout inputs disagree
+    holds the sequences any of them marks (the script's micro-batch size), trained as the fewer, longer ones
+    they all mark (the fingerprints)."""
+
+    @property
+    def samples(self) -> int:
+        return len(self.fingerprints) if self.count is None else self.count
 
 
 class SampleIdentity:
-    """Fingerprints of the rows a model receives (:meth:`read`), and what is known of their padding."""
+    """Fingerprints of the samples a model receives (:meth:`read`), and what is known of their padding.
+
+    A sample's fingerprint holds its data at its own positions and, for the loss's targets (``labels``), what
+    each of its positions is trained to predict: labels that copy the input ids wherever they count are a
+    causal LM's, whose loss shifts them (transformers' models do) — position t predicts the label at t + 1,
+    so a sample's first label is never its target, and its last position's target is whatever follows it in
+    the row (padding's -100, a packed neighbour's first label, nothing at the row's end). The same samples
+    padded left or right, or packed with each sequence's first label ignored (DataCollatorWithFlattening),
+    then have the same fingerprints; a packed row whose neighbour's first token is a target has not."""
 
     def __init__(self) -> None:
         self.pad_values: set[float] = set()
@@ -76,35 +101,59 @@ class SampleIdentity:
         if not named:
             return None
         rows = named[0][1].shape[0]
-        inputs = [(name, t.detach()) for name, t in named if t.shape[0] == rows]
+        inputs = [(name, t.detach().cpu()) for name, t in named if t.shape[0] == rows]
         mask = next(
             (t for name, t in inputs if _leaf(name) in MASK_NAMES and t.ndim == 2 and not t.is_floating_point()), None
         )
         length = _sequence_length(inputs, mask)
         laid_out = [length is not None and t.ndim >= 2 and t.shape[1] == length for _, t in inputs]
-        positional = [x for x, p in zip(inputs, laid_out) if p]
-        by_row = [x for x, p in zip(inputs, laid_out) if not p]
-        if mask is None and (packed := _packed(positional)) is not None:
-            return packed
-        exact = True
-        if mask is not None:
-            keep = mask.cpu() != 0
-            cut = [_rows_at(t.cpu(), keep) for _, t in positional]
+        positional = [x for x, p in zip(inputs, laid_out) if p and _leaf(x[0]) not in (*MASK_NAMES, *LAYOUT_NAMES)]
+        by_row = [x for x, p in zip(inputs, laid_out) if not p and _leaf(x[0]) not in (*MASK_NAMES, *LAYOUT_NAMES)]
+        starts = _sequence_starts(named, length) if length is not None and mask is None else None
+        data = [(n, t) for n, t in positional if _leaf(n) not in TARGET_NAMES]
+        targets = [(n, t) for n, t in positional if _leaf(n) in TARGET_NAMES and not t.is_floating_point()]
+        data += [x for x in positional if x not in data and x not in targets]  # (float "labels": data as they are)
+        count = None
+        if not positional:
+            spans, exact, layout = [[None] for _ in range(rows)], True, "rows as received"
+        elif mask is not None:
+            keep = mask != 0
+            spans, exact = [[keep[r].nonzero().flatten()] for r in range(rows)], True
+            layout = _padding(keep, "attention_mask")
+        elif starts is not None:
+            spans, exact, layout = _packed(starts, rows, length)
+            count = sum(len(set.union(*(s[r] for s in starts.values() if r < len(s)))) for r in range(rows))
         else:
-            cut = []
-            for name, t in positional:
-                pads = self.pad_values | {IGNORE_INDEX} if self.pad_values or "label" in name else set()
-                if pads and t.ndim == 2:
-                    cut.append([_strip(row, pads) for row in t.cpu()])
-                else:
-                    cut.append(list(t.cpu()))
-                    exact = False
-        whole = [list(t.cpu()) for _, t in by_row]
-        read = [*cut, *whole]
-        fingerprints = [_hash(per_row[i] for per_row in read) for i in range(rows)]
-        keys = [_hash([read[0][i]]) for i in range(rows)]
-        names = [name for name, _ in (*positional, *by_row)]
-        return MicroBatch(fingerprints=fingerprints, keys=keys, names=names, length=length, exact=exact)
+            spans, exact, layout = self._stripped(data, targets, rows, length)
+        ids = next((t for _, t in data if t.ndim == 2 and not t.is_floating_point()), None)
+        shifts = [ids is not None and _copies(t, ids, spans) for _, t in targets]
+        fingerprints, keys = [], []
+        for r, row_spans in enumerate(spans):
+            for at in row_spans:
+                pieces = [t[r] if at is None else t[r][at] for _, t in data]
+                pieces += [_targets(t[r], at, shift=shift) for (_, t), shift in zip(targets, shifts)]
+                if len(row_spans) == 1:  # (a packed row's per-row inputs are no one sequence's)
+                    pieces += [t[r] for _, t in by_row]
+                fingerprints.append(_hash(pieces))
+                keys.append(_hash(pieces[:1]))
+        names = [n for n, _ in data]
+        names += [f"{n} (targets{', shifted' if shift else ''})" for (n, _), shift in zip(targets, shifts)]
+        names += [n for n, _ in by_row]
+        count = None if count == len(fingerprints) else count
+        return MicroBatch(fingerprints, keys, names, length=length, exact=exact, layout=layout, count=count)
+
+    def _stripped(self, data, targets, rows: int, length: int):
+        """Spans of rows without a mask or packing: each row's positions without the run of known padding
+        values at either end of its ids (the labels' -100 where the labels are all there is); the whole row,
+        not exact, where gaeq knows no padding value."""
+        ints = [t for _, t in data if t.ndim == 2 and not t.is_floating_point()]
+        if ints and self.pad_values:
+            reference, pads, said = ints[0], self.pad_values, "padding values removed"
+        elif not ints and targets:
+            reference, pads, said = targets[0][1], {IGNORE_INDEX}, "label padding removed"
+        else:  # padding gaeq cannot tell from data: the data check then says so, where lengths vary
+            return [[torch.arange(length)] for _ in range(rows)], False, "rows as received"
+        return [[_kept(reference[r], pads)] for r in range(rows)], True, said
 
     def _positional(self, module: torch.nn.Module, args: tuple) -> list[tuple[str, Any]]:
         """Positional inputs named as the innermost wrapped module's forward names them (DDP's,
@@ -145,29 +194,98 @@ def flatten(named: list[tuple[str, Any]]) -> list[tuple[str, torch.Tensor]]:
     return found
 
 
-def _packed(positional: list[tuple[str, torch.Tensor]]) -> MicroBatch | None:
-    """Rows that pack sequences end to end, told by their `position_ids` (no attention mask, on purpose: TRL's
-    padding_free, a packing collator) — restarting at 0 inside a row, or counting a batch's single row from 0
-    (one sequence packed alone: a single row needs no padding) — read as their sequences: each one a sample,
-    exactly delimited by the script's own positions, the same whichever sequences share its row. None where
-    positions say neither."""
-    positions = next((t for name, t in positional if _leaf(name) == "position_ids" and t.ndim == 2), None)
-    if positions is None or positions.is_floating_point():
+def _sequence_starts(named: list[tuple[str, torch.Tensor]], length: int) -> dict[str, list[set[int]]] | None:
+    """Where each layout input says a row's sequences start (position_ids restarting at 0, seq_idx changing,
+    cu_seq_lens' offsets), per row: None where no input packs sequences (no restart inside a row, no
+    single row counting from 0 — TRL's padding_free packs a micro-batch into one row)."""
+    found: dict[str, list[set[int]]] = {}
+    for name, t in named:
+        leaf = _leaf(name)
+        if leaf not in LAYOUT_NAMES or t.is_floating_point():
+            continue
+        t = t.detach().cpu()
+        if leaf == "position_ids" and t.ndim == 2 and t.shape[1] == length:
+            found[leaf] = [set((row == 0).nonzero().flatten().tolist()) | {0} for row in t]
+        elif leaf == "seq_idx" and t.ndim == 2 and t.shape[1] == length:
+            found[leaf] = [{0} | {i for i in range(1, length) if row[i] != row[i - 1]} for row in t]
+        elif leaf.startswith("cu_seq") and t.ndim == 1:  # offsets into the rows laid end to end
+            offsets = t.tolist()
+            rows = max(1, offsets[-1] // length) if offsets else 1
+            found[leaf] = [{o - r * length for o in offsets[:-1] if r * length <= o < (r + 1) * length} | {0}
+                           for r in range(rows)]  # fmt: skip
+    positions = _named_tensor(named, "position_ids")
+    counting = (
+        positions is not None
+        and positions.shape[0] == 1
+        and bool((positions.cpu() == torch.arange(positions.shape[-1])).all())
+    )
+    if not found or (not counting and all(len(s) == 1 for starts in found.values() for s in starts)):
         return None
-    positions = positions.cpu()
-    counting = positions.shape[0] == 1 and bool((positions == torch.arange(positions.shape[1])).all())
-    if not counting and not bool((positions[:, 1:] == 0).any()):
-        return None
-    others = [(name, t.cpu()) for name, t in positional if _leaf(name) != "position_ids"]
-    fingerprints, keys = [], []
-    for row, starts in enumerate(positions == 0):
-        bounds = [*starts.nonzero().flatten().tolist(), positions.shape[1]]
-        for start, stop in zip(bounds, bounds[1:]):
-            pieces = [t[row, start:stop] for _, t in others]
-            fingerprints.append(_hash(pieces))
-            keys.append(_hash(pieces[:1]))
-    names = [name for name, _ in others]
-    return MicroBatch(fingerprints=fingerprints, keys=keys, names=names, length=positions.shape[1], exact=True)
+    return found
+
+
+def _named_tensor(named: list[tuple[str, torch.Tensor]], leaf: str) -> torch.Tensor | None:
+    return next((t for name, t in named if _leaf(name) == leaf), None)
+
+
+def _packed(starts: dict[str, list[set[int]]], rows: int, length: int) -> tuple[list, bool, str]:
+    """Each packed row's sequences: a sequence starts where every layout input says one does (where they
+    disagree, a model reading one of them attends across the other's boundary: the sequences it trains on
+    are the longer ones) — and the layout, with what disagreed."""
+    spans = []
+    for r in range(rows):
+        agreed = sorted(set.intersection(*(s[r] for s in starts.values() if r < len(s))))
+        bounds = [*agreed, length]
+        spans.append([torch.arange(a, b) for a, b in zip(bounds, bounds[1:])])
+    counts = {name: sum(len(s) for s in per_row) for name, per_row in starts.items()}
+    layout = f"packed by {', '.join(starts)}"
+    if len(set(counts.values())) > 1:
+        layout += " (they disagree: " + ", ".join(f"{n} starts {c}" for n, c in counts.items()) + " sequences)"
+    return spans, True, layout
+
+
+def _padding(keep: torch.Tensor, by: str) -> str:
+    """Which side a mask padded its rows on: 'padded right (attention_mask)', left, both, or none."""
+    sides = []
+    if bool((~keep[:, 0] & keep.any(dim=1)).any()):
+        sides.append("left")
+    if bool((~keep[:, -1] & keep.any(dim=1)).any()):
+        sides.append("right")
+    return f"padded {' and '.join(sides)} ({by})" if sides else f"no padding ({by})"
+
+
+def _kept(row: torch.Tensor, pads: set[float]) -> torch.Tensor:
+    """The positions of `row` between the runs of padding values at either end."""
+    padding = torch.zeros_like(row, dtype=torch.bool)
+    for value in pads:
+        padding |= row == value
+    kept = (~padding).nonzero().flatten()
+    return kept if kept.numel() == 0 else torch.arange(int(kept[0]), int(kept[-1]) + 1)
+
+
+def _copies(labels: torch.Tensor, ids: torch.Tensor, spans: list) -> bool:
+    """Whether `labels` copy `ids` at every position of the samples where they count (not IGNORE_INDEX): a
+    causal LM's labels, which its loss shifts."""
+    if labels.shape != ids.shape:
+        return False
+    for r, row_spans in enumerate(spans):
+        for at in row_spans:
+            got, want = (labels[r], ids[r]) if at is None else (labels[r][at], ids[r][at])
+            counted = got != IGNORE_INDEX
+            if not bool((got[counted] == want[counted]).all()):
+                return False
+    return True
+
+
+def _targets(labels: torch.Tensor, at: torch.Tensor | None, *, shift: bool) -> torch.Tensor:
+    """What the sample's positions `at` of a row are trained to predict: the labels there, or (`shift`) at the
+    next position of the row — IGNORE_INDEX past its end."""
+    if at is None:
+        at = torch.arange(labels.shape[0])
+    if not shift:
+        return labels[at]
+    following = torch.cat([labels, labels.new_full((1,), IGNORE_INDEX)])
+    return following[at + 1]
 
 
 def _leaf(name: str) -> str:
@@ -188,22 +306,6 @@ def _sequence_length(inputs: list[tuple[str, torch.Tensor]], mask: torch.Tensor 
         return mask.shape[1]
     ids = next((t for _, t in inputs if t.ndim == 2 and not t.is_floating_point() and t.dtype != torch.bool), None)
     return None if ids is None else ids.shape[1]
-
-
-def _rows_at(t: torch.Tensor, keep: torch.Tensor) -> list[torch.Tensor]:
-    """Each row of `t` at its kept positions (dimension 1)."""
-    return [t[i][keep[i]] for i in range(t.shape[0])]
-
-
-def _strip(row: torch.Tensor, pads: set[float]) -> torch.Tensor:
-    """`row` without the run of padding values at either end."""
-    padding = torch.zeros_like(row, dtype=torch.bool)
-    for value in pads:
-        padding |= row == value
-    kept = (~padding).nonzero()
-    if kept.numel() == 0:
-        return row[:0]
-    return row[int(kept[0]) : int(kept[-1]) + 1]
 
 
 wraps = rows.wraps

@@ -34,6 +34,8 @@ class Seen:
     inputs: list[str] = field(default_factory=list)
     lengths: list[int | None] = field(default_factory=list)
     exact: bool = True
+    layouts: list[str] = field(default_factory=list)
+    """How the micro-batches laid their samples out (gaeq.script.samples.MicroBatch.layout), each once."""
     events: Counter[str] = field(default_factory=Counter)
     phases: list[int] = field(default_factory=list)
     """Backward calls before each optimizer step that followed a backward: the micro-batches each
@@ -47,12 +49,14 @@ class Seen:
         """A micro-batch the model received (gaeq.script.samples.MicroBatch; None: no tensor input)."""
         if batch is None:
             return
-        self.rows.append(len(batch.fingerprints))
+        self.rows.append(batch.samples)
         self.samples.extend(batch.fingerprints)
         self.keys.extend(batch.keys)
         self.inputs = self.inputs or batch.names
         self.lengths.append(batch.length)
         self.exact &= batch.exact
+        if batch.layout not in self.layouts:
+            self.layouts.append(batch.layout)
 
     def ended_by_step(self, optimizer: str) -> None:
         """The optimizer step that ends this phase: its name and the micro-batches it accumulated."""
@@ -68,6 +72,7 @@ class Seen:
         self.resolution += later.resolution
         self.inputs = self.inputs or later.inputs
         self.exact &= later.exact
+        self.layouts += [layout for layout in later.layouts if layout not in self.layouts]
         stepped = {e for e in self.events if e.startswith("stepped:")}
         self.events.update(later.events)
         for e in stepped | {e for e in later.events if e.startswith("stepped:")}:
@@ -167,6 +172,7 @@ def record(step: int, ranks: list[dict[str, Any]], read: Boundary, *, sketch: tu
         "inputs": ranks[0]["inputs"],
         "lengths": sorted({n for r in ranks for n in r["lengths"] if n is not None}),
         "exact": all(r["exact"] for r in ranks),
+        "layouts": sorted({layout for r in ranks for layout in r["layouts"]}),
         "comm_bytes": read.comm,
         "peak_mem_bytes": read.peak,
         "seconds": read.seconds,

@@ -40,6 +40,9 @@ class ScriptChecks:
     """Checks not made, and why (the verdict then comes from the numbers)."""
     notes: dict[str, str] = field(default_factory=dict)
     """metric → what the probe saw that explains it, added to the reason when that metric is the one caught."""
+    remarks: list[str] = field(default_factory=list)
+    """What the probe saw that differs from the baseline without being a divergence (another layout of the
+    same samples), said in the reason whatever the verdict."""
 
 
 def read_probe(cell_dir: Path) -> dict | None:
@@ -65,6 +68,7 @@ def script_checks(
     if split is not None and cell["steps"] and (why := ran_another_split(split, cell["steps"])):
         found["split"] = (0, why)
     steps = list(zip(base["steps"], cell["steps"]))
+    remarks = []
     for b, c in steps:
         if (why := _samples_differ(b, c)) is not None:
             if (unreadable := _unreadable(b, c)) is not None:
@@ -73,6 +77,12 @@ def script_checks(
             else:
                 found["data"] = (c["step"], f"the data of step {c['step']}: {why}")
             break
+    else:
+        if steps and (theirs := layouts(base["steps"])) != (ours := layouts(cell["steps"])):
+            remarks.append(
+                f"laid out otherwise than the baseline — {', '.join(ours)}, the baseline {', '.join(theirs)} —: "
+                "the same samples, each trained on the same targets, in every step"
+            )
     if base["initial"] != cell["initial"]:
         found["init"] = (
             0,
@@ -96,7 +106,23 @@ def script_checks(
     found["events"] = found["events"] or orthogonalisation_differs(steps)
     found["update"] = _update_differs(base["steps"], cell["steps"], twins=twins, rtol=rtol)
     notes = {"lr": note} if lr_differs and (note := _schedule_advanced(steps)) else {}
-    return ScriptChecks(first=found, not_checked=not_checked, notes=notes)
+    return ScriptChecks(first=found, not_checked=not_checked, notes=notes, remarks=remarks)
+
+
+def layouts(steps: list[dict]) -> list[str]:
+    """How a run's micro-batches laid their samples out, over its steps (a micro-batch that happened to
+    need no padding says nothing of how its run pads: left out where another was padded)."""
+    found = sorted({layout for s in steps for layout in s.get("layouts", ())})
+    padded = [f for f in found if not f.startswith("no padding")]
+    return padded or found
+
+
+def _layout_note(base: dict, cell: dict) -> str:
+    """The cell's layout, where it differs from the baseline's in that step."""
+    theirs, ours = layouts([base]), layouts([cell])
+    if theirs == ours:
+        return ""
+    return f" (laid out {', '.join(ours)}, the baseline {', '.join(theirs)})"
 
 
 def orthogonalisation_differs(steps: list[tuple[dict, dict]]) -> tuple[int, str] | None:
@@ -215,18 +241,24 @@ def _samples_differ(base_step: dict, cell_step: dict) -> str | None:
         changed = sum((Counter(base) - Counter(cell)).values())
         return (
             f"the same {len(base)} samples as the baseline's (by their {first}), but {changed} with other values in "
-            f"{', '.join(others) or 'their other inputs'} — targets or masks that depend on the split, or on what "
-            "the cell changed"
+            f"{', '.join(others) or 'their other inputs'} — targets that depend on the split, or on what the cell "
+            f"changed{_layout_note(base_step, cell_step)}"
         )
     theirs, ours = Counter(base), Counter(cell)
     missing, extra = sum((theirs - ours).values()), sum((ours - theirs).values())
     twice = sum(n - 1 for n in ours.values() if n > 1)
     why = f"{missing} of the baseline's {len(base)} samples missing, {extra} others in their place"
+    if disagreeing := [layout for layout in cell_step.get("layouts", ()) if "disagree" in layout]:
+        return (
+            f"{why}: your model was given packed rows {disagreeing[0].removeprefix('packed ')} — where one marks a "
+            "sequence's start and another does not, a model reading the latter attends across it, and trains on "
+            "the longer sequences they all mark, not on the samples"
+        )
     if twice:
         why += f", {twice} sample(s) seen twice — ranks drawing overlapping shards (a sampler seeded per rank?)"
     else:
         why += " (a sampler, shard or RNG that depends on the split?)"
-    return why
+    return why + _layout_note(base_step, cell_step)
 
 
 def ran_another_split(cell: Any, steps: list[dict]) -> str | None:

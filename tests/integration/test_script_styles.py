@@ -194,6 +194,32 @@ def test_a_trainer_script_packing_each_micro_batch_into_one_row(tmp_path):
         assert cells[cell_id]["not_checked"] == {}  # the data was checked: sequences exactly delimited
 
 
+def test_packing_switched_on_against_a_padded_baseline_trains_the_same_and_positions_running_on_are_caught(tmp_path):
+    """experiments/your_packing_script.yaml (TRL's padding_free against the padded full batch; the labels a copy
+    of the ids): the packed splits' rows differ from the baseline's — each sequence's first label -100, a
+    seq_idx — but what the loss learns from is the same: `match`, the reason saying how the layout differs. A
+    packer whose position ids run on across the row (the sequences attend to each other) differs in the
+    samples trained: data, at step 0, at world 1 and 2."""
+    spec = yaml.safe_load((REPO / "experiments" / "your_packing_script.yaml").read_text())
+    cells = run(tmp_path, "your_packing_script.yaml", [{"world_size": 1, "micro_batch_size": 2}, *spec["cells"]])
+    for cell_id in ("script-w1-mb4-ga4-args_padding_free_seq_idx", "script-w2-mb4-ga2-args_padding_free_seq_idx"):
+        packed = cells[cell_id]
+        assert packed["verdict"] == "match" and packed["not_checked"] == {}, packed["reason"]
+        assert packed["reason"] == (
+            "laid out otherwise than the baseline — packed by position_ids, seq_idx, the baseline padded right "
+            "(attention_mask) —: the same samples, each trained on the same targets, in every step"
+        )
+    assert cells["script-w1-mb2-ga8"]["verdict"] == "match" and cells["script-w1-mb2-ga8"]["reason"] == ""
+    for cell_id in [i for i in cells if "run_on" in i]:
+        run_on = cells[cell_id]
+        assert caught(run_on) == ("data", 0), run_on["reason"]
+        assert (
+            "your model was given packed rows by position_ids, seq_idx (they disagree: position_ids starts 1"
+            in (run_on["reason"])
+            and "a sampler" not in run_on["reason"]
+        )
+
+
 def test_a_pytorch_lightning_script(tmp_path):
     """experiments/your_lightning_script.yaml: a real PyTorch Lightning Trainer (accumulate_grad_batches,
     gradient_clip_val, strategy="ddp" on two devices), unchanged. On one device every split matches — the

@@ -106,7 +106,28 @@ def test_a_batch_in_a_list_a_dict_or_a_dataclass_is_read_as_its_tensors():
     wider = padded(SAMPLES, to=9)
     a = reader.read(step, ({"input_ids": x["input_ids"], "attention_mask": x["attention_mask"]},), {})
     b = reader.read(step, ({"input_ids": wider["input_ids"], "attention_mask": wider["attention_mask"]},), {})
-    assert a.fingerprints == b.fingerprints and a.names == ["batch.input_ids", "batch.attention_mask"]
+    assert a.fingerprints == b.fingerprints and a.names == ["batch.input_ids"]  # (the mask is layout)
+
+
+class Packed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 2)
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, labels=None, seq_idx=None):
+        return self.emb(input_ids)
+
+
+def pack(samples, *, restart=True, separator=-100, seq_idx=False):
+    """transformers' DataCollatorWithFlattening: the samples end to end in one row, position_ids restarting
+    at each (`restart`), each sample's first label `separator` (the token itself with None), no mask."""
+    ids = torch.tensor([[t for s in samples for t in s]])
+    labels = [[t if i or separator is None else separator for s in samples for i, t in enumerate(s)]]
+    positions = [[i for s in samples for i in range(len(s))]] if restart else [list(range(ids.shape[1]))]
+    batch = {"input_ids": ids, "position_ids": torch.tensor(positions), "labels": torch.tensor(labels)}
+    if seq_idx:
+        batch["seq_idx"] = torch.tensor([[k for k, s in enumerate(samples) for _ in s]])
+    return batch
 
 
 def test_packed_rows_are_read_as_their_sequences():
@@ -114,24 +135,52 @@ def test_packed_rows_are_read_as_their_sequences():
     restarting at each (no attention mask, on purpose). Each sequence is a sample — the same fingerprint
     as that sequence alone, whichever sequences share its row — and the rows the split check counts are
     the sequences (before: "it ran micro-batches of 1")."""
-
-    class Packed(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.emb = torch.nn.Embedding(16, 2)
-
-        def forward(self, input_ids, position_ids=None, labels=None):
-            return self.emb(input_ids)
-
-    def pack(samples):
-        ids = torch.tensor([[t for s in samples for t in s]])
-        positions = torch.tensor([[i for s in samples for i in range(len(s))]])
-        return {"input_ids": ids, "position_ids": positions, "labels": ids.clone()}
-
     reader, model = SampleIdentity(), Packed()
     alone = [reader.read(model, (), pack([s])).fingerprints[0] for s in SAMPLES]
     together = reader.read(model, (), pack(SAMPLES))
     assert together.fingerprints == alone and together.exact and len(together.fingerprints) == 3
+    assert together.layout == "packed by position_ids"
     swapped = reader.read(model, (), pack(SAMPLES[::-1]))
     assert sorted(swapped.fingerprints) == sorted(alone)
     assert reader.read(model, (), pack([SAMPLES[1]])).fingerprints == [alone[1]]  # one sequence: one sample
+
+
+def test_the_targets_the_loss_learns_from_are_the_same_padded_left_right_or_packed():
+    """A causal LM's labels copy its input ids (-100 on padding): its loss shifts them, position t predicting
+    the label at t + 1. The same samples padded right or left (labels = ids, TRL's collator) and packed by
+    DataCollatorWithFlattening (each sample's first label -100: never a target, as no position of the sample
+    precedes it) are trained on the same (context, next token) pairs: the same fingerprints. What really
+    moves a target still differs: a packed neighbour's first token predicted across the boundary, a label
+    dropped inside a sample, positions that do not restart (the samples attend to each other)."""
+    reader, model = SampleIdentity(), Packed()
+    packed = reader.read(model, (), pack(SAMPLES, seq_idx=True))
+    assert packed.layout == "packed by position_ids, seq_idx" and "labels (targets, shifted)" in packed.names
+    for left in (False, True):
+        batch = padded(SAMPLES, to=7, left=left)
+        read = reader.read(model, (), batch)
+        assert sorted(read.fingerprints) == sorted(packed.fingerprints), left
+        assert read.layout == f"padded {'left' if left else 'right'} (attention_mask)"
+    across = reader.read(model, (), pack(SAMPLES, separator=None))  # the next sample's first token a target
+    assert across.fingerprints[:2] != packed.fingerprints[:2] and across.fingerprints[2] == packed.fingerprints[2]
+    dropped = padded(SAMPLES, to=7)
+    dropped["labels"][1, 3] = -100  # a target left out: another training signal
+    assert sorted(reader.read(model, (), dropped).fingerprints) != sorted(packed.fingerprints)
+    running_on = reader.read(model, (), pack(SAMPLES, restart=False, seq_idx=True))
+    assert len(running_on.fingerprints) == 1  # attending across: one sequence of 9 tokens trained,
+    assert running_on.samples == 3  # of the three samples the collator put in the micro-batch
+    assert (
+        running_on.layout
+        == "packed by position_ids, seq_idx (they disagree: position_ids starts 1, seq_idx starts 3 sequences)"
+    )
+
+
+def test_targets_given_shifted_already_are_read_where_they_are():
+    """nanoGPT's (x, y): the targets are the next tokens already, at each position — not copies of the ids,
+    so not shifted again; a target changed is a sample changed."""
+    reader, model = SampleIdentity(), Packed()
+    x, y = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]]), torch.tensor([[2, 3, 4, 5], [6, 7, 8, 9]])
+    read = reader.read(model, (x,), {"labels": y})
+    assert read.names == ["input_ids", "labels (targets)"]
+    z = y.clone()
+    z[0, 0] = 0
+    assert reader.read(model, (x,), {"labels": z}).fingerprints[0] != read.fingerprints[0]

@@ -173,11 +173,38 @@ def test_the_same_samples_with_other_labels_are_told_from_other_samples():
         step |= {"keys": ["k1", "k2"], "inputs": ["input_ids", "attention_mask", "labels"]}
     cell = probe([["a", "x"], ["c", "d"]])
     for step in cell["steps"]:
-        step |= {"keys": ["k1", "k2"], "inputs": ["input_ids", "attention_mask", "labels"]}
+        step |= {"keys": ["k1", "k2"], "inputs": ["input_ids", "labels (targets, shifted)"]}
     assert script_checks(base, cell).first["data"] == (
         0,
         "the data of step 0: the same 2 samples as the baseline's (by their input_ids), but 1 with other values in "
-        "attention_mask, labels — targets or masks that depend on the split, or on what the cell changed",
+        "labels (targets, shifted) — targets that depend on the split, or on what the cell changed",
+    )
+
+
+def test_another_layout_of_the_same_samples_is_said_and_positions_that_disagree_are_the_data_reason():
+    """A cell that packs what its baseline pads: the same fingerprints (gaeq.script.samples reads what is
+    trained), a match whose reason says the layout differs; packed inputs that disagree on where sequences
+    start give other samples, and the reason says why — not a sampler's guess."""
+    padded, packed = probe([["a", "b"], ["c", "d"]]), probe([["a", "b"], ["c", "d"]])
+    for step in padded["steps"]:
+        step["layouts"] = ["no padding (attention_mask)", "padded right (attention_mask)"]
+    for step in packed["steps"]:
+        step["layouts"] = ["packed by position_ids"]
+    same = script_checks(padded, packed)
+    assert same.first["data"] is None and same.remarks == [
+        "laid out otherwise than the baseline — packed by position_ids, the baseline padded right (attention_mask) —: "
+        "the same samples, each trained on the same targets, in every step"
+    ]
+    assert script_checks(padded, padded).remarks == []
+    run_on = probe([["ab"], ["cd"]])
+    for step in run_on["steps"]:
+        step["layouts"] = [
+            "packed by position_ids, seq_idx (they disagree: position_ids starts 1, seq_idx starts 2 sequences)"
+        ]
+    why = script_checks(padded, run_on).first["data"][1]
+    assert "sampler" not in why and why.startswith(
+        "the data of step 0: 2 of the baseline's 2 samples missing, 1 others in their place: your model was given "
+        "packed rows by position_ids, seq_idx (they disagree"
     )
 
 
