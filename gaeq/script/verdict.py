@@ -256,6 +256,8 @@ def _samples_differ(base_step: dict, cell_step: dict) -> str | None:
         )
     if twice:
         why += f", {twice} sample(s) seen twice — ranks drawing overlapping shards (a sampler seeded per rank?)"
+    elif laid := _layout_note(base_step, cell_step):  # what is known: the cell's collator lays the data out otherwise
+        return why + laid
     else:
         why += " (a sampler, shard or RNG that depends on the split?)"
     return why + _layout_note(base_step, cell_step)

@@ -201,6 +201,13 @@ def test_another_layout_of_the_same_samples_is_said_and_positions_that_disagree_
         step["layouts"] = [
             "packed by position_ids, seq_idx (they disagree: position_ids starts 1, seq_idx starts 2 sequences)"
         ]
+    cut = probe([["a", "e"], ["c", "f"]])  # a collator that cuts the data into other pieces (TRL's wrapped packing)
+    for step in cut["steps"]:
+        step["layouts"] = ["packed by position_ids"]
+    assert script_checks(padded, cut).first["data"][1] == (
+        "the data of step 0: 1 of the baseline's 2 samples missing, 1 others in their place (laid out packed by "
+        "position_ids, the baseline padded right (attention_mask))"
+    )  # what is known, no sampler guessed at
     why = script_checks(padded, run_on).first["data"][1]
     assert "sampler" not in why and why.startswith(
         "the data of step 0: 2 of the baseline's 2 samples missing, 1 others in their place: your model was given "
