@@ -66,7 +66,7 @@ def notebooks_run(tmp_path_factory):
 def pitfalls_run(notebooks_run):
     """`experiments/pitfalls.yaml` as notebook 4 runs it (`gaeq.run` of the file as it is, in its own kernel):
     tests/integration/test_pitfalls.py checks that run — the same run a reader of the notebook gets, not a
-    second one. (report.json, the run directory)."""
+    second one (so test_pitfalls.py alone executes the five notebooks). (report.json, the run directory)."""
     import json
 
     from tests.kernels import run_of
