@@ -238,6 +238,8 @@ def _packed(starts: dict[str, list[set[int]]], rows: int, length: int) -> tuple[
         bounds = [*agreed, length]
         spans.append([torch.arange(a, b) for a, b in zip(bounds, bounds[1:])])
     counts = {name: sum(len(s) for s in per_row) for name, per_row in starts.items()}
+    if set(counts.values()) == {rows}:  # one sequence a row (a micro-batch of one): nothing was packed
+        return spans, True, "rows as received"
     layout = f"packed by {', '.join(starts)}"
     if len(set(counts.values())) > 1:
         layout += " (they disagree: " + ", ".join(f"{n} starts {c}" for n, c in counts.items()) + " sequences)"

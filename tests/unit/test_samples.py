@@ -142,7 +142,8 @@ def test_packed_rows_are_read_as_their_sequences():
     assert together.layout == "packed by position_ids"
     swapped = reader.read(model, (), pack(SAMPLES[::-1]))
     assert sorted(swapped.fingerprints) == sorted(alone)
-    assert reader.read(model, (), pack([SAMPLES[1]])).fingerprints == [alone[1]]  # one sequence: one sample
+    one = reader.read(model, (), pack([SAMPLES[1]]))
+    assert one.fingerprints == [alone[1]] and one.layout == "rows as received"  # one sequence: one sample, unpacked
 
 
 def test_the_targets_the_loss_learns_from_are_the_same_padded_left_right_or_packed():
