@@ -110,9 +110,9 @@ class SampleIdentity:
         positional = [x for x, p in zip(inputs, laid_out) if p and _leaf(x[0]) not in (*MASK_NAMES, *LAYOUT_NAMES)]
         by_row = [x for x, p in zip(inputs, laid_out) if not p and _leaf(x[0]) not in (*MASK_NAMES, *LAYOUT_NAMES)]
         starts = _sequence_starts(named, length) if length is not None and mask is None else None
-        data = [(n, t) for n, t in positional if _leaf(n) not in TARGET_NAMES]
-        targets = [(n, t) for n, t in positional if _leaf(n) in TARGET_NAMES and not t.is_floating_point()]
-        data += [x for x in positional if x not in data and x not in targets]  # (float "labels": data as they are)
+        target = [_leaf(n) in TARGET_NAMES and not t.is_floating_point() for n, t in positional]  # (float: data)
+        data = [x for x, is_target in zip(positional, target) if not is_target]
+        targets = [x for x, is_target in zip(positional, target) if is_target]
         count = None
         if not positional:
             spans, exact, layout = [[None] for _ in range(rows)], True, "rows as received"
