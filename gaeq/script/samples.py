@@ -121,8 +121,7 @@ class SampleIdentity:
             spans, exact = [[keep[r].nonzero().flatten()] for r in range(rows)], True
             layout = _padding(keep, "attention_mask")
         elif starts is not None:
-            spans, exact, layout = _packed(starts, rows, length)
-            count = sum(len(set.union(*(s[r] for s in starts.values() if r < len(s)))) for r in range(rows))
+            (spans, layout, count), exact = _packed(starts, rows, length), True
         else:
             spans, exact, layout = self._stripped(data, targets, rows, length)
         ids = next((t for _, t in data if t.ndim == 2 and not t.is_floating_point()), None)
@@ -228,22 +227,24 @@ def _named_tensor(named: list[tuple[str, torch.Tensor]], leaf: str) -> torch.Ten
     return next((t for name, t in named if _leaf(name) == leaf), None)
 
 
-def _packed(starts: dict[str, list[set[int]]], rows: int, length: int) -> tuple[list, bool, str]:
+def _packed(starts: dict[str, list[set[int]]], rows: int, length: int) -> tuple[list, str, int]:
     """Each packed row's sequences: a sequence starts where every layout input says one does (where they
     disagree, a model reading one of them attends across the other's boundary: the sequences it trains on
-    are the longer ones) — and the layout, with what disagreed."""
-    spans = []
+    are the longer ones) — the layout, with what disagreed, and the samples any of them marks (the
+    micro-batch's size, as its collator made it)."""
+    spans, count = [], 0
     for r in range(rows):
-        agreed = sorted(set.intersection(*(s[r] for s in starts.values() if r < len(s))))
-        bounds = [*agreed, length]
+        marked = [s[r] for s in starts.values() if r < len(s)]
+        bounds = [*sorted(set.intersection(*marked)), length]
         spans.append([torch.arange(a, b) for a, b in zip(bounds, bounds[1:])])
+        count += len(set.union(*marked))
     counts = {name: sum(len(s) for s in per_row) for name, per_row in starts.items()}
     if set(counts.values()) == {rows}:  # one sequence a row (a micro-batch of one): nothing was packed
-        return spans, True, "rows as received"
+        return spans, "rows as received", count
     layout = f"packed by {', '.join(starts)}"
     if len(set(counts.values())) > 1:
         layout += " (they disagree: " + ", ".join(f"{n} starts {c}" for n, c in counts.items()) + " sequences)"
-    return spans, True, layout
+    return spans, layout, count
 
 
 def _padding(keep: torch.Tensor, by: str) -> str:

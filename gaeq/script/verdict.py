@@ -254,13 +254,12 @@ def _samples_differ(base_step: dict, cell_step: dict) -> str | None:
             "sequence's start and another does not, a model reading the latter attends across it, and trains on "
             "the longer sequences they all mark, not on the samples"
         )
+    laid = _layout_note(base_step, cell_step)
     if twice:
         why += f", {twice} sample(s) seen twice — ranks drawing overlapping shards (a sampler seeded per rank?)"
-    elif laid := _layout_note(base_step, cell_step):  # what is known: the cell's collator lays the data out otherwise
-        return why + laid
-    else:
+    elif not laid:  # (where the cell lays the data out otherwise, that is what is known: said, no sampler guessed)
         why += " (a sampler, shard or RNG that depends on the split?)"
-    return why + _layout_note(base_step, cell_step)
+    return why + laid
 
 
 def ran_another_split(cell: Any, steps: list[dict]) -> str | None:
