@@ -8,11 +8,20 @@ Each round of work adds tests; this prints the total by folder (tests/unit, test
 tests/notebooks) so that the next round sees the growth, and the 15 slowest tests with their phase time
 (setup — a shared run a fixture makes — and call). The targets (README: the whole suite ≤ 8 minutes from a
 fresh clone on 2 cores, the unit tests ≤ 60 s) are printed beside the totals, never asserted.
+
+When it runs the suite itself it also measures the machine's **busy core-seconds** during each test
+(this file is loaded into that pytest as a plugin: `/proc/stat` read before and after each test — the
+whole machine's, so measure on a machine doing nothing else), for
+wall time alone cannot say whether a slow test waits or works: a test that keeps one core of two busy
+could share the machine, one that keeps both busy cannot. Their sum against the cores × the target is
+what any reordering or overlap could reach — the work itself must shrink when it is over.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -20,10 +29,38 @@ import xml.etree.ElementTree as ET
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 TARGETS = {"all": 8 * 60.0, "not integration": 60.0}
 """Seconds: the whole suite from a fresh clone, and `-m "not integration"` (the edit loop)."""
 TINY = ["tests/unit/test_placeholders.py", "tests/unit/test_links.py"]
+BUSY_FILE = "GAEQ_SUITE_BUSY_FILE"
+"""Where the plugin below appends each test's busy core-seconds (a JSON line per test)."""
+
+
+def busy_ticks() -> tuple[int, int] | None:
+    """(all, idle) clock ticks of every core since boot, from /proc/stat; None where there is none."""
+    try:
+        with open("/proc/stat") as stat:
+            ticks = [int(t) for t in stat.readline().split()[1:]]
+    except OSError:
+        return None
+    return sum(ticks), ticks[3] + ticks[4]  # idle and iowait
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """pytest's hook, where this file is loaded as a plugin (`-p suite_time`): the machine's busy
+    core-seconds over a test's setup, call and teardown, appended to the file BUSY_FILE names."""
+    before = busy_ticks()
+    yield
+    after = busy_ticks()
+    if before is None or after is None or BUSY_FILE not in os.environ:
+        return
+    seconds = ((after[0] - before[0]) - (after[1] - before[1])) / os.sysconf("SC_CLK_TCK")
+    with open(os.environ[BUSY_FILE], "a") as out:
+        out.write(json.dumps({"test": item.nodeid, "core_seconds": seconds}) + "\n")
 
 
 def times(junit: Path) -> list[tuple[str, float]]:
@@ -35,42 +72,62 @@ def times(junit: Path) -> list[tuple[str, float]]:
     return cases
 
 
-def by_folder(cases: list[tuple[str, float]]) -> dict[str, tuple[int, float]]:
-    folders: dict[str, list[float]] = defaultdict(list)
+def by_folder(cases: list[tuple[str, float]], busy: dict[str, float]) -> dict[str, tuple[int, float, float]]:
+    """Folder → (tests, seconds, busy core-seconds)."""
+    folders: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for name, seconds in cases:
-        folders["/".join(name.split("/")[:2])].append(seconds)
-    return {f: (len(s), sum(s)) for f, s in sorted(folders.items())}
+        folders["/".join(name.split("/")[:2])].append((seconds, busy.get(name, 0.0)))
+    return {f: (len(t), sum(s for s, _ in t), sum(b for _, b in t)) for f, t in sorted(folders.items())}
+
+
+def read_busy(path: Path) -> dict[str, float]:
+    """Test → busy core-seconds, as the plugin wrote them (none for a run read from --junit)."""
+    if not path.exists():
+        return {}
+    return {r["test"]: r["core_seconds"] for r in map(json.loads, path.read_text().splitlines())}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--junit", type=Path, help="a pytest --junitxml report already made")
+    parser.add_argument("--junit", type=Path, help="a pytest --junitxml report already made (wall time only)")
     parser.add_argument("--tiny", action="store_true", help="time two small unit-test files only")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        junit = args.junit
+        junit, busy_file = args.junit, Path(tmp) / "busy.jsonl"
         if junit is None:
             junit = Path(tmp) / "suite.xml"
             chosen = TINY if args.tiny else []
+            here = str(Path(__file__).resolve().parent)  # this file, loaded into that pytest as a plugin
+            path = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
             subprocess.run(
-                [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *chosen],
+                [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "suite_time",
+                 f"--junitxml={junit}", *chosen],
                 cwd=REPO,
                 check=False,
                 stdout=subprocess.DEVNULL,
-            )
-        cases = times(junit)
+                env={**os.environ, "PYTHONPATH": path, BUSY_FILE: str(busy_file)},
+            )  # fmt: skip
+        cases, busy = times(junit), read_busy(busy_file)
     if args.tiny:
         print("tiny run (--tiny): two unit-test files, to keep the code working — its numbers mean nothing")
-    total = sum(s for _, s in cases)
-    print(f"{'folder':<20} {'tests':>6} {'seconds':>9}")
-    for folder, (count, seconds) in by_folder(cases).items():
-        print(f"{folder:<20} {count:>6} {seconds:>9.1f}")
+    cores = len(os.sched_getaffinity(0))
+    print(f"{'folder':<20} {'tests':>6} {'seconds':>9} {'core-s':>8}")
+    for folder, (count, seconds, work) in by_folder(cases, busy).items():
+        print(f"{folder:<20} {count:>6} {seconds:>9.1f} {work:>8.0f}")
+    total, work = sum(s for _, s in cases), sum(busy.values())
     unit = sum(s for n, s in cases if n.startswith("tests/unit/"))
-    print(f"{'total':<20} {len(cases):>6} {total:>9.1f}   (target: ≤ {TARGETS['all']:.0f} s from a fresh clone)")
+    target = f"(target: ≤ {TARGETS['all']:.0f} s from a fresh clone)"
+    print(f"{'total':<20} {len(cases):>6} {total:>9.1f} {work:>8.0f}   {target}")
     print(f"{'unit tests':<20} {'':>6} {unit:>9.1f}   (target: ≤ {TARGETS['not integration']:.0f} s)")
-    print("slowest tests (setup + call):")
+    if busy:
+        budget = cores * TARGETS["all"]
+        print(
+            f"busy core-seconds: {work:.0f} — the machine's {cores} cores were busy {work / total:.2f} of {cores} "
+            f"on average; {cores} × the target = {budget:.0f} core-seconds, all a perfect overlap could use"
+        )
+    print("slowest tests (setup + call; busy core-seconds where measured):")
     for name, seconds in sorted(cases, key=lambda c: -c[1])[:15]:
-        print(f"  {seconds:7.1f}  {name}")
+        print(f"  {seconds:7.1f}  {busy.get(name, float('nan')):6.0f}  {name}")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -100,6 +101,19 @@ def run(
     with running(cmd, tag=tag, signals=signals, **popen) as proc:
         out, err = proc.communicate(timeout=timeout)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def side_by_side(jobs: Mapping[str, Callable[[], object]], *, lanes: int = 2) -> dict[str, object]:
+    """Each job (a function that starts processes and waits for them) run `lanes` at a time, in
+    threads: name → what it returned; the first exception is raised once every job has ended.
+
+    For jobs whose processes mostly start and wait — interpreters importing, launchers meeting —, not
+    for two that train side by side: DeepSpeed's CPU all-reduce spins while it waits, so two process
+    groups on two cores slow each other down several times (docs/tests.md)."""
+    with ThreadPoolExecutor(lanes) as pool:
+        futures = {name: pool.submit(job) for name, job in jobs.items()}
+        wait(futures.values())
+    return {name: future.result() for name, future in futures.items()}
 
 
 def gaeq_command(*args: str) -> list[str]:

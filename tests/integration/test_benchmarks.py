@@ -11,13 +11,13 @@ world 2 it runs inside lab_speed.py's tiny peer check, whose line needs every la
 from __future__ import annotations
 
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import pytest
 
 from tests.conftest import REPO
 from tests.helpers import deepspeed_shm
-from tests.processes import run
+from tests.processes import run, side_by_side
 
 pytestmark = pytest.mark.integration
 
@@ -49,7 +49,13 @@ PHASES = {
         "plain launches (target: fewer than 3",
         "probe overhead at",
     ),
-    "suite_time.py": ("folder                tests   seconds", "tests/unit", "unit tests", "slowest tests"),
+    "suite_time.py": (
+        "folder                tests   seconds   core-s",
+        "tests/unit",
+        "unit tests",
+        "busy core-seconds:",
+        "slowest tests",
+    ),
     "trainer_sequence_parallel.py": ("w1 GA 1 ", "sp2 GA 2 ", "× w1 GA 1's"),  # (its TINY_RUNS)
     "pipeline_bubble.py": (
         "bubble  theory  p2p KB/step",
@@ -78,8 +84,7 @@ def tiny_runs():
         return run([sys.executable, str(REPO / "benchmarks" / name), "--tiny"], timeout=TIMEOUT.get(name, 120))
 
     order = sorted(PHASES, key=lambda name: -TIMEOUT.get(name, 0))
-    with ThreadPoolExecutor(LANES) as pool:
-        done = dict(zip(order, pool.map(tiny, order)))
+    done = side_by_side({name: partial(tiny, name) for name in order}, lanes=LANES)
     left = sorted(deepspeed_shm() - shm_before)
     return done, left, (REPO / "docs" / "noise_floor.png").stat().st_mtime_ns == figure
 

@@ -224,28 +224,36 @@ def ranks_given(tmp_path_factory):
     OMP_NUM_THREADS unset from the test's environment, so that the launcher's show) and as gaeq forks them
     for a script matrix naming that launcher: launcher → {"real": {world: [rank 0, …]}, "gaeq": …}."""
     import sys
+    from functools import partial
 
     import yaml
 
     from gaeq.script.launchers import worker_env
     from gaeq.script.spec import Launcher
     from tests.helpers import gaeq_run_here
-    from tests.processes import new_tag, owned, spawn
+    from tests.processes import new_tag, owned, side_by_side, spawn
 
     seen = {}
     threads = os.environ.pop("OMP_NUM_THREADS", None)  # gaeq's own environment, for its forked ranks
+    folders = {launcher: tmp_path_factory.mktemp(launcher) for launcher in LAUNCHERS}
+
+    def launch(launcher: str, world: int, tag: str):
+        here = folders[launcher]
+        ours = worker_env(Launcher(launcher), rank=1, world_size=2, port=0, given={})
+        unset = [arg for key in [*ours, "OMP_NUM_THREADS"] if key in os.environ for arg in ("-u", key)]
+        cmd = ["env", *unset, sys.executable, *LAUNCHERS[launcher](world), str(here / "dump.py"), "--mine"]
+        proc = spawn(cmd, tag=tag, cwd=here, signals=as_inherited())  # as gaeq is started: by this process
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, out[-2000:] + err[-2000:]
+
     try:
-        for launcher, command in LAUNCHERS.items():
-            here = tmp_path_factory.mktemp(launcher)
+        for here in folders.values():
             (here / "dump.py").write_text(DUMP)
-            ours = worker_env(Launcher(launcher), rank=1, world_size=2, port=0, given={})
-            unset = [arg for key in [*ours, "OMP_NUM_THREADS"] if key in os.environ for arg in ("-u", key)]
-            with owned(new_tag()) as tag:
-                for world in WORLDS:
-                    cmd = ["env", *unset, sys.executable, *command(world), str(here / "dump.py"), "--mine"]
-                    proc = spawn(cmd, tag=tag, cwd=here, signals=as_inherited())  # as gaeq is started: by this process
-                    out, err = proc.communicate(timeout=120)
-                    assert proc.returncode == 0, out[-2000:] + err[-2000:]
+        with owned(new_tag()) as tag:  # the four launches side by side: each mostly interpreters starting
+            jobs = {f"{name}-w{w}": partial(launch, name, w, tag) for name in LAUNCHERS for w in WORLDS}
+            side_by_side(jobs, lanes=len(jobs))
+        for launcher in LAUNCHERS:
+            here = folders[launcher]
             script = {"path": "dump.py", "launcher": launcher, "args": ["--mine"], "env": {"DUMP": "gaeq"}}
             spec = {
                 "name": "dump",
