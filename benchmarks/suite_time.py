@@ -25,6 +25,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import xml.etree.ElementTree as ET
 from collections import defaultdict
 from pathlib import Path
@@ -72,6 +73,15 @@ def times(junit: Path) -> list[tuple[str, float]]:
     return cases
 
 
+def outcome(junit: Path) -> str:
+    """What the run came to, from its report: "660 passed, 1 skipped, 0 failed" — a time is worth
+    something only beside it."""
+    suite = next(ET.parse(junit).getroot().iter("testsuite"))
+    count = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    failed = count["failures"] + count["errors"]
+    return f"{count['tests'] - failed - count['skipped']} passed, {count['skipped']} skipped, {failed} failed"
+
+
 def by_folder(cases: list[tuple[str, float]], busy: dict[str, float]) -> dict[str, tuple[int, float, float]]:
     """Folder → (tests, seconds, busy core-seconds)."""
     folders: dict[str, list[tuple[float, float]]] = defaultdict(list)
@@ -93,13 +103,14 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="time two small unit-test files only")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        junit, busy_file = args.junit, Path(tmp) / "busy.jsonl"
+        junit, busy_file, ran = args.junit, Path(tmp) / "busy.jsonl", None
         if junit is None:
             junit = Path(tmp) / "suite.xml"
             chosen = TINY if args.tiny else []
             here = str(Path(__file__).resolve().parent)  # this file, loaded into that pytest as a plugin
             path = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
-            subprocess.run(
+            started = time.monotonic()
+            proc = subprocess.run(
                 [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "suite_time",
                  f"--junitxml={junit}", *chosen],
                 cwd=REPO,
@@ -107,7 +118,8 @@ def main() -> None:
                 stdout=subprocess.DEVNULL,
                 env={**os.environ, "PYTHONPATH": path, BUSY_FILE: str(busy_file)},
             )  # fmt: skip
-        cases, busy = times(junit), read_busy(busy_file)
+            ran = f"pytest: exit {proc.returncode}, {time.monotonic() - started:.0f} s from its start to its exit"
+        cases, busy, ended = times(junit), read_busy(busy_file), outcome(junit)
     if args.tiny:
         print("tiny run (--tiny): two unit-test files, to keep the code working — its numbers mean nothing")
     cores = len(os.sched_getaffinity(0))
@@ -119,6 +131,7 @@ def main() -> None:
     target = f"(target: ≤ {TARGETS['all']:.0f} s from a fresh clone)"
     print(f"{'total':<20} {len(cases):>6} {total:>9.1f} {work:>8.0f}   {target}")
     print(f"{'unit tests':<20} {'':>6} {unit:>9.1f}   (target: ≤ {TARGETS['not integration']:.0f} s)")
+    print(f"tests: {ended}" + (f"; {ran}" if ran else ""))
     if busy:
         budget = cores * TARGETS["all"]
         print(
