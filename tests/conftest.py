@@ -11,13 +11,21 @@ TRAINING_TESTS = (REPO / "tests" / "integration", REPO / "tests" / "notebooks")
 
 def pytest_sessionstart(session):
     """A session that will train starts its fork server now (tests/processes.py): its imports of
-    torch, DeepSpeed and transformers overlap the collection of the tests."""
+    torch, DeepSpeed and transformers overlap the collection of the tests. One that will not — its
+    paths hold no training test, or its marks leave the integration tests out (the edit loop, `-m "not
+    integration"`) — starts none: those imports would take a core from the tests that run."""
     config = session.config
     paths = [Path(config.invocation_params.dir, arg.split("::")[0]).resolve() for arg in config.args]
-    if any(p == d or p in d.parents or d in p.parents for p in paths for d in TRAINING_TESTS):
-        from tests.processes import start_session_fork_server
+    if not any(p == d or p in d.parents or d in p.parents for p in paths for d in TRAINING_TESTS):
+        return
+    if config.option.markexpr:
+        from _pytest.mark.expression import Expression  # how pytest's -m reads its expression
 
-        start_session_fork_server()
+        if not Expression.compile(config.option.markexpr).evaluate(lambda name, **_: name == "integration"):
+            return
+    from tests.processes import start_session_fork_server
+
+    start_session_fork_server()
 
 
 def pytest_collection_modifyitems(items):
