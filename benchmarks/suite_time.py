@@ -64,19 +64,19 @@ def pytest_runtest_protocol(item, nextitem):
         out.write(json.dumps({"test": item.nodeid, "core_seconds": seconds}) + "\n")
 
 
-def times(junit: Path) -> list[tuple[str, float]]:
+def times(report: ET.Element) -> list[tuple[str, float]]:
     """(test file::name, seconds) of every test case in a JUnit XML report."""
     cases = []
-    for case in ET.parse(junit).getroot().iter("testcase"):
+    for case in report.iter("testcase"):
         path = case.get("classname", "").replace(".", "/")
         cases.append((f"{path}.py::{case.get('name')}", float(case.get("time", 0.0))))
     return cases
 
 
-def outcome(junit: Path) -> str:
-    """What the run came to, from its report: "660 passed, 1 skipped, 0 failed" — a time is worth
+def outcome(report: ET.Element) -> str:
+    """What the run came to, from its JUnit XML report: "660 passed, 1 skipped, 0 failed" — a time is worth
     something only beside it."""
-    suite = next(ET.parse(junit).getroot().iter("testsuite"))
+    suite = next(report.iter("testsuite"))
     count = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
     failed = count["failures"] + count["errors"]
     return f"{count['tests'] - failed - count['skipped']} passed, {count['skipped']} skipped, {failed} failed"
@@ -119,7 +119,8 @@ def main() -> None:
                 env={**os.environ, "PYTHONPATH": path, BUSY_FILE: str(busy_file)},
             )  # fmt: skip
             ran = f"pytest: exit {proc.returncode}, {time.monotonic() - started:.0f} s from its start to its exit"
-        cases, busy, ended = times(junit), read_busy(busy_file), outcome(junit)
+        report = ET.parse(junit).getroot()
+        cases, busy, ended = times(report), read_busy(busy_file), outcome(report)
     if args.tiny:
         print("tiny run (--tiny): two unit-test files, to keep the code working — its numbers mean nothing")
     cores = len(os.sched_getaffinity(0))
