@@ -12,6 +12,7 @@ from gaeq.matrix import Cell
 from gaeq.problem.spec import ProblemSpec
 from gaeq.results.outcome import CellOutcome, write_outcome
 from gaeq.results.trace import cell_dir
+from gaeq.runtime import crashes
 from gaeq.runtime.events import Event, EventKind, OnEvent, ignore
 
 DEFAULT_INIT_TIMEOUT_S = 600.0
@@ -68,8 +69,12 @@ class RunOptions:
 
 
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
-    """The last lines of a log, headed by its name ('' for a missing or empty log)."""
-    text = path.read_text(errors="replace").rstrip().splitlines()[-lines:] if path.is_file() else []
+    """The last lines of a log, headed by its name ('' for a missing or empty log) — or, where the
+    process crashed in native code, its crash report: the signal and where each thread was."""
+    text = path.read_text(errors="replace").rstrip().splitlines() if path.is_file() else []
+    if (report := crashes.report_in(text)) is not None:
+        return f"--- {path.name} (its crash report) ---\n" + "\n".join(report)
+    text = text[-lines:]
     return f"--- {path.name} (last {len(text)} lines) ---\n" + "\n".join(text) if text else ""
 
 

@@ -29,6 +29,7 @@ from gaeq.results.trace import cell_dir
 from gaeq.runtime import shm, worker
 from gaeq.runtime.cells import RunOptions, fail_cell, resume_blocker
 from gaeq.runtime.convert import convert_to_universal
+from gaeq.runtime.crashes import how_it_ended
 from gaeq.runtime.dist import free_port
 from gaeq.runtime.events import Event, EventKind
 from gaeq.runtime.external import run_launched_group
@@ -340,7 +341,7 @@ def _root_cause(procs: list, state: _GroupRun) -> tuple[str, int]:
     reported = {rank for rank, _ in state.failures}
     for rank, p in enumerate(procs):
         if p.exitcode is not None and rank not in reported:
-            return f"rank {rank} exited with code {p.exitcode} before the cell finished", rank
+            return f"rank {rank} {how_it_ended(p.exitcode)} before the cell finished", rank
     rank, reason = state.failures[0]
     return f"rank {rank} failed: {reason}", rank
 

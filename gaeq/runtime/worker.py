@@ -27,7 +27,7 @@ from gaeq.matrix import Cell
 from gaeq.problem.spec import ProblemSpec
 from gaeq.results.outcome import CellOutcome
 from gaeq.results.trace import cell_dir
-from gaeq.runtime import lifeline
+from gaeq.runtime import crashes, lifeline
 
 READY, START, STEP, DONE, FAILED = "ready", "start", "step", "done", "failed"
 
@@ -141,6 +141,7 @@ def set_up_rank(
     from gaeq.accelerator import force_fp16_answer
     from gaeq.problem.build import import_plugins_from
 
+    crashes.stacks_to_log()
     force_fp16_answer(accelerator_fp16)
     import_plugins_from(plugin_dirs)
     # DeepSpeed calls collectives torch deprecates; the warning repeats on every ZeRO

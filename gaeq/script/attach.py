@@ -21,9 +21,11 @@ def run(script: str, args: list[str]) -> None:
     """The script under the probe, in this process (its environment already the rank's, with the fp16
     answer gaeq's run forces on DeepSpeed's accelerator, if any: gaeq/accelerator.py)."""
     from gaeq.accelerator import force_fp16_answer, forced_fp16
+    from gaeq.runtime import crashes
     from gaeq.script.probe import Probe
     from gaeq.script.ranks import rank
 
+    crashes.stacks_to_log()  # a crash in the script's native code: where it was, in the rank's log
     force_fp16_answer(forced_fp16())
     probe = Probe.from_env()
     probe.install()

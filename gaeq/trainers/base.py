@@ -322,5 +322,9 @@ def inject_fault(cell: Cell, *, rank: int, step: int) -> None:
         raise RuntimeError(f"injected fault: rank {rank} raises at step {step}")
     if fault.kind == "exit":
         os._exit(17)
+    if fault.kind == "crash":
+        import ctypes
+
+        ctypes.string_at(0)  # SIGSEGV, as a bug in a library's native code dies
     while True:  # "hang": a rank that never answers again
         time.sleep(3600)

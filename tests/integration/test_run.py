@@ -45,6 +45,12 @@ def test_a_crashing_or_hanging_rank_errors_its_cell_and_the_rest_still_run(write
                 "micro_batch_size": 8,
                 "fault": {"rank": 0, "step": 2, "kind": "exit"},
             },
+            {  # a segmentation fault in native code (a read of address 0)
+                "trainer": "torch",
+                "world_size": 2,
+                "micro_batch_size": 8,
+                "fault": {"rank": 1, "step": 1, "kind": "crash"},
+            },
             {
                 "trainer": "torch",
                 "world_size": 2,
@@ -78,6 +84,13 @@ def test_a_crashing_or_hanging_rank_errors_its_cell_and_the_rest_still_run(write
     assert "--- rank1.log" in raised["reason"] and "Traceback" in raised["reason"]
     exited = cells["torch-w2-mb8-ga1-fault_exit_r0_s2"]
     assert (exited["verdict"], exited["reason"]) == ("error", "rank 0 exited with code 17 before the cell finished")
+    crashed = cells["torch-w2-mb8-ga1-fault_crash_r1_s1"]
+    assert crashed["verdict"] == "error" and crashed["reason"].startswith(
+        "rank 1 was killed by SIGSEGV (signal 11: a crash in native code, its Python stack in its log) before "
+        "the cell finished\n--- rank1.log (its crash report) ---\nFatal Python error: Segmentation fault\n"
+        "Current thread"
+    ), crashed["reason"]
+    assert "in inject_fault" in crashed["reason"]  # where it crashed
     hung = cells["torch-w2-mb1-ga8-fault_hang_r1_s2"]
     assert hung["verdict"] == "error" and hung["reason"].startswith("timed out: no progress for 3 s")
     lane_raised = cells["torch-w1-mb2-ga8-fault_raise_r0_s2"]
@@ -94,7 +107,7 @@ def test_a_crashing_or_hanging_rank_errors_its_cell_and_the_rest_still_run(write
         "deepspeed-z1-w1-mb4-ga4",
     ):
         assert cells[ok]["verdict"] == "match", cells[ok]
-    assert report["summary"]["error"] == 4
+    assert report["summary"]["error"] == 5
     assert leftovers(tag) == []
 
 
