@@ -9,6 +9,8 @@ import json
 import os
 import signal
 import time
+from collections.abc import Iterable
+from multiprocessing import connection
 from pathlib import Path
 
 from gaeq.files import atomic_write
@@ -18,6 +20,7 @@ from gaeq.results.outcome import CellOutcome, write_outcome
 from gaeq.results.trace import TRACE_FILE, cell_dir
 from gaeq.runtime import shm
 from gaeq.runtime.cells import RunOptions, fail_cell
+from gaeq.runtime.crashes import how_it_ended
 from gaeq.runtime.dist import free_port
 from gaeq.runtime.events import Event, EventKind
 from gaeq.runtime.server import preload_modules, rank_context
@@ -29,6 +32,8 @@ from gaeq.script.placeholders import fill
 LOG_FILE = "script.log"
 DEEPSPEED_CONFIG_FILE = "ds_config.json"
 
+PEERS_GRACE_S = 10.0
+"""After a rank fails, how long its peers may take to fail of it (gloo tells a collective at once)."""
 ROUNDING_UNIT = {"bf16": "bfloat16", "ds_bf16": "bfloat16", "fp16": "float16", "ds_fp16": "float16"}
 """The dtype a mixed-precision split rounds each micro-batch's gradient in: its twins' nudge is a unit of it."""
 
@@ -127,12 +132,12 @@ def run_script_cell(cell: Cell, problem: ProblemSpec, opts: RunOptions) -> CellO
         try:
             for proc in procs:
                 proc.start()
-            code = _wait(procs, timeout_s=opts.timeout_s)
+            rank, code = _wait(procs, timeout_s=opts.timeout_s)
         finally:
             for proc in procs:
                 _stop(proc)
     ran = {"launched_by": f"gaeq's fork server, as {launcher.value} starts its workers"}
-    outcome = conclude(cell, problem, out=out, args=args, code=code, seconds=time.perf_counter() - started,
+    outcome = conclude(cell, problem, out=out, args=args, code=code, rank=rank, seconds=time.perf_counter() - started,
                        timeout_s=opts.timeout_s, ran=ran)  # fmt: skip
     if outcome.status != "done":
         return fail_cell(
@@ -156,17 +161,22 @@ def conclude(
     out: Path,
     args: list[str],
     code: int | None,
+    rank: int | None = None,
     seconds: float,
     timeout_s: float,
     ran: dict,
 ) -> CellOutcome:
-    """How the cell ended, from what its ranks left (the probe's record, rank 0's trace) and their
-    exit `code` (None: they ran past `timeout_s`): done, with what the probe saw in the first
-    optimizer step — never the cell's label — or an error saying why (not yet written)."""
+    """How the cell ended, from what its ranks left (the probe's record, rank 0's trace) and the exit
+    `code` (None: they ran past `timeout_s`) of `rank`, the one that ended it (None: not known — a
+    launched rank 0 knows its own code only): done, with what the probe saw in the first optimizer
+    step — never the cell's label — or an error saying why (not yet written). gaeq's probe failed
+    only where it failed in that rank: a peer's probe that lost its collective to it did not."""
     probe = out / PROBE_FILE
-    facts = json.loads(probe.read_text()) if probe.is_file() else None  # what the probe saw, if it started
-    why = _probe_failed(out, cell.world_size) or _why_not_done(
-        problem, out=out, facts=facts, code=code, timeout_s=timeout_s
+    facts = json.loads(probe.read_text()) if probe.is_file() else None  # what the probe saw, if it saved it
+    who = "the script" if rank is None or cell.world_size == 1 else f"the script's rank {rank}"
+    ranks = range(cell.world_size) if rank is None else [rank]
+    why = _probe_failed(out, ranks) or _why_not_done(
+        problem, out=out, facts=facts, code=code, who=who, timeout_s=timeout_s
     )
     if why is None and (precision := facts.get("precision")) is not None:
         why = precision_mismatch(cell.dtype, precision, deepspeed_config=problem.script.deepspeed_config is not None)
@@ -191,13 +201,13 @@ def conclude(
     if facts.get("order_check"):  # a twin's: what besides rounding moves the model's output (gaeq.perturb)
         ran["order_check"] = facts["order_check"]
     if code != 0:
-        ran["exit"] = f"exited with code {code} after its last recorded step (a crash at exit: noted, not an error)"
+        ran["exit"] = f"{who} {how_it_ended(code)} after its last recorded step (a crash at exit: noted, not an error)"
     return CellOutcome(status="done", seconds=seconds, ran=ran)
 
 
-def _probe_failed(out: Path, world_size: int) -> str | None:
-    """gaeq's own failure in a rank (its probe raised), said as gaeq's, with the frame where it raised."""
-    for r in range(world_size):
+def _probe_failed(out: Path, ranks: Iterable[int]) -> str | None:
+    """gaeq's own failure in one of `ranks` (its probe raised), said as gaeq's, with the frame where it raised."""
+    for r in ranks:
         if (failure := out / FAILURE_FILE.format(rank=r)).is_file():
             said = json.loads(failure.read_text())
             return f"gaeq's probe failed on rank {r}: {said['error']} (at {said['where']})"
@@ -226,38 +236,47 @@ def precision_mismatch(label: str, precision: dict, *, deepspeed_config: bool) -
     return f"labelled {label}, ran {ran}{switched}: what the script computes in is not the label — label it {ran}"
 
 
-def _wait(procs: list, *, timeout_s: float) -> int | None:
-    """The ranks' exit code (the first non-zero one, else 0), or None when they ran past `timeout_s`.
-    A rank that fails leaves its peers blocked in a collective: they get a moment, then are stopped."""
+def _wait(procs: list, *, timeout_s: float, grace_s: float = PEERS_GRACE_S) -> tuple[int, int | None]:
+    """The rank that ended the cell and its exit code: the first to fail — of ranks that ended at
+    once, one killed by a signal before one that exited with an error, which its peer's death in a
+    collective explains —, else (0, 0) when every rank finished; (0, None) when they ran past
+    `timeout_s`. A rank that fails leaves its peers blocked in a collective: they get `grace_s` to
+    fail of it too (their errors in their logs, rank 0's record saved), then are stopped."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        codes = [p.exitcode for p in procs]
-        if all(c is not None for c in codes):
-            return next((c for c in codes if c), 0)
-        if failed := next((c for c in codes if c), None):
-            time.sleep(2.0)  # its peers' own errors reach their logs
-            return failed
-        time.sleep(0.1)
-    return None
+    running = list(range(len(procs)))
+    while running and (left := deadline - time.monotonic()) > 0:
+        ended = set(connection.wait([procs[r].sentinel for r in running], timeout=left))  # the moment one ends
+        now = [r for r in running if procs[r].sentinel in ended]
+        for r in now:
+            procs[r].join()  # reaped: its exit code is known
+        running = [r for r in running if r not in now]
+        if failed := [r for r in now if procs[r].exitcode]:
+            cause = min(failed, key=lambda r: procs[r].exitcode > 0)
+            connection.wait([procs[r].sentinel for r in running], timeout=grace_s)
+            return cause, procs[cause].exitcode
+    return (0, None) if running else (0, 0)
 
 
 def _why_not_done(
-    problem: ProblemSpec, *, out: Path, facts: dict | None, code: int | None, timeout_s: float
+    problem: ProblemSpec, *, out: Path, facts: dict | None, code: int | None, who: str, timeout_s: float
 ) -> str | None:
     """Why the cell has no comparable result (None: it has one): it hung, or stopped before its steps
-    (the split it ran is judged with the numbers, gaeq.script.verdict)."""
+    (the split it ran is judged with the numbers, gaeq.script.verdict). `who` ended it with `code`."""
     if code is None:
         return f"timed out: the script ran for {timeout_s:.0f} s without finishing its {problem.steps} steps"
+    ended = f"{who} {how_it_ended(code)}"
     if facts is None:
-        return f"the script exited with code {code} before gaeq's probe started"
+        return f"{ended} before gaeq's probe saved what it saw"
     steps = facts["steps"]
-    if not steps:
+    if not steps and code != 0:
+        return f"{ended} before gaeq's probe recorded an optimizer step"
+    if not steps:  # it ended of itself, its loop never stepped an optimizer the probe sees
         return (
-            f"no optimizer step seen (the script exited with code {code}): is its training loop behind an "
+            f"no optimizer step seen ({ended}): is its training loop behind an "
             "argument gaeq did not pass, or does it step an optimizer gaeq cannot see?"
         )
     if not (out / TRACE_FILE).is_file():
-        return f"the script stopped after {len(steps)} of {problem.steps} optimizer steps (exit code {code})"
+        return f"{ended} after {len(steps)} of {problem.steps} optimizer steps"
     return None
 
 

@@ -31,6 +31,7 @@ from gaeq.results.outcome import read_outcome, write_outcome
 from gaeq.results.trace import TRACE_FILE
 from gaeq.runtime import lifeline, shm
 from gaeq.runtime.cells import fail_cell
+from gaeq.runtime.crashes import how_it_ended
 from gaeq.script.launch import conclude, prepare, rank_log
 from gaeq.script.launchers import worker_args, worker_env
 from gaeq.script.spec import Launcher
@@ -69,7 +70,7 @@ def run_launched_script_cells(cells: Sequence[Cell], *, problem: ProblemSpec, ru
         if rank != 0:  # rank 0 concludes; another rank reports only a failure before the trace was published
             if code == 0 or (out / TRACE_FILE).is_file():
                 continue
-            why = f"rank {rank}'s script " + (f"ran past {timeout_s:.0f} s" if code is None else f"exited with {code}")
+            why = f"rank {rank}'s script " + (f"ran past {timeout_s:.0f} s" if code is None else how_it_ended(code))
         else:
             ran = {"launched_by": f"{_launcher()} (gaeq worker, a fresh interpreter per rank)"}
             outcome = conclude(cell, problem, out=out, args=args, code=code, seconds=seconds, timeout_s=timeout_s,

@@ -4,6 +4,7 @@ its probe saw compared with the baseline's — all without launching it (tests/i
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 import yaml
@@ -277,18 +278,24 @@ def test_a_script_that_stops_short_is_an_error_that_says_where(tmp_path):
     out = tmp_path / "cell"
     out.mkdir()
 
-    def why(facts, code):
-        return _why_not_done(m.problem, out=out, facts=facts, code=code, timeout_s=60)
+    def why(facts, code, who="the script"):
+        return _why_not_done(m.problem, out=out, facts=facts, code=code, who=who, timeout_s=60)
 
     assert why(None, None) == "timed out: the script ran for 60 s without finishing its 3 steps"
-    assert "before gaeq's probe started" in why(None, 1)
-    assert why({"steps": [], "initial": None}, 0).startswith(
+    # rank 0 saved nothing (it was stopped, or crashed itself): said as that, not as a probe that never began
+    assert why(None, -11, "the script's rank 1") == (
+        "the script's rank 1 was killed by SIGSEGV (signal 11: a crash in native code, its Python stack in its "
+        "log) before gaeq's probe saved what it saw"
+    )
+    assert (
+        why({"steps": [], "initial": None}, 1)
+        == "the script exited with code 1 before gaeq's probe recorded an optimizer step"
+    )
+    assert why({"steps": [], "initial": None}, 0).startswith(  # it ended of itself, no step: a hint where to look
         "no optimizer step seen (the script exited with code 0): is its training loop behind an argument"
     )
     first = {"step": 0, "world_size": 1, "rows": [[16]], "backward": [1]}
-    assert (
-        why({"steps": [first], "initial": "aa"}, 0) == "the script stopped after 1 of 3 optimizer steps (exit code 0)"
-    )
+    assert why({"steps": [first], "initial": "aa"}, 0) == "the script exited with code 0 after 1 of 3 optimizer steps"
     (out / "trace.jsonl").write_text("")
     assert why({"steps": [first], "initial": "aa"}, 0) is None  # a result to judge (its split with the numbers)
 
@@ -321,41 +328,63 @@ def test_a_deepspeed_engines_norm_is_its_zero_optimizers_then_its_own():
 
 
 def _rank_exiting(code: int, after: float) -> None:
+    """A rank that ends after `after` s: exits with `code`, or — negative — is killed by that signal
+    (its disposition set here: the fork inherits pytest's own handlers)."""
+    import faulthandler
     import os
     import time
 
     os.setsid()  # as a script's rank does (attach.forked_rank)
     time.sleep(after)
+    if code < 0:
+        faulthandler.disable()
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
     os._exit(code)
 
 
 @pytest.mark.integration  # starts processes of its own
 def test_a_failing_rank_stops_its_peers_and_a_silent_one_times_out():
-    """How a cell's ranks are waited for (gaeq.script.launch._wait): a rank that exits non-zero is the
-    cell's code, its blocked peers are not waited for; ranks that run past the timeout give None."""
+    """How a cell's ranks are waited for (gaeq.script.launch._wait): the rank that exits non-zero is the
+    cell's cause, its blocked peers are not waited for — and where one was killed by a signal and another
+    exited with an error (the reset connection its peer's crash left it), the killed one is the cause;
+    ranks that run past the timeout give no code."""
     import multiprocessing
     import time
 
     from gaeq.script.launch import _stop, _wait
 
     fork = multiprocessing.get_context("fork")
-    procs = [fork.Process(target=_rank_exiting, args=(0, 60)), fork.Process(target=_rank_exiting, args=(3, 0))]
-    try:
+
+    def ranks(*ends):
+        procs = [fork.Process(target=_rank_exiting, args=end) for end in ends]
         for p in procs:
             p.start()
+        return procs
+
+    procs = []
+    try:
+        procs = ranks((0, 60), (3, 0))
         started = time.monotonic()
-        assert _wait(procs, timeout_s=30) == 3 and time.monotonic() - started < 10
+        assert _wait(procs, timeout_s=30, grace_s=1) == (1, 3) and time.monotonic() - started < 10
     finally:
         for p in procs:
             _stop(p)
     assert procs[0].exitcode is not None  # stopped, not left running
-    silent = fork.Process(target=_rank_exiting, args=(0, 60))
     try:
-        silent.start()
-        assert _wait([silent], timeout_s=0.3) is None
+        procs = ranks((1, 0), (-signal.SIGSEGV, 0))
+        while any(p.exitcode is None for p in procs):  # both ended before they are looked at
+            time.sleep(0.05)
+        assert _wait(procs, timeout_s=30) == (1, -signal.SIGSEGV)
     finally:
-        _stop(silent)
-    assert silent.exitcode is not None
+        for p in procs:
+            _stop(p)
+    try:
+        procs = ranks((0, 60))
+        assert _wait(procs, timeout_s=0.3) == (0, None)
+    finally:
+        _stop(procs[0])
+    assert procs[0].exitcode is not None
 
 
 TINY = """
