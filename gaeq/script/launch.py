@@ -252,7 +252,10 @@ def _wait(procs: list, *, timeout_s: float, grace_s: float = PEERS_GRACE_S) -> t
         running = [r for r in running if r not in now]
         if failed := [r for r in now if procs[r].exitcode]:
             cause = min(failed, key=lambda r: procs[r].exitcode > 0)
-            connection.wait([procs[r].sentinel for r in running], timeout=grace_s)
+            peers = time.monotonic() + grace_s
+            while running and (left := peers - time.monotonic()) > 0:
+                ended = set(connection.wait([procs[r].sentinel for r in running], timeout=left))
+                running = [r for r in running if procs[r].sentinel not in ended]
             return cause, procs[cause].exitcode
     return (0, None) if running else (0, 0)
 

@@ -379,6 +379,17 @@ def test_a_failing_rank_stops_its_peers_and_a_silent_one_times_out():
     finally:
         for p in procs:
             _stop(p)
+    try:  # every peer gets the grace, not only the first to end; a rank alone is not waited for at all
+        procs = ranks((3, 0), (1, 0.5), (1, 1.0))
+        started = time.monotonic()
+        assert _wait(procs, timeout_s=30, grace_s=20) == (0, 3) and time.monotonic() - started < 10
+        assert all(p.exitcode == code for p, code in zip(procs, (3, 1, 1))), "a peer was stopped, not waited for"
+        procs = ranks((3, 0))
+        started = time.monotonic()
+        assert _wait(procs, timeout_s=30, grace_s=20) == (0, 3) and time.monotonic() - started < 10
+    finally:
+        for p in procs:
+            _stop(p)
     try:
         procs = ranks((0, 60))
         assert _wait(procs, timeout_s=0.3) == (0, None)
