@@ -245,19 +245,26 @@ def _wait(procs: list, *, timeout_s: float, grace_s: float = PEERS_GRACE_S) -> t
     deadline = time.monotonic() + timeout_s
     running = list(range(len(procs)))
     while running and (left := deadline - time.monotonic()) > 0:
-        ended = set(connection.wait([procs[r].sentinel for r in running], timeout=left))  # the moment one ends
-        now = [r for r in running if procs[r].sentinel in ended]
-        for r in now:
-            procs[r].join()  # reaped: its exit code is known
+        now = _ended(procs, running, timeout_s=left)
         running = [r for r in running if r not in now]
         if failed := [r for r in now if procs[r].exitcode]:
             cause = min(failed, key=lambda r: procs[r].exitcode > 0)
             peers = time.monotonic() + grace_s
             while running and (left := peers - time.monotonic()) > 0:
-                ended = set(connection.wait([procs[r].sentinel for r in running], timeout=left))
-                running = [r for r in running if procs[r].sentinel not in ended]
+                now = _ended(procs, running, timeout_s=left)
+                running = [r for r in running if r not in now]
             return cause, procs[cause].exitcode
     return (0, None) if running else (0, 0)
+
+
+def _ended(procs: list, running: list[int], *, timeout_s: float) -> list[int]:
+    """Those of the `running` ranks that end within `timeout_s`, reaped (their exit codes known) —
+    returned the moment one ends ([]: none did)."""
+    ready = set(connection.wait([procs[r].sentinel for r in running], timeout=timeout_s))
+    now = [r for r in running if procs[r].sentinel in ready]
+    for r in now:
+        procs[r].join()
+    return now
 
 
 def _why_not_done(
