@@ -27,10 +27,11 @@ from typing import Any
 import yaml
 
 from gaeq.files import atomic_write
-from gaeq.matrix import MATRIX_FILE, Matrix, MatrixError, load_matrix, matrix_from_dict  # noqa: F401  (matrix_from_dict: API)
+from gaeq.matrix import MATRIX_FILE, Matrix, MatrixError, load_matrix, matrix_from_dict, with_references  # noqa: F401  (API)
 from gaeq.results.cell_report import INSTRUMENTS
 from gaeq.results.outcome import CellOutcome, read_outcome
 from gaeq.results.overlay import OVERLAY_FILE, overlay_figure, plot_overlay
+from gaeq.results.reference import choose, read_references, write_references
 from gaeq.results.render import write_report
 from gaeq.results.report import CellReport, Report, judge, record_versions, resolve_tolerances, run_versions
 from gaeq.results.tensorboard import TB_DIR, write_tensorboard
@@ -225,6 +226,12 @@ def run(
     ensure_built(needed(to_run, m.problems), on_event)
     _import_report_libraries_meanwhile()
     outcomes = kept | run_all(to_run, opts, done=kept)
+    if m.auto:  # its references chosen from what ran (gaeq.results.reference), then their instruments
+        m = with_references(m, choose(m, outcomes))
+        write_references(run_dir, m.references)
+        more = [c for c in m.runnable() if c.id not in outcomes]
+        on_event(Event(kind=EventKind.MORE, world_size=0, cells=len(more)))
+        outcomes |= run_all(more, opts, done=outcomes)
     return judge_run(m, run_dir, outcomes)
 
 
@@ -331,6 +338,8 @@ def open_run(run_dir: str | Path, **tolerances: float | None) -> RunResult:
     if not (run_dir / MATRIX_FILE).is_file():
         raise MatrixError(f"{run_dir} is not a gaeq run directory (no {MATRIX_FILE})")
     m = load(run_dir / MATRIX_FILE, check=False)
+    if m.auto:  # the references its run chose
+        m = with_references(m, read_references(run_dir))
     outcomes = {c.id: o for c in m.cells if (o := read_outcome(cell_dir(run_dir, c.id))) is not None}
     return judge_run(m, run_dir, outcomes, overrides=tolerances)
 

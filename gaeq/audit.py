@@ -11,9 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from gaeq.problem.dsconfig import BATCH_KEYS, ConfigError, Mirror, mirror, split_config
+
+if TYPE_CHECKING:
+    from gaeq.matrix import Matrix
 
 Effect = Literal["breaks", "risk", "fine"]
 LOW = ("bf16", "bfloat16", "fp16", "float16", "half")
@@ -275,3 +278,20 @@ def overrides_of(config: dict[str, Any], cells) -> list[str]:
 
 def exit_code(findings: list[Finding]) -> int:
     return 1 if any(f.effect == "breaks" for f in findings) else 0
+
+
+def deepspeed_configs(m: Matrix) -> list[tuple[str, dict, list]]:
+    """(variant names, config, their cells) per distinct deepspeed_config of the matrix's problems."""
+    distinct: list[tuple[list[str], dict, list]] = []
+    for name, problem in m.problems.items():
+        if problem.deepspeed_config is None:
+            continue
+        cells = [c for c in m.cells if c.variant == name]
+        for names, config, group in distinct:
+            if config == problem.deepspeed_config:
+                names.append(name)
+                group.extend(cells)
+                break
+        else:
+            distinct.append(([name], problem.deepspeed_config, cells))
+    return [(", ".join(names), config, cells) for names, config, cells in distinct]

@@ -6,6 +6,7 @@ Exit codes: 0 every verdict as expected, 1 a verdict differs, 2 bad input, 3 a r
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -19,11 +20,13 @@ from rich.console import Console
 from rich.markup import escape
 
 from gaeq import api
+from gaeq.audit import deepspeed_configs
+from gaeq.closing import print_result
 from gaeq.files import atomic_write
 from gaeq.matrix import Matrix, MatrixError
-from gaeq.progress import RunProgress
-from gaeq.results.compare import Verdict
-from gaeq.results.render import cells_table, cost_table, floor_lines, problem_line, verdict_table, versions_line
+from gaeq.matrix.check import Instruments, check_command, check_matrix
+from gaeq.progress import RunProgress, plan_line
+from gaeq.results.render import cells_table, problem_line
 from gaeq.results.report import EXIT_BAD_INPUT, EXIT_RUN_FAILED
 from gaeq.results.tensorboard import TB_ANSWER_URL, TB_DIR
 from gaeq.runtime.ops import StaleBuild
@@ -76,7 +79,7 @@ def validate(
     from gaeq.audit import overrides_of
 
     shown: set = set()
-    for where, config, cells in _deepspeed_configs(m):
+    for where, config, cells in deepspeed_configs(m):
         findings = [f for f in audit_config(config) if f not in shown]  # variants: what differs from the first
         console.print(
             f"\n[bold]deepspeed_config of {where}[/] (gaeq audit{', what differs' if shown else ''}):", highlight=False
@@ -113,23 +116,6 @@ def _print_findings(findings) -> None:
             highlight=False,
             soft_wrap=True,
         )
-
-
-def _deepspeed_configs(m: Matrix):
-    """(variant names, config, their cells) per distinct deepspeed_config of the matrix's problems."""
-    distinct: list[tuple[list[str], dict, list]] = []
-    for name, problem in m.problems.items():
-        if problem.deepspeed_config is None:
-            continue
-        cells = [c for c in m.cells if c.variant == name]
-        for names, config, group in distinct:
-            if config == problem.deepspeed_config:
-                names.append(name)
-                group.extend(cells)
-                break
-        else:
-            distinct.append(([name], problem.deepspeed_config, cells))
-    return [(", ".join(names), config, cells) for names, config, cells in distinct]
 
 
 @app.command()
@@ -177,6 +163,7 @@ def run(
     m = _load(matrix, check=False)  # the problems are checked by api.run, once the ranks' fork server is starting
     _stop_on_signals()
     _print_overrides(m)  # a user's DeepSpeed config is never overridden silently
+    console.print(plan_line(m), highlight=False)  # the cost before it is spent
     with RunProgress(console, cells=len(m.runnable()), steps=m.problem.steps) as on_event:
         named = out is None
         try:
@@ -204,7 +191,7 @@ def run(
             )
             raise typer.Exit(130) from None
 
-    code = _print_result(result)
+    code = print_result(console, result)
     console.print(
         f"Overlay in TensorBoard:  [bold]tensorboard --logdir {result.run_dir / TB_DIR}[/], then open "
         f"{TB_ANSWER_URL} (each cell's difference from the baseline as log10, beside its tolerance)",
@@ -234,36 +221,64 @@ def check(
         Path | None,
         typer.Option("--deepspeed-config", help="Your DeepSpeed config: each split gets a copy with its batch triple."),
     ] = None,
+    baseline: Annotated[
+        str | None,
+        typer.Option(
+            "--baseline",
+            help="The reference the splits are compared with: a split (w2:mb8), or auto — world 1 with the whole "
+            "batch, else GA 1 at the largest micro batch a split ran at. Default: world 1, the whole batch.",
+        ),
+    ] = None,
+    instruments: Annotated[
+        Instruments,
+        typer.Option(
+            "--instruments",
+            help="Runs of the reference that measure the verdicts: its noise floor (2 twins), its detection limit "
+            "(1), all or none. Without the floor, tolerances are the constants; without the limit, none is stated.",
+        ),
+    ] = Instruments.ALL,
 ) -> None:
     """Your training script, unchanged, under each split: `gaeq check train.py --batch 32 --split w1:mb4
     --split w2:mb4 -- --batch_size {micro_batch_size} --grad_accum {grad_accum_steps}`. The arguments
     after `--` are the script's ({name} filled per split); a script matrix is written for you into the
-    run directory and run as `gaeq run` runs one (baseline: world 1, the whole batch at once)."""
-    cells = []
-    for given in split:
-        if not (found := SPLIT.match(given)):
-            _bad_input(f"--split {given}: write it as w<world size>:mb<micro batch>, e.g. w2:mb4")
-        cells.append({"world_size": int(found[1]), "micro_batch_size": int(found[2])})
-    spec = {
-        "name": "check",
-        "script": {"path": str(script.resolve()), "launcher": launcher.value, "args": list(ctx.args)}
-        | ({"deepspeed_config": str(deepspeed_config.resolve())} if deepspeed_config else {}),
-        "steps": steps,
-        "train_batch_size": batch,
-        "cells": cells,
-    }
+    run directory and run as `gaeq run` runs one."""
+    spec = check_matrix(
+        script,
+        script_args=ctx.args,
+        batch=batch,
+        splits=[_split(given, option="--split") for given in split],
+        steps=steps,
+        launcher=launcher,
+        deepspeed_config=deepspeed_config,
+        baseline=None if baseline in (None, "auto") else _split(baseline, option="--baseline"),
+        auto=baseline == "auto",
+        instruments=instruments,
+    )
     out = out or api.new_run_dir("check")
     out.mkdir(parents=True, exist_ok=True)
     matrix = out / "check.yaml"
     atomic_write(matrix, yaml.safe_dump(spec, sort_keys=False))
-    run(matrix=matrix, out=out)
+    try:
+        run(matrix=matrix, out=out)
+    finally:  # (it exits with the verdicts' code) where the reference ran out of memory: the command that fits
+        report = out / "report.json"
+        for world, micro in (json.loads(report.read_text())["fits"] if report.is_file() else {}).values():
+            fits = check_command(spec, baseline=f"w{world}:mb{micro}")
+            console.print(f"Rerun with a reference that fits: {fits}", highlight=False, soft_wrap=True)
+
+
+def _split(given: str, *, option: str) -> tuple[int, int]:
+    """`w2:mb4` → (world size, micro batch), or exit 2 saying how to write it."""
+    if not (found := SPLIT.match(given)):
+        _bad_input(f"{option} {given}: write it as w<world size>:mb<micro batch>, e.g. w2:mb4")
+    return int(found[1]), int(found[2])
 
 
 def _print_overrides(m: Matrix) -> None:
     """What each cell changes in a user's DeepSpeed config, one line per key."""
     from gaeq.audit import overrides_of  # (no torch: the parent starts the ranks' fork server first)
 
-    for where, config, cells in _deepspeed_configs(m):
+    for where, config, cells in deepspeed_configs(m):
         for line in overrides_of(config, cells):
             console.print(f"deepspeed_config of {where}, overridden: {line}", highlight=False, soft_wrap=True)
 
@@ -296,7 +311,7 @@ def report(
     except MatrixError as exc:
         err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         raise typer.Exit(EXIT_BAD_INPUT) from None
-    raise typer.Exit(_print_result(result))
+    raise typer.Exit(print_result(console, result))
 
 
 @app.command()
@@ -374,25 +389,3 @@ def _stop_on_signals() -> None:
 def _bad_input(message: str) -> NoReturn:
     err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(EXIT_BAD_INPUT)
-
-
-def _print_result(result: api.RunResult) -> int:
-    """The cost and verdict tables, each unexpected reason, the summary line; the exit code."""
-    report = result.report
-    console.print(cost_table(report))
-    console.print(verdict_table(report))
-    for c in report.cells:
-        if c.reason and c.reason != "baseline" and c.verdict != Verdict.SKIPPED:
-            console.print(f"[bold]{c.id}[/] ({c.verdict}): {escape(c.reason)}", highlight=False, soft_wrap=True)
-    for line in floor_lines(report):
-        console.print(line, highlight=False, soft_wrap=True)
-    console.print(versions_line(report), highlight=False)
-    s = report.summary
-    status = "[bold green]OK[/]" if report.ok else "[bold red]NOT OK[/]"
-    baselines = "".join(f", baseline {b} {v}" for b, v in report.baselines_not_matching.items())
-    console.print(
-        f"{status}: {s['match']} match, {s['diverge']} diverge, {s['error']} error, {s['skipped']} skipped "
-        f"{'split' if sum(s.values()) == 1 else 'splits'}{baselines} — report: {result.run_dir / 'report.md'}",
-        highlight=False,
-    )
-    return report.exit_code

@@ -92,6 +92,10 @@ def after_closure(args: tuple, kwargs: dict, then) -> tuple[tuple, dict] | None:
     return (args[:1] + args[2:] if positional else args), {**kwargs, "closure": closure_then}
 
 
+NUDGE_CHUNK = 1 << 18
+"""Elements of a gradient nudged at once (2 MB in float64)."""
+
+
 def nudge_(grad: torch.Tensor, generator: torch.Generator, *, unit: torch.dtype | None = None) -> None:
     """Each nonzero element of `grad` ± eps of `unit` (default: its dtype) × the larger of its own size and
     the tensor's root mean square, in place (taken in float64, rounded once): a unit in the last place of the
@@ -104,10 +108,20 @@ def nudge_(grad: torch.Tensor, generator: torch.Generator, *, unit: torch.dtype 
     if here is not grad:
         shape, offset = dtensors.block(grad)
         signs = signs[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
-    exact = here.double()
-    scale = torch.maximum(exact.abs(), exact.square().mean().sqrt()) * torch.finfo(unit or here.dtype).eps
-    scale = torch.where(exact == 0, 0.0, scale)  # a sum of exact zeros is zero in any order: no rounding there
-    here.copy_(exact + scale * (signs.to(here.device).double() * 2 - 1))
+    # In float64 a chunk at a time: a twin holds no more memory than its reference (a copy of the largest
+    # gradient in float64, and its temporaries, would cost several times that gradient where memory is tight).
+    flat, signs = here.reshape(-1), signs.to(here.device).reshape(-1)  # (a view where `here` is contiguous)
+    chunks = range(0, flat.numel(), NUDGE_CHUNK)
+    squares = sum(flat[i : i + NUDGE_CHUNK].double().square().sum() for i in chunks)
+    rms = (squares / max(flat.numel(), 1)).sqrt()
+    eps = torch.finfo(unit or here.dtype).eps
+    for i in chunks:
+        exact = flat[i : i + NUDGE_CHUNK].double()
+        scale = torch.maximum(exact.abs(), rms) * eps
+        scale = torch.where(exact == 0, 0.0, scale)  # a sum of exact zeros is zero in any order: no rounding there
+        flat[i : i + NUDGE_CHUNK].copy_(exact + scale * (signs[i : i + NUDGE_CHUNK].double() * 2 - 1))
+    if flat.data_ptr() != here.data_ptr():  # a strided gradient: nudged in a copy
+        here.copy_(flat.view_as(here))
 
 
 class Outermost:

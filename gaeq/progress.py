@@ -5,17 +5,23 @@ line for what needs saying at once (a cell's error, /dev/shm freed). Each :class
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
+from gaeq.matrix import Matrix, Role
 from gaeq.runtime.events import Event, EventKind
 
 
 class RunProgress:
     """`with RunProgress(console, cells=n, steps=s) as on_event:` — the callback `api.run` takes."""
 
-    def __init__(self, console: Console, *, cells: int, steps: int) -> None:
+    def __init__(
+        self, console: Console, *, cells: int, steps: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.progress = Progress(
             TextColumn("{task.description}"),
             BarColumn(),
@@ -25,6 +31,7 @@ class RunProgress:
             transient=not console.is_terminal,  # off a terminal (CI logs) only the lines printed stay
         )
         self.cells, self.steps = cells, steps
+        self.clock, self.started, self.ended = clock, clock(), 0
         self.rows: dict[int, TaskID] = {}
         """lane → its row (one per group of a world size running side by side)."""
 
@@ -63,11 +70,41 @@ class RunProgress:
             self.progress.update(current, description=f"  {event.cell_id}", completed=0, visible=True)
         elif kind == EventKind.STEP:
             self.progress.update(current, completed=event.step + 1)
+        elif kind == EventKind.MORE:
+            self.cells += event.cells
+            self.progress.update(self.overall, total=self.cells, description=self.left())
         elif kind == EventKind.END:
-            self.progress.advance(self.overall)
+            self.ended += 1
+            self.progress.update(self.overall, advance=1, description=self.left())
             if event.outcome.status == "error":
                 self.say(f"[bold red]error[/] {event.cell_id}: {escape(event.outcome.reason.splitlines()[0])}")
+
+    def left(self) -> str:
+        """The bar's label: the time left, estimated from the launches that ended (at the pace they ended)."""
+        if not self.ended or self.ended >= self.cells:
+            return "cells"
+        seconds = (self.clock() - self.started) / self.ended * (self.cells - self.ended)
+        return f"cells, about {seconds / 60:.0f} min left" if seconds >= 90 else f"cells, about {seconds:.0f} s left"
 
     def say(self, line: str) -> None:
         """A line above the bars (it stays when they go)."""
         self.progress.console.print(line, highlight=False)
+
+
+def plan_line(m: Matrix) -> str:
+    """The run's cost before it is spent: its launches (splits, references, instruments) and steps each."""
+    runnable = m.runnable()
+    count = {role: sum(c.role is role for c in runnable) for role in Role}
+    parts = [f"{count[Role.CELL]} split{'s' * (count[Role.CELL] != 1)}"]
+    references = count[Role.BASELINE]
+    parts.append(f"{references} reference{'s' * (references != 1)}")
+    twins, limits = count[Role.FLOOR], count[Role.SENSITIVITY]
+    if m.auto:  # its instruments come once its references are chosen
+        twins = references * m.spec.floor_twins * m.spec.noise_floor
+        limits = references * m.spec.detection_limit
+        parts[-1] += " (auto: world 1 with the whole batch first; where it runs out of memory, one more at GA 1)"
+    parts += [f"{twins} noise-floor twin{'s' * (twins != 1)}", f"{limits} detection limit{'s' * (limits != 1)}"]
+    runs = sum(count.values()) - count[Role.FLOOR] - count[Role.SENSITIVITY] + twins + limits
+    steps = sorted({m.problems[c.variant].steps for c in runnable}) or [m.problem.steps]
+    each = f"{steps[0]}" if len(steps) == 1 else f"{steps[0]}–{steps[-1]}"
+    return f"Plan: {runs} runs of {each} steps each — {', '.join(parts)}"

@@ -30,6 +30,7 @@ parser.add_argument("--d_model", type=int, default=32, help="embedding width")
 parser.add_argument("--hidden", type=int, default=256, help="MLP width (640 and 8192: 10.8 M parameters)")
 parser.add_argument("--min_len", type=int, default=4, help="shortest sequence (23: every one 23 or 24 tokens long)")
 parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="auto: cuda where there is one")
+parser.add_argument("--memory_mb", type=float, default=0, help="CPU: a device's memory for training, past the setup")
 parser.add_argument("--compile", action="store_true", help="torch.compile the model before DDP wraps it (nanoGPT)")
 parser.add_argument("--amp", default="none", choices=["none", "bf16", "fp16"], help="autocast the forward pass")
 parser.add_argument(
@@ -126,6 +127,14 @@ scaler = torch.amp.GradScaler(
     device.type, init_scale=args.init_scale, backoff_factor=args.backoff, enabled=args.amp == "fp16"
 )
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 2))  # 2-step warmup
+if args.memory_mb:  # a device of that size: an allocation past it fails (torch's own error), as on a GPU
+    import ctypes
+    import resource
+
+    ctypes.CDLL(None).mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD: a tensor's memory given back when it is freed
+    assert not cuda, "--memory_mb caps a CPU process (on a GPU: torch.cuda.set_per_process_memory_fraction)"
+    in_use = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmData:")) * 1024
+    resource.setrlimit(resource.RLIMIT_DATA, (in_use + int(args.memory_mb * 2**20), resource.RLIM_INFINITY))
 
 epoch, it = 0, iter(loader)
 

@@ -13,12 +13,13 @@ from gaeq.matrix.cell import (
     Fault,
     Matrix,
     Perturbation,
+    Reference,
     Resume,
     Role,
     Split,
     group_key,
 )
-from gaeq.matrix.load import load_matrix, matrix_from_dict
+from gaeq.matrix.load import load_matrix, matrix_from_dict, with_references
 from gaeq.matrix.schema import BASE, MATRIX_FILE, MatrixError, MatrixSpec
 
 __all__ = [
@@ -30,10 +31,12 @@ __all__ = [
     "MatrixError",
     "MatrixSpec",
     "Perturbation",
+    "Reference",
     "Resume",
     "Role",
     "Split",
     "group_key",
     "load_matrix",
     "matrix_from_dict",
+    "with_references",
 ]

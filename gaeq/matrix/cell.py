@@ -99,6 +99,15 @@ class Expectation:
         return said + (f" holds:{','.join(self.holds)}" if self.holds else "")
 
 
+@dataclass(frozen=True, kw_only=True)
+class Reference:
+    """The split `baseline: auto` chose for a group (GA 1: the whole batch over `world_size` ranks), and why."""
+
+    world_size: int
+    micro_batch_size: int
+    why: str
+
+
 def group_key(*, dtype: str, variant: str) -> str:
     """Cells are judged against the baseline of their group: same problem variant, same dtype."""
     return dtype if variant == BASE else f"{dtype}@{variant}"
@@ -323,6 +332,8 @@ class Matrix:
     """group → ids of the twins that measure its noise floor (Role.FLOOR: the baseline's split, nudged)."""
     sensitivities: dict[str, str] = field(default_factory=dict)
     """group → id of the cell that measures its detection limit (Role.SENSITIVITY)."""
+    references: dict[str, Reference] = field(default_factory=dict)
+    """group → the reference `baseline: auto` chose for it, once chosen (`load.with_references`)."""
     plugin_dirs: tuple[str, ...] = ()
     """Folders searched for plugin modules: the matrix file's folder and the working directory."""
     source: dict = field(default_factory=dict, compare=False, repr=False)
@@ -331,6 +342,12 @@ class Matrix:
     @property
     def problem(self) -> ProblemSpec:
         return self.problems[BASE]
+
+    @property
+    def auto(self) -> bool:
+        """Some group's baseline is `auto`: chosen from what runs (`load.with_references`)."""
+        given = (self.spec.baseline, *(v.baseline for v in self.spec.variants.values()))
+        return any(b is not None and b.auto for b in given)
 
     def runnable(self) -> list[Cell]:
         return [c for c in self.cells if c.skip_reason is None]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Mapping
 
 from pydantic import ValidationError
 
@@ -20,6 +21,7 @@ from gaeq.matrix.cell import (
     Fault,
     Matrix,
     Perturbation,
+    Reference,
     Resume,
     Role,
     Split,
@@ -37,6 +39,7 @@ from gaeq.matrix.rules import (
 from gaeq.matrix.schema import (
     BASE,
     TENSOR_METRICS,
+    BaselineSpec,
     ExpectSpec,
     FaultSpec,
     MatrixError,
@@ -66,8 +69,10 @@ bf16's rounding, and the limit it measured was 2.3 × too small (your_amp_script
 
 
 class Expander:
-    def __init__(self, spec: MatrixSpec) -> None:
+    def __init__(self, spec: MatrixSpec, *, references: Mapping[str, Reference] | None = None) -> None:
         self.spec = spec
+        self.references = dict(references or {})
+        """group → the split its `baseline: auto` chose (a group not in it has its first candidate, no instruments)."""
         self.problems = _variant_problems(spec)
         self.cells: list[Cell] = []
         self.baselines: dict[str, str] = {}
@@ -171,15 +176,23 @@ class Expander:
         key = group_key(dtype=dtype, variant=variant)
         if key in self.baselines:
             return
-        b = (self.spec.variants[variant].baseline if variant in self.spec.variants else None) or self.spec.baseline
+        b = self.baseline_spec(variant)
         micro = b.micro_batch_size or self.problems[variant].train_batch_size
+        chosen = {}
+        if (reference := self.references.get(key)) is not None:
+            micro, chosen = reference.micro_batch_size, {"world_size": reference.world_size}
         baseline = dataclasses.replace(
-            self.cell(self.split_of(b, micro_batch_size=micro, dtype=dtype, variant=variant)), role=Role.BASELINE
+            self.cell(self.split_of(b, micro_batch_size=micro, dtype=dtype, variant=variant, **chosen)),
+            role=Role.BASELINE,
         )
         if not baseline.divisible:  # (a baseline skipped for want of fp16 skips its group with it)
             raise MatrixError(f"the baseline of {key} cannot run: {baseline.skip_reason}")
         self.baselines[key] = baseline.id
         self.cells.append(baseline)
+
+    def baseline_spec(self, variant: str) -> BaselineSpec:
+        """The matrix's baseline, or its variant's."""
+        return (self.spec.variants[variant].baseline if variant in self.spec.variants else None) or self.spec.baseline
 
     def add_instruments(self, *, twins: int, detection_limit: bool) -> None:
         """After every cell: each group's instruments, right after its baseline — `twins` noise-floor
@@ -190,6 +203,8 @@ class Expander:
             judged = (c for c in self.cells if c.group == key and c.role == Role.CELL and c.id != base_id)
             if not any(c.skip_reason is None for c in judged):
                 continue  # nothing of the group is judged but its baseline (the axes' copy of it)
+            if self.baseline_spec(baseline.variant).auto and key not in self.references:
+                continue  # measured on the reference the run chooses, once it has chosen it
             instruments = [self.instrument(baseline, Role.FLOOR, twin_seed=k) for k in range(twins)]
             if instruments:
                 self.floors[key] = tuple(c.id for c in instruments)
@@ -302,6 +317,7 @@ class Expander:
             baselines=self.baselines,
             floors=self.floors,
             sensitivities=self.sensitivities,
+            references=self.references,
             plugin_dirs=plugin_dirs,
         )
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
 
 import yaml
 from pydantic import ValidationError
 
-from gaeq.matrix.cell import Matrix
+from gaeq.matrix.cell import Matrix, Reference
 from gaeq.matrix.expand import Expander
 from gaeq.matrix.schema import MatrixError, MatrixSpec, describe
 from gaeq.problem.dsconfig import ConfigError, read_config
@@ -81,7 +82,8 @@ def _script_matrix(raw: dict, base_dir: Path) -> dict:
     raw["problem"] = {"script": script} | {k: raw.pop(k) for k in SCRIPT_PROBLEM_KEYS if k in raw}
     if isinstance(raw.get("axes"), dict):
         raw["axes"].setdefault("trainer", ["script"])
-    raw["baseline"] = {"trainer": "script"} | (raw.get("baseline") or {})
+    given = raw.get("baseline") or {}
+    raw["baseline"] = {"trainer": "script"} | ({"auto": True} if given == "auto" else given)
     raw["cells"] = [{"trainer": "script"} | c if isinstance(c, dict) else c for c in raw.get("cells") or []]
     return raw
 
@@ -124,13 +126,17 @@ def _first_line(exc: BaseException) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
-def expand(spec: MatrixSpec, *, plugin_dirs: tuple[str, ...] = ()) -> Matrix:
-    """Baselines + axes × variants + explicit cells + resume experiments → a :class:`Matrix`."""
+def expand(
+    spec: MatrixSpec, *, plugin_dirs: tuple[str, ...] = (), references: Mapping[str, Reference] | None = None
+) -> Matrix:
+    """Baselines + axes × variants + explicit cells + resume experiments → a :class:`Matrix`. `references`:
+    the splits `baseline: auto` chose, by group (gaeq.results.reference); a group of an auto baseline has
+    its instruments once its reference is chosen."""
     if spec.axes is None and not spec.cells and not spec.resume:
         raise MatrixError("no cells: give axes, cells or resume (or several)")
     if spec.axes and spec.axes.dtype and "dtype" in spec.problem.model_fields_set:
         raise MatrixError("set dtype either in problem.dtype or in axes.dtype, not both")
-    ex = Expander(spec)
+    ex = Expander(spec, references=references or {})
     if spec.axes is not None:
         ex.add_axes()
     for c in spec.cells:
@@ -141,3 +147,10 @@ def expand(spec: MatrixSpec, *, plugin_dirs: tuple[str, ...] = ()) -> Matrix:
         ex.add_resume(r)
     ex.add_instruments(twins=spec.floor_twins if spec.noise_floor else 0, detection_limit=spec.detection_limit)
     return ex.matrix(plugin_dirs=plugin_dirs)
+
+
+def with_references(m: Matrix, references: Mapping[str, Reference]) -> Matrix:
+    """`m` expanded again with the references its `baseline: auto` chose (group → split): each such group's
+    baseline is that split, and its instruments are on it."""
+    expanded = expand(m.spec, plugin_dirs=m.plugin_dirs, references=references)
+    return dataclasses.replace(expanded, source=m.source)

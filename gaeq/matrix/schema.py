@@ -211,10 +211,29 @@ class CellSpec(_Spec):
 
 
 class BaselineSpec(_Spec):
+    """The reference every split of its group is compared with: a split of its own (`baseline: auto` — or
+    `{auto: true}` — lets the run choose it)."""
+
     trainer: Trainer = "torch"
     world_size: WorldSize = 1
     micro_batch_size: Samples | None = Field(None, description="Default: train_batch_size (GA = 1).")
     zero_stage: ZeroStage | None = None
+    auto: bool = Field(
+        False,
+        description="The fewest ranks at GA 1 whose micro batch fits, found from what ran: world 1 with the whole "
+        "batch, else — where that ran out of memory — the largest micro batch a split of the group ran at.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _auto(cls, given: Any) -> Any:
+        return {"auto": True} if given == "auto" else given
+
+    @model_validator(mode="after")
+    def _auto_alone(self) -> BaselineSpec:
+        if self.auto and {"world_size", "micro_batch_size"} & self.model_fields_set:
+            raise ValueError("auto chooses world_size and micro_batch_size: give them, or auto, not both")
+        return self
 
 
 class ResumeTargetSpec(_Spec):

@@ -17,6 +17,8 @@ class CellOutcome:
     status: Literal["done", "error"]
     seconds: float
     reason: str = ""
+    out_of_memory: bool = False
+    """An error because a rank ran out of memory (gaeq.oom): its split does not fit, which the run says."""
     ran: dict | None = None
     """What really ran, read back from the live objects by rank 0 (gaeq.trainers.provenance);
     None where the cell never finished its first optimizer step."""

@@ -8,7 +8,6 @@ CellReport field it reads).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections import Counter
 from collections.abc import Callable
@@ -19,8 +18,9 @@ from rich.table import Table
 from rich.text import Text
 
 from gaeq.files import atomic_write
-from gaeq.matrix import BASE, Cell, Matrix, Role, Split, group_key
+from gaeq.matrix import BASE, Cell, Matrix, Role, group_key
 from gaeq.results.compare import Verdict
+from gaeq.results.reference import MIXED, same_split
 from gaeq.results.report import CellReport, Report
 
 
@@ -179,6 +179,16 @@ def versions_line(report: Report) -> str:
     return "Versions: " + ", ".join(f"{name} {version}" for name, version in report.versions.items())
 
 
+def reference_lines(report: Report) -> list[str]:
+    """What each group's verdicts are relative to (gaeq.results.reference): its reference in words, how
+    `baseline: auto` chose it, or the reference that would fit where it ran out of memory."""
+    notes = report.reference_notes
+    return [
+        f"Reference {group}: {words}" + (f" — {notes[group]}" if group in notes else "")
+        for group, words in report.references.items()
+    ]
+
+
 def floor_lines(report: Report) -> list[str]:
     """What each group's noise floor was (gaeq.results.floor): the twins, how far rounding alone moved
     them, what that allowed — and the smallest error the run would have caught. `margin` in the tables
@@ -197,10 +207,8 @@ def floor_lines(report: Report) -> list[str]:
         for group, why in report.floor_notes.items()
     ]
     lines += [f"Detection limit {group}: {limit.describe()}" for group, limit in report.detection_limits.items()]
+    lines += [f"{instrument.capitalize()}: {why}" for instrument, why in report.instruments_off.items()]
     return lines + precision_lines(report)
-
-
-MIXED = ("bf16", "fp16", "ds_bf16", "ds_fp16")
 
 
 def precision_lines(report: Report) -> list[str]:
@@ -231,9 +239,9 @@ def precision_lines(report: Report) -> list[str]:
             + "; "
             + said(f"as trained ({dtype})", mixed_group, mixed)
         )
-        as_trained = {_same_split(c): c for c in mixed}
+        as_trained = {same_split(c): c for c in mixed}
         for c in exact:
-            other = as_trained.get(_same_split(c))
+            other = as_trained.get(same_split(c))
             if other is not None and c.verdict == Verdict.DIVERGE and other.verdict == Verdict.MATCH:
                 lines.append(
                     f"  {c.id}: caught by the float32 run ({_caught(c)}), not as trained in {dtype} "
@@ -242,12 +250,6 @@ def precision_lines(report: Report) -> list[str]:
             elif other is not None and c.verdict == Verdict.MATCH and other.verdict == Verdict.DIVERGE:
                 lines.append(f"  {other.id}: diverges as trained in {dtype} ({_caught(other)}), not in float32")
     return lines
-
-
-def _same_split(c: CellReport) -> tuple:
-    """A cell's split and what it plants, whatever its dtype."""
-    split = tuple(getattr(c.cell, f.name) for f in dataclasses.fields(Split) if f.name != "dtype")
-    return split + (c.cell.bug, c.cell.script_args, c.cell.fault)
 
 
 def render_markdown(report: Report, *, figure: str | None = None) -> str:
@@ -263,6 +265,7 @@ def render_markdown(report: Report, *, figure: str | None = None) -> str:
         "",
         versions_line(report),
         "",
+        *(line for reference in reference_lines(report) for line in (reference, "")),
         *([f"![loss of every cell, and |Δloss| vs baseline]({figure})", ""] if figure else []),
         "Tolerances: "
         + "; ".join(

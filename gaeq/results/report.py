@@ -24,6 +24,7 @@ from gaeq.results.notes import (
     trainer_sp_note,
 )
 from gaeq.results.outcome import CellOutcome
+from gaeq.results.reference import float32_that_does_not_fit, in_words, what_fits
 from gaeq.results.snapshots import compare_snapshots, read_snapshots
 from gaeq.results.trace import TraceStore, cell_dir
 from gaeq.script.verdict import read_probe, script_checks
@@ -49,6 +50,15 @@ class Report:
     """group → the smallest error of the planted kind its run would have caught (gaeq.results.floor)."""
     versions: dict[str, str] = field(default_factory=dict)
     """The libraries a verdict certifies (installed versions of LIBRARIES), in the report's header."""
+    references: dict[str, str] = field(default_factory=dict)
+    """group → what its verdicts are relative to, in words: `world 2 × micro 8, GA 1` (gaeq.results.reference)."""
+    reference_notes: dict[str, str] = field(default_factory=dict)
+    """group → how `baseline: auto` chose its reference, or — where it ran out of memory — what would fit."""
+    fits: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """group → (world, micro) of the reference at GA 1 that fits, where its own ran out of memory."""
+    instruments_off: dict[str, str] = field(default_factory=dict)
+    """instrument (noise floor, detection limit) → what the verdicts cannot claim without it (the matrix turned it
+    off: `noise_floor: false`, `detection_limit: false`, `gaeq check --instruments`)."""
 
     @property
     def ok(self) -> bool:
@@ -72,6 +82,11 @@ class Report:
             return EXIT_RUN_FAILED
         return EXIT_OK if self.ok else EXIT_VERDICT
 
+    @property
+    def relative_to(self) -> str:
+        """What the verdicts are relative to, once per distinct reference: `world 2 × micro 8, GA 1`."""
+        return "; ".join(dict.fromkeys(self.references.values()))
+
     def baseline_of(self, cell: CellReport) -> str:
         return self.baselines[group_key(dtype=cell.dtype, variant=cell.variant)]
 
@@ -87,6 +102,10 @@ class Report:
             "cells": [c.to_json() for c in self.cells],
             "summary": self.summary,
             "versions": self.versions,
+            "references": self.references,
+            "reference_notes": self.reference_notes,
+            "fits": self.fits,
+            "instruments_off": self.instruments_off,
         }
 
 
@@ -143,10 +162,34 @@ def judge(
                 ),
             )
         )
+    cells = float32_that_does_not_fit(cells)
     return Report(
         baselines=dict(matrix.baselines), tolerances=tolerances, cells=cells, floors=floors, floor_notes=notes,
         detection_limits=limits, versions=dict(versions or installed_versions()),
+        instruments_off=instruments_off(matrix), **references(matrix, outcomes),
     )  # fmt: skip
+
+
+def references(matrix: Matrix, outcomes: Mapping[str, CellOutcome]) -> dict[str, dict]:
+    """Each group's reference in words; how `baseline: auto` chose it; where it ran out of memory, what fits."""
+    words, notes, fits = {}, {}, {}
+    for group, base_id in matrix.baselines.items():
+        words[group] = in_words(next(c for c in matrix.cells if c.id == base_id))
+        if (chosen := matrix.references.get(group)) is not None:
+            notes[group] = f"baseline auto: {chosen.why}"
+        if (fit := what_fits(matrix, outcomes, group)) is not None:
+            notes[group], fits[group] = fit
+    return {"references": words, "reference_notes": notes, "fits": {g: f for g, f in fits.items() if f}}
+
+
+def instruments_off(matrix: Matrix) -> dict[str, str]:
+    """What the verdicts cannot claim, for each instrument the matrix turned off."""
+    off = {}
+    if not matrix.spec.noise_floor:
+        off["noise floor"] = "not measured (noise_floor: false): the tolerances are the dtype's constants"
+    if not matrix.spec.detection_limit:
+        off["detection limit"] = "not measured (detection_limit: false): no smallest caught error is stated"
+    return off
 
 
 def measure_floors(
@@ -273,6 +316,8 @@ def _judge_cell(
     if outcome.status != "done":
         return Verdict.ERROR, outcome.reason, None
     base_outcome = outcomes.get(base_id)
+    if base_outcome is not None and base_outcome.out_of_memory:
+        return Verdict.ERROR, f"the reference {base_id} ran out of memory: nothing to compare with", None
     if base_outcome is None or base_outcome.status != "done":
         return Verdict.ERROR, f"baseline {base_id} did not finish: nothing to compare with", None
     try:

@@ -87,11 +87,13 @@ def fail_cell(
     seconds: float = 0.0,
     world_size: int = 0,
     on_event: OnEvent | None = None,
+    out_of_memory: bool = False,
 ) -> CellOutcome:
     """The one way a cell fails: an `error` outcome whose reason is `why` followed by the tails of
     `logs`, written to the cell's directory, announced as its `end` event."""
     tails = "\n".join(t for t in map(log_tail, logs) if t)
-    outcome = CellOutcome(status="error", seconds=seconds, reason=f"{why}\n{tails}".rstrip())
+    reason = f"{why}\n{tails}".rstrip()
+    outcome = CellOutcome(status="error", seconds=seconds, reason=reason, out_of_memory=out_of_memory)
     write_outcome(cell_dir(run_dir, cell_id), outcome)
     if on_event is not None:
         on_event(Event(kind=EventKind.END, world_size=world_size, cell_id=cell_id, outcome=outcome))

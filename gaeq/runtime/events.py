@@ -26,6 +26,8 @@ class EventKind(Name):
     """Shared memory that killed runs left was removed."""
     BUILD = "build"
     """DeepSpeed JIT-builds an op the run needs (first use on this machine): `op`; `seconds` once built."""
+    MORE = "more"
+    """`cells` more to run: the references `baseline: auto` chose from what ran, and their instruments."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +48,8 @@ class Event:
     """build: the op being built (gaeq.runtime.ops)."""
     seconds: float | None = None
     """build: how long it took, once built (None while it builds)."""
+    cells: int = 0
+    """more: how many cells are added to the run."""
 
 
 OnEvent = Callable[[Event], None]

@@ -21,7 +21,9 @@ def run(script: str, args: list[str]) -> None:
     """The script under the probe, in this process (its environment already the rank's, with the fp16
     answer gaeq's run forces on DeepSpeed's accelerator, if any: gaeq/accelerator.py)."""
     from gaeq.accelerator import force_fp16_answer, forced_fp16
+    from gaeq.oom import is_out_of_memory
     from gaeq.runtime import crashes
+    from gaeq.script.contract import OUT_OF_MEMORY_FILE, ran_out_of_memory
     from gaeq.script.probe import Probe
     from gaeq.script.ranks import rank
 
@@ -37,6 +39,10 @@ def run(script: str, args: list[str]) -> None:
         except SystemExit as exc:
             if exc.code not in (None, 0):
                 raise
+        except BaseException as exc:
+            if is_out_of_memory(exc):  # a failed allocation: the cell's reason, whatever its peers say of it
+                probe.write(OUT_OF_MEMORY_FILE.format(rank=rank()), ran_out_of_memory(exc, script=script))
+            raise
         probe.end_of_script()  # ended of itself: a training step still open is complete
     finally:
         # The script ended (or raised) before the asked steps: what was seen is saved, no trace.

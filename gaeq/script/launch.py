@@ -15,6 +15,7 @@ from pathlib import Path
 
 from gaeq.files import atomic_write
 from gaeq.matrix import Cell
+from gaeq.oom import OomKill, kill_count, oom_killer
 from gaeq.problem.spec import ProblemSpec
 from gaeq.results.outcome import CellOutcome, write_outcome
 from gaeq.results.trace import TRACE_FILE, cell_dir
@@ -25,7 +26,7 @@ from gaeq.runtime.dist import free_port
 from gaeq.runtime.events import Event, EventKind
 from gaeq.runtime.server import preload_modules, rank_context
 from gaeq.script.attach import forked_rank
-from gaeq.script.contract import ENV, FAILURE_FILE, PROBE_FILE
+from gaeq.script.contract import ENV, FAILURE_FILE, OUT_OF_MEMORY_FILE, PROBE_FILE
 from gaeq.script.launchers import command, worker_args, worker_env
 from gaeq.script.placeholders import fill
 
@@ -128,17 +129,19 @@ def run_script_cell(cell: Cell, problem: ProblemSpec, opts: RunOptions) -> CellO
     ]
     # A DeepSpeed script's comm op leaves a 66 MB segment per rank in /dev/shm, as gaeq's own cells do:
     # freed once the ranks are gone (and by the next run if gaeq is killed).
+    kills = kill_count()  # the kernel's OOM kills so far: a rank killed by SIGKILL is told by their count
     with shm.group_on(port):
         try:
             for proc in procs:
                 proc.start()
             rank, code = _wait(procs, timeout_s=opts.timeout_s)
+            killed = oom_killer(procs[rank].pid, before=kills) if code == -signal.SIGKILL else None
         finally:
             for proc in procs:
                 _stop(proc)
     ran = {"launched_by": f"gaeq's fork server, as {launcher.value} starts its workers"}
     outcome = conclude(cell, problem, out=out, args=args, code=code, rank=rank, seconds=time.perf_counter() - started,
-                       timeout_s=opts.timeout_s, ran=ran)  # fmt: skip
+                       timeout_s=opts.timeout_s, ran=ran, killed=killed)  # fmt: skip
     if outcome.status != "done":
         return fail_cell(
             cell.id,
@@ -148,6 +151,7 @@ def run_script_cell(cell: Cell, problem: ProblemSpec, opts: RunOptions) -> CellO
             seconds=outcome.seconds,
             world_size=cell.world_size,
             on_event=opts.on_event,
+            out_of_memory=outcome.out_of_memory,
         )
     write_outcome(out, outcome)
     opts.on_event(Event(kind=EventKind.END, world_size=cell.world_size, cell_id=cell.id, outcome=outcome))
@@ -165,21 +169,28 @@ def conclude(
     seconds: float,
     timeout_s: float,
     ran: dict,
+    killed: OomKill | None = None,
 ) -> CellOutcome:
     """How the cell ended, from what its ranks left (the probe's record, rank 0's trace) and the exit
     `code` (None: they ran past `timeout_s`) of `rank`, the one that ended it (None: not known — a
     launched rank 0 knows its own code only): done, with what the probe saw in the first optimizer
     step — never the cell's label — or an error saying why (not yet written). gaeq's probe failed
-    only where it failed in that rank: a peer's probe that lost its collective to it did not."""
+    only where it failed in that rank: a peer's probe that lost its collective to it did not. Out of
+    memory is the reason wherever a rank's allocation failed, or where the OOM killer sent the SIGKILL
+    that ended `rank` (`killed`: what the kernel says of it)."""
     probe = out / PROBE_FILE
     facts = json.loads(probe.read_text()) if probe.is_file() else None  # what the probe saw, if it saved it
     who = "the script" if rank is None or cell.world_size == 1 else f"the script's rank {rank}"
+    if (oom := out_of_memory(cell, out=out, killed=killed, rank=rank)) is not None:
+        return CellOutcome(status="error", reason=oom, seconds=seconds, out_of_memory=True)
     ranks = range(cell.world_size) if rank is None else [rank]
     why = _probe_failed(out, ranks) or _why_not_done(
         problem, out=out, facts=facts, code=code, who=who, timeout_s=timeout_s
     )
     if why is None and (precision := facts.get("precision")) is not None:
         why = precision_mismatch(cell.dtype, precision, deepspeed_config=problem.script.deepspeed_config is not None)
+    if why is not None and killed is not None:  # a SIGKILL nothing says the OOM killer sent
+        why += f" — perhaps the kernel's OOM killer: {killed.evidence}"
     if why is not None:
         return CellOutcome(status="error", reason=why, seconds=seconds)
     first = facts["steps"][0]
@@ -203,6 +214,23 @@ def conclude(
     if code != 0:
         ran["exit"] = f"{who} {how_it_ended(code)} after its last recorded step (a crash at exit: noted, not an error)"
     return CellOutcome(status="done", seconds=seconds, ran=ran)
+
+
+def out_of_memory(cell: Cell, *, out: Path, killed: OomKill | None = None, rank: int | None = None) -> str | None:
+    """Why the cell ran out of memory (None: nothing says it did): a rank's failed allocation — in the script,
+    or in gaeq's probe —, or the OOM killer's SIGKILL of `rank`, with what the kernel says of it."""
+    at = f"out of memory at micro batch {cell.micro_batch_size} (world {cell.world_size})"
+    for r in range(cell.world_size):
+        if (raised := out / OUT_OF_MEMORY_FILE.format(rank=r)).is_file():
+            said = json.loads(raised.read_text())
+            return f"{at}: rank {r} raised {said['error']} (at {said['where']})"
+        if (failure := out / FAILURE_FILE.format(rank=r)).is_file() and (said := json.loads(failure.read_text())).get(
+            "out_of_memory"
+        ):
+            return f"{at}: an allocation in gaeq's probe failed on rank {r}: {said['error']} (at {said['where']})"
+    if killed is not None and killed.out_of_memory:
+        return f"{at}: rank {rank} was killed by SIGKILL — {killed.evidence} ({killed.sure.value})"
+    return None
 
 
 def _probe_failed(out: Path, ranks: Iterable[int]) -> str | None:

@@ -32,7 +32,7 @@ from gaeq.results.trace import TRACE_FILE
 from gaeq.runtime import lifeline, shm
 from gaeq.runtime.cells import fail_cell
 from gaeq.runtime.crashes import how_it_ended
-from gaeq.script.launch import conclude, prepare, rank_log
+from gaeq.script.launch import conclude, out_of_memory, prepare, rank_log
 from gaeq.script.launchers import worker_args, worker_env
 from gaeq.script.spec import Launcher
 
@@ -70,7 +70,9 @@ def run_launched_script_cells(cells: Sequence[Cell], *, problem: ProblemSpec, ru
         if rank != 0:  # rank 0 concludes; another rank reports only a failure before the trace was published
             if code == 0 or (out / TRACE_FILE).is_file():
                 continue
-            why = f"rank {rank}'s script " + (f"ran past {timeout_s:.0f} s" if code is None else how_it_ended(code))
+            oom = out_of_memory(cell, out=out)  # a peer's failed allocation: the cause, whoever noticed first
+            ended = f"ran past {timeout_s:.0f} s" if code is None else how_it_ended(code)
+            why = oom or f"rank {rank}'s script {ended}"
         else:
             ran = {"launched_by": f"{_launcher()} (gaeq worker, a fresh interpreter per rank)"}
             outcome = conclude(cell, problem, out=out, args=args, code=code, seconds=seconds, timeout_s=timeout_s,
@@ -78,11 +80,12 @@ def run_launched_script_cells(cells: Sequence[Cell], *, problem: ProblemSpec, ru
             if outcome.status == "done":
                 write_outcome(out, outcome)
                 continue
-            why = outcome.reason
+            why, oom = outcome.reason, outcome.out_of_memory
         # The first rank to fail names the cause (its peers fail after it, "connection closed by peer").
         if read_outcome(out) is None:
             logs = [rank_log(out, r) for r in range(cell.world_size)]
-            fail_cell(cell.id, why, run_dir=run_dir, logs=logs, seconds=seconds, world_size=cell.world_size)
+            fail_cell(cell.id, why, run_dir=run_dir, logs=logs, seconds=seconds, world_size=cell.world_size,
+                      out_of_memory=bool(oom))  # fmt: skip
         return 1
     return 0
 

@@ -140,10 +140,14 @@ class Probe:
         """The probe's own code raised: written down once, for the launch to read."""
         if self._failure is None:
             self._failure = failed_in_gaeq(exc)
-            from gaeq.files import atomic_write
+            self.write(FAILURE_FILE.format(rank=rank()), self._failure)
 
-            self.out.mkdir(parents=True, exist_ok=True)
-            atomic_write(self.out / FAILURE_FILE.format(rank=rank()), json.dumps(self._failure))
+    def write(self, name: str, said: dict) -> None:
+        """One of this rank's records for the launch to read (gaeq.script.contract), in the cell's directory."""
+        from gaeq.files import atomic_write
+
+        self.out.mkdir(parents=True, exist_ok=True)
+        atomic_write(self.out / name, json.dumps(said))
 
     def _new_phase(self) -> None:
         """From one optimizer step to the next: what this rank sees, what rank 0 reads at its end."""

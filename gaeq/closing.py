@@ -1,0 +1,44 @@
+"""What the terminal shows once a run is judged (the CLI's, like the rest of the terminal): the cost and
+verdict tables, each unexpected reason, the references, instruments and versions, and the closing line."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.markup import escape
+
+from gaeq.api import RunResult
+from gaeq.results.cell_report import INSTRUMENTS
+from gaeq.results.compare import Verdict
+from gaeq.results.render import cost_table, floor_lines, reference_lines, verdict_table, versions_line
+
+
+def print_result(console: Console, result: RunResult) -> int:
+    """The cost and verdict tables, each unexpected reason, the summary line; the exit code."""
+    report = result.report
+    console.print(cost_table(report))
+    console.print(verdict_table(report))
+    failed = {c.id for c in report.cells if c.verdict == Verdict.ERROR}
+    like_baseline = []
+    for c in report.cells:
+        if not c.reason or c.reason == "baseline" or c.cell.skip_reason is not None:
+            continue  # (a cell the matrix skipped says why in `gaeq validate`; one skipped as judged, here)
+        if c.cell.role in INSTRUMENTS and c.verdict == Verdict.ERROR and report.baseline_of(c) in failed:
+            like_baseline.append(c.id)  # its baseline's split, which failed: said once, with the baseline
+            continue
+        console.print(f"[bold]{c.id}[/] ({c.verdict}): {escape(c.reason)}", highlight=False, soft_wrap=True)
+    if like_baseline:
+        console.print(f"{', '.join(like_baseline)} (error): as their baseline, whose split they run", highlight=False)
+    for line in reference_lines(report) + floor_lines(report):
+        console.print(line, highlight=False, soft_wrap=True)
+    console.print(versions_line(report), highlight=False)
+    s = report.summary
+    status = "[bold green]OK[/]" if report.ok else "[bold red]NOT OK[/]"
+    baselines = "".join(f", baseline {b} {v}" for b, v in report.baselines_not_matching.items())
+    console.print(
+        f"{status}: {s['match']} match, {s['diverge']} diverge, {s['error']} error, {s['skipped']} skipped "
+        f"{'split' if sum(s.values()) == 1 else 'splits'}{baselines}, relative to {report.relative_to} "
+        f"— report: {result.run_dir / 'report.md'}",
+        highlight=False,
+        soft_wrap=True,
+    )
+    return report.exit_code
