@@ -33,6 +33,11 @@ KERNEL_KILL = re.compile(r"Killed process (\d+)")
 VMSTAT = Path("/proc/vmstat")
 
 
+def at(*, micro_batch_size: int, world_size: int) -> str:
+    """How a split that ran out of memory is named, the start of its cell's reason."""
+    return f"out of memory at micro batch {micro_batch_size} (world {world_size})"
+
+
 def is_out_of_memory(exc: BaseException | None) -> bool:
     """Whether `exc`, or an exception it was raised from or while handling, is a failed allocation."""
     seen: set[int] = set()

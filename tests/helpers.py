@@ -106,9 +106,14 @@ def gaeq_run(
 
 
 def gaeq_run_here(matrix: Path, out: Path, *, extra: list[str] = ()) -> tuple[subprocess.CompletedProcess, dict, str]:
-    """`gaeq run` through the CLI in this process (typer's CliRunner): the same code path, exit code
-    and output as :func:`gaeq_run`, but the ranks fork from this session's fork server — started
-    once, with every preload — instead of a new one per run (3-5 s of imports each time).
+    """`gaeq run` of `matrix` into `out` in this process: :func:`gaeq_here`."""
+    return gaeq_here(["run", "--matrix", str(matrix), "--out", str(out), *extra], out)
+
+
+def gaeq_here(args: list[str], out: Path) -> tuple[subprocess.CompletedProcess, dict, str]:
+    """`gaeq ARGS` (run, check) writing into `out`, through the CLI in this process (typer's CliRunner):
+    the same code path, exit code and output as :func:`gaeq_run`, but the ranks fork from this session's
+    fork server — started once, with every preload — instead of a new one per run (3-5 s of imports each time).
 
     For tests of a run's results and output. Tests about processes (signals, launchers, the README's
     own command) or that set environment variables for the ranks (they inherit the server's
@@ -127,15 +132,13 @@ def gaeq_run_here(matrix: Path, out: Path, *, extra: list[str] = ()) -> tuple[su
     shm_before = deepspeed_shm()
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
-        result = CliRunner().invoke(
-            app, ["run", "--matrix", str(matrix), "--out", str(out), *extra], catch_exceptions=False
-        )
+        result = CliRunner().invoke(app, args, catch_exceptions=False)
     finally:
         for s, handler in handlers.items():
             signal.signal(s, handler)
     report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else {}
     assert deepspeed_shm() <= shm_before, f"left in /dev/shm: {sorted(deepspeed_shm() - shm_before)}"
-    proc = subprocess.CompletedProcess(["gaeq", "run"], result.exit_code, result.stdout, result.stderr)
+    proc = subprocess.CompletedProcess(["gaeq", *args], result.exit_code, result.stdout, result.stderr)
     return proc, report, f"{CHILDREN_OF}{forkserver._forkserver._forkserver_pid}"
 
 

@@ -123,10 +123,11 @@ class FaultSpec(_Spec):
 
     rank: int = Field(0, ge=0)
     step: int = Field(0, ge=0)
-    kind: Literal["raise", "exit", "crash", "hang"] = Field(
+    kind: Literal["raise", "exit", "crash", "hang", "oom"] = Field(
         "raise",
         description="raise: an exception; exit: os._exit(17); crash: a segmentation fault in native code "
-        "(a read of address 0); hang: a rank that never answers again.",
+        "(a read of address 0); hang: a rank that never answers again; oom: an allocation that fails (an "
+        "exbibyte asked of torch's allocator).",
     )
 
 

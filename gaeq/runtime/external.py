@@ -25,6 +25,8 @@ from pathlib import Path
 
 from gaeq.accelerator import forced_fp16
 from gaeq.matrix import MATRIX_FILE, Cell, Matrix
+from gaeq.oom import at as oom_at
+from gaeq.oom import is_out_of_memory
 from gaeq.results.outcome import CellOutcome, read_outcome, write_outcome
 from gaeq.results.trace import cell_dir
 from gaeq.runtime import dist, lifeline, shm, worker
@@ -92,8 +94,12 @@ def _run_launched_cells(cells: Sequence[Cell], *, me: dist.LaunchedRank, matrix:
             # The first rank to fail names the cause: a peer that exits makes the others fail
             # after it ("connection closed by peer"), and their outcome must not replace its own.
             if read_outcome(cell_dir(run_dir, cell.id)) is None:
-                why = f"rank {me.rank} failed: {type(exc).__name__}: {exc}"
-                fail_cell(cell.id, why, run_dir=run_dir, logs=[cell_dir(run_dir, cell.id) / f"rank{me.rank}.log"])
+                out_of_memory = is_out_of_memory(exc)
+                at = oom_at(micro_batch_size=cell.micro_batch_size, world_size=cell.world_size)
+                why = f"{at}: rank {me.rank} raised" if out_of_memory else f"rank {me.rank} failed:"
+                log = cell_dir(run_dir, cell.id) / f"rank{me.rank}.log"
+                fail_cell(cell.id, f"{why} {type(exc).__name__}: {exc}", run_dir=run_dir, logs=[log],
+                          out_of_memory=out_of_memory)  # fmt: skip
             return 1
         if me.rank == 0:
             write_outcome(cell_dir(run_dir, cell.id), done)

@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from gaeq.matrix import Cell
+from gaeq.oom import at as oom_at
 from gaeq.registry import TRAINERS
 from gaeq.results.outcome import CellOutcome, write_outcome
 from gaeq.results.trace import cell_dir
@@ -172,7 +173,7 @@ class _GroupRun:
         """Its ranks were told that no cell is left: they leave by themselves."""
         self.done: dict[str, dict[int, tuple[float, dict | None]]] = {}  # cell → rank → (seconds, ran)
         self.outcomes: dict[str, CellOutcome] = {}
-        self.failures: list[tuple[int, str]] = []  # (rank, reason) as ranks reported them
+        self.failures: list[worker.Msg] = []  # as ranks reported them
         self.cell_started = time.monotonic()
 
     def dispatch(self) -> None:
@@ -213,11 +214,11 @@ class _GroupRun:
                 self.finish(self.current, CellOutcome(status="done", seconds=seconds, ran=ranks[0][1]))
                 self.dispatch()
         elif msg.kind == worker.FAILED:
-            self.failures.append((msg.rank, msg.reason))
+            self.failures.append(msg)
             return False
         return True
 
-    def fail(self, why: str, *, rank: int | None) -> None:
+    def fail(self, why: str, *, rank: int | None, out_of_memory: bool = False) -> None:
         """The group is lost: the current cell is `error`; before start-up, every cell still in
         the pool is (a group that cannot start would not start again).
 
@@ -243,6 +244,7 @@ class _GroupRun:
                 seconds=seconds,
                 world_size=self.world_size,
                 on_event=self.on_event,
+                out_of_memory=out_of_memory,
             )
 
 
@@ -315,8 +317,8 @@ def _watch(procs: list, events, state: _GroupRun, *, stop: threading.Event) -> N
             # failing. Let it settle, then name the root cause.
             _drain(events, state)
             if not state.stopped:
-                why, rank = _root_cause(procs, state)
-                state.fail(why, rank=rank)
+                why, rank, out_of_memory = _root_cause(procs, state)
+                state.fail(why, rank=rank, out_of_memory=out_of_memory)
             return
         if time.monotonic() > deadline:
             started = len(state.ready) == state.world_size
@@ -335,15 +337,19 @@ def _drain(events, state: _GroupRun, *, seconds: float = 1.0) -> None:
             pass
 
 
-def _root_cause(procs: list, state: _GroupRun) -> tuple[str, int]:
+def _root_cause(procs: list, state: _GroupRun) -> tuple[str, int, bool]:
     """A rank that died without a word comes first: the errors its peers then report (a reset
-    connection in a collective) are consequences. Otherwise, the first rank that reported."""
-    reported = {rank for rank, _ in state.failures}
+    connection in a collective) are consequences. Otherwise a rank whose allocation failed, else the
+    first rank that reported. (Why, which rank, whether it ran out of memory.)"""
+    reported = {msg.rank for msg in state.failures}
     for rank, p in enumerate(procs):
         if p.exitcode is not None and rank not in reported:
-            return f"rank {rank} {how_it_ended(p.exitcode)} before the cell finished", rank
-    rank, reason = state.failures[0]
-    return f"rank {rank} failed: {reason}", rank
+            return f"rank {rank} {how_it_ended(p.exitcode)} before the cell finished", rank, False
+    first = next((msg for msg in state.failures if msg.out_of_memory), state.failures[0])
+    if first.out_of_memory and state.current is not None:
+        at = oom_at(micro_batch_size=state.current.micro_batch_size, world_size=state.world_size)
+        return f"{at}: rank {first.rank} raised {first.reason}", first.rank, True
+    return f"rank {first.rank} failed: {first.reason}", first.rank, False
 
 
 def _stop(procs: list, *, graceful: bool) -> None:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from gaeq.matrix import Cell
+from gaeq.oom import is_out_of_memory
 from gaeq.problem.spec import ProblemSpec
 from gaeq.results.outcome import CellOutcome
 from gaeq.results.trace import cell_dir
@@ -47,6 +48,8 @@ class Msg:
     seconds: float | None = None
     ran: dict | None = None
     reason: str | None = None
+    out_of_memory: bool = False
+    """failed: an allocation failed (gaeq.oom): the cell's cause, whatever its peers report after it."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,7 +124,8 @@ def worker_main(rank: int, job: GroupJob, events: Any, commands: Any) -> None:
                 on_step=lambda step, cell_id=cell.id: events.put(Msg(STEP, rank, cell_id, step=step)),
             )
         except BaseException as exc:  # noqa: BLE001 - any failure ends this rank
-            events.put(Msg(FAILED, rank, cell.id, reason=f"{type(exc).__name__}: {exc}"))
+            said = f"{type(exc).__name__}: {exc}"
+            events.put(Msg(FAILED, rank, cell.id, reason=said, out_of_memory=is_out_of_memory(exc)))
             # Peers may be blocked in a collective with us: the group is finished. The parent
             # tears it down and runs the remaining cells in a fresh one.
             _exit(events, 1)

@@ -326,5 +326,7 @@ def inject_fault(cell: Cell, *, rank: int, step: int) -> None:
         import ctypes
 
         ctypes.string_at(0)  # SIGSEGV, as a bug in a library's native code dies
+    if fault.kind == "oom":
+        torch.empty(1 << 60, dtype=torch.uint8)  # torch's allocator fails for real, as past a device's memory
     while True:  # "hang": a rank that never answers again
         time.sleep(3600)

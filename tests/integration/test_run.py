@@ -57,6 +57,12 @@ def test_a_crashing_or_hanging_rank_errors_its_cell_and_the_rest_still_run(write
                 "micro_batch_size": 1,
                 "fault": {"rank": 1, "step": 2, "kind": "hang"},
             },
+            {  # an allocation that fails (out of memory) on rank 1: named so, not as rank 0's reset connection
+                "trainer": "torch",
+                "world_size": 2,
+                "micro_batch_size": 2,
+                "fault": {"rank": 1, "step": 1, "kind": "oom"},
+            },
             {"trainer": "torch", "world_size": 2, "micro_batch_size": 1},
             # World 1 runs in two lanes at once (on 2 cores): a lane that loses its group goes on in a
             # fresh one while the other keeps training.
@@ -91,6 +97,10 @@ def test_a_crashing_or_hanging_rank_errors_its_cell_and_the_rest_still_run(write
         "Current thread"
     ), crashed["reason"]
     assert "in inject_fault" in crashed["reason"]  # where it crashed
+    oom = cells["torch-w2-mb2-ga4-fault_oom_r1_s1"]
+    assert oom["verdict"] == "error" and oom["reason"].startswith(
+        "out of memory at micro batch 2 (world 2): rank 1 raised RuntimeError: [enforce fail at alloc_cpu.cpp"
+    ), oom["reason"]
     hung = cells["torch-w2-mb1-ga8-fault_hang_r1_s2"]
     assert hung["verdict"] == "error" and hung["reason"].startswith("timed out: no progress for 3 s")
     lane_raised = cells["torch-w1-mb2-ga8-fault_raise_r0_s2"]
@@ -107,7 +117,7 @@ def test_a_crashing_or_hanging_rank_errors_its_cell_and_the_rest_still_run(write
         "deepspeed-z1-w1-mb4-ga4",
     ):
         assert cells[ok]["verdict"] == "match", cells[ok]
-    assert report["summary"]["error"] == 5
+    assert report["summary"]["error"] == 6
     assert leftovers(tag) == []
 
 

@@ -8,13 +8,16 @@ from __future__ import annotations
 import base64
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
 from gaeq.accelerator import fp16_answer_record
+from gaeq.runtime.dist import free_port
+from tests.conftest import REPO
 from tests.helpers import cells_by_id
-from tests.processes import leftovers
+from tests.processes import leftovers, run
 
 pytestmark = pytest.mark.integration
 
@@ -151,25 +154,47 @@ def test_a_scripts_cells_under_deepspeeds_real_launcher_leave_the_forked_traces_
     assert refused.exit_code == 2 and "--launcher torchrun: your script is started by deepspeed" in refused.output
 
 
-def test_the_cluster_recipe_runs_a_scripts_world_size_as_two_nodes(your_script_run, tmp_path):
-    """docs/where-it-runs.md's recipe for a script matrix: the baseline under `torchrun --standalone`
-    while world 2 runs as two torchrun agents (c10d on 127.0.0.1, one rank a node), all on `gaeq worker`
-    into one shared directory, then `gaeq report`: traces bitwise the forked ranks', the same verdicts."""
-    import yaml
-    from typer.testing import CliRunner
+SRUN = """#!/usr/bin/env python3
+# srun, as Slurm runs a step on --nodes N with one task a node: here N "nodes" on this machine, side by side,
+# each its task's command with the variables Slurm gives it; fails where one of them fails.
+import os, subprocess, sys
+args, nodes = sys.argv[1:], 1
+while args[0].startswith("--"):
+    option, value, args = args[0], args[1], args[2:]
+    nodes = int(value) if option == "--nodes" else nodes
+env = lambda n: os.environ | {"SLURM_NODEID": str(n), "SLURM_PROCID": str(n), "SLURM_STEP_NUM_NODES": str(nodes)}
+steps = [subprocess.Popen(args, env=env(n)) for n in range(nodes)]
+sys.exit(max(step.wait() for step in steps))
+"""
+SCONTROL = """#!/bin/sh
+echo 127.0.0.1
+"""
 
-    from gaeq.cli import app
-    from tests.integration.test_launchers import launch, nodes, training_traces, verdicts
+
+def test_the_slurm_recipe_runs_a_scripts_world_size_as_two_nodes(your_script_run, tmp_path):
+    """experiments/slurm/gaeq.sbatch (docs/where-it-runs.md, "On a Slurm cluster"), run by bash as Slurm runs a
+    batch script, its `srun` steps on two "nodes" of this machine (one rank each, c10d on 127.0.0.1): the
+    reference at world 1, then world 2 as two torchrun agents on `gaeq worker` into one shared directory, then
+    `gaeq report`, the job's exit code. Traces bitwise those of gaeq's forked ranks, the same verdicts."""
+    import yaml
+
+    from tests.integration.test_launchers import training_traces, verdicts
 
     *_, forked = your_script_run
-    shared = tmp_path / "shared"
+    shared, bin_dir = tmp_path / "shared", tmp_path / "bin"
     without_bugs(forked, tmp_path / "m.yaml", relative=True)  # the run directory's copy must not keep it so
-    launch(
-        *nodes("torchrun", tmp_path / "m.yaml", shared, count=1),
-        *nodes("torchrun", tmp_path / "m.yaml", shared, count=2),
-    )
-    report = CliRunner().invoke(app, ["report", str(shared)])
-    assert report.exit_code == 0, report.output
+    bin_dir.mkdir()
+    for name, text in (("srun", SRUN), ("scontrol", SCONTROL)):
+        (bin_dir / name).write_text(text.replace("/usr/bin/env python3", sys.executable))
+        (bin_dir / name).chmod(0o755)
+    env = {
+        "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}", "DS_ACCELERATOR": "cpu",
+        "MATRIX": str(tmp_path / "m.yaml"), "OUT": str(shared), "WORLDS": "1 2", "GPUS_PER_NODE": "1",
+        "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_ID": "7", "MASTER_PORT": str(free_port()),
+    }  # fmt: skip
+    job = run(["bash", str(REPO / "experiments" / "slurm" / "gaeq.sbatch")], timeout=600, env=env)
+    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+    assert "OK: 1 match, 0 diverge, 0 error, 0 skipped split, relative to world 1 × micro 16, GA 1" in job.stdout
     assert os.path.isabs(yaml.safe_load((shared / "matrix.yaml").read_text())["problem"]["script"]["path"])
     ours, reference = training_traces(shared), training_traces(forked)
     assert sorted(ours) == ["script-w1-mb16-ga1", "script-w2-mb4-ga2"] and ours == {k: reference[k] for k in ours}
