@@ -50,8 +50,10 @@ def test_a_script_that_does_not_fit_the_whole_batch_gets_verdicts_against_a_refe
 
 
 def test_a_mistake_in_every_split_is_caught_against_the_reference_that_fits(tmp_path):
-    """A mean of micro-batch means in the script's own arguments: no mistake at GA 1 (the reference), one in every
-    split that accumulates — caught at step 0 in each. Without instruments, the report says what it cannot claim."""
+    """A mean of micro-batch means in the script's own arguments: no accumulation mistake at GA 1 (the reference; at
+    world 2 it averages its 2 ranks' means, whose rows are 23 or 24 tokens: the same in every world-2 run), one in
+    every split that accumulates — caught at step 0 in each. Without instruments, the report says what it cannot
+    claim."""
     proc, report, _ = check(
         tmp_path, "planted", "--baseline", "auto", "--instruments", "none", *SPLITS, script=("--bug", "mean_of_means")
     )
