@@ -21,11 +21,15 @@ def ops_of(tmp_path, **overrides) -> list:
     return needed(matrix.runnable(), matrix.problems)
 
 
-def test_the_ops_a_matrix_needs(tmp_path):
+def test_the_ops_a_matrix_needs(tmp_path, monkeypatch):
     assert ops_of(tmp_path) == []  # torch alone builds nothing
     assert ops_of(tmp_path, axes={"trainer": ["torch", "deepspeed"], "zero_stage": [1]}) == [COMM]
     nvme = {"trainer": "deepspeed", "micro_batch_size": 4, "zero_stage": 3, "offload": "nvme"}
+    # the machine's answer forced both ways (a fresh machine may have no libaio; CI installs it)
+    monkeypatch.setattr("gaeq.accelerator.nvme_unsupported_reason", lambda: None)
     assert ops_of(tmp_path, cells=[nvme]) == [COMM, ASYNC_IO]
+    monkeypatch.setattr("gaeq.accelerator.nvme_unsupported_reason", lambda: "no libaio: apt-get install libaio-dev")
+    assert ops_of(tmp_path, cells=[nvme]) == []  # the nvme cell skipped, with the reason: nothing to build
     config = {"optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "train_batch_size": 16}
     mine = ("optimizer", "schedule", "gradient_clipping")  # (the config's, with a deepspeed_config)
     problem = {k: v for k, v in small_spec()["problem"].items() if k not in mine} | {"deepspeed_config": config}
