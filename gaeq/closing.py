@@ -9,7 +9,8 @@ from rich.markup import escape
 from gaeq.api import RunResult
 from gaeq.results.cell_report import INSTRUMENTS
 from gaeq.results.compare import Verdict
-from gaeq.results.render import cost_table, floor_lines, reference_lines, verdict_table, versions_line
+from gaeq.results.lines import floor_lines, reference_lines, versions_line
+from gaeq.results.render import cost_table, verdict_table
 
 
 def print_result(console: Console, result: RunResult) -> int:
@@ -25,6 +26,8 @@ def print_result(console: Console, result: RunResult) -> int:
         if c.cell.role in INSTRUMENTS and c.verdict == Verdict.ERROR and report.baseline_of(c) in failed:
             like_baseline.append(c.id)  # its baseline's split, which failed: said once, with the baseline
             continue
+        if c.cell.role in INSTRUMENTS and c.as_expected:
+            continue  # what it measured is said by the floor and limit lines below, not as a split's reason
         console.print(f"[bold]{c.id}[/] ({c.verdict}): {escape(c.reason)}", highlight=False, soft_wrap=True)
     if like_baseline:
         console.print(f"{', '.join(like_baseline)} (error): as their baseline, whose split they run", highlight=False)

@@ -9,18 +9,19 @@ CellReport field it reads).
 from __future__ import annotations
 
 import json
-from collections import Counter
+import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rich.table import Table
 from rich.text import Text
 
 from gaeq.files import atomic_write
-from gaeq.matrix import BASE, Cell, Matrix, Role, group_key
+from gaeq.matrix import Cell, Matrix, Role
+from gaeq.results.cell_report import INSTRUMENTS
 from gaeq.results.compare import Verdict
-from gaeq.results.reference import MIXED, same_split
+from gaeq.results.lines import caught, floor_lines, reference_lines, versions_line
 from gaeq.results.report import CellReport, Report
 
 
@@ -38,18 +39,23 @@ def _sci(x: float | None) -> str:
     return "-" if x is None else f"{x:.1e}"
 
 
+MARGIN = "{:.2f}"
+
+
+def _differs(x: float | None, c: CellReport, spec: str = "{:.1e}") -> str:
+    """A difference from the baseline; where one of them skipped an update the other made (an fp16 overflow), its
+    grad norm has nothing to compare with: `skipped`, not `nan` (the reason says which step)."""
+    if x is not None and math.isnan(x) and "skipped" in (c.divergence_steps or {}):
+        return "skipped"
+    return _fmt(x, spec)
+
+
 def _fmt(value: float | None, spec: str, *, zero: str | None = None) -> str:
     if value is None:
         return "-"
     if value == 0 and zero is not None:
         return zero
     return spec.format(value)
-
-
-def _caught(c: CellReport) -> str:
-    """Every metric that diverged, first one first: `grad_norm@0 loss@1`."""
-    steps = {m: s for m, s in (c.divergence_steps or {}).items() if s is not None}
-    return " ".join(f"{m}@{s}" for m, s in sorted(steps.items(), key=lambda kv: (kv[1], kv[0] != c.caught_by))) or "-"
 
 
 _SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
@@ -87,15 +93,17 @@ COLUMNS = (
     Column("expect", lambda c: str(c.expectation)),
     Column("verdict", lambda c: c.verdict),
     Column("max |Δloss|", lambda c: _sci(c.max_abs_loss_diff)),
-    Column("max rel Δ‖g‖", lambda c: _sci(c.max_rel_grad_norm_diff)),
+    Column("max rel Δ‖g‖", lambda c: _differs(c.max_rel_grad_norm_diff, c)),
     Column(
         "margin",
-        lambda c: "-" if c.role == "baseline" else _fmt(c.margin, "{:.2f}" if (c.margin or 0) < 100 else "{:.0e}"),
+        lambda c: (
+            "-" if c.role == "baseline" else _differs(c.margin, c, "{:.2f}" if (c.margin or 0) < 100 else "{:.0e}")
+        ),
         right=True,
     ),
     Column("max |Δgrad|", lambda c: _sci(c.max_abs_grad_diff), "tensors"),
     Column("max |Δparam|", lambda c: _sci(c.max_abs_param_diff), "tensors"),
-    Column("caught", _caught),
+    Column("caught", caught),
     Column("samples/s", lambda c: _fmt(c.samples_per_s, "{:.0f}"), "cost", right=True),
     Column("step ms", lambda c: _fmt(c.step_seconds and c.step_seconds * 1e3, "{:.2f}"), "cost", right=True),
     Column("peak MB", lambda c: _fmt(c.peak_mem_bytes and c.peak_mem_bytes / 2**20, "{:.0f}"), "cost", right=True),
@@ -153,103 +161,50 @@ def _table(title: str, cols: list[Column]) -> Table:
     return table
 
 
+INSTRUMENTS_CAPTION = (
+    "Set apart, gaeq's instruments — runs of each reference's split, not splits of yours: -floorN twins measure "
+    "rounding alone (the noise floor); -weight… plants an error of known size (the detection limit)."
+)
+
+
+def sections(report: Report) -> tuple[list[CellReport], list[CellReport]]:
+    """The cells a table shows: the references and the splits judged, then gaeq's instruments apart."""
+    instruments = [c for c in report.cells if c.cell.role in INSTRUMENTS]
+    return [c for c in report.cells if c.cell.role not in INSTRUMENTS], instruments
+
+
+def _rows(table: Table, report: Report, row: Callable[[CellReport], list]) -> Table:
+    """Every cell's row, the instruments in a section of their own, said in the caption."""
+    judged, instruments = sections(report)
+    for c in judged:
+        table.add_row(*row(c))
+    if instruments:
+        table.add_section()
+        for c in instruments:
+            table.add_row(*row(c))
+        table.caption, table.caption_justify = INSTRUMENTS_CAPTION, "left"
+    return table
+
+
 def verdict_table(report: Report) -> Table:
     """Equivalence: one row per cell (its cost is in :func:`cost_table`)."""
     cols = columns(report, tables=("both", "verdict", "tensors"))
     table = _table("gaeq verdicts", cols)
     table.add_column("ok")
-    for c in report.cells:
-        row = [Text(c.verdict, style=_STYLE[c.verdict]) if col.name == "verdict" else col.get(c) for col in cols]
-        table.add_row(*row, Text("✓", style="green") if c.as_expected else Text("✗", style="bold red"))
-    return table
+
+    def row(c: CellReport) -> list:
+        said = [Text(c.verdict, style=_STYLE[c.verdict]) if col.name == "verdict" else col.get(c) for col in cols]
+        return [*said, Text("✓", style="green") if c.as_expected else Text("✗", style="bold red")]
+
+    return _rows(table, report, row)
 
 
 def cost_table(report: Report) -> Table:
     """What each cell cost: throughput, step time, peak memory, bytes through collectives."""
     cols = columns(report, tables=("both", "cost"))
     table = _table("cost per cell", cols)
-    for c in report.cells:
-        if c.samples_per_s is not None:
-            table.add_row(*(col.get(c) for col in cols))
-    return table
-
-
-def versions_line(report: Report) -> str:
-    """The libraries the verdicts certify, e.g. `Versions: torch 2.13.0, deepspeed 0.19.8`."""
-    return "Versions: " + ", ".join(f"{name} {version}" for name, version in report.versions.items())
-
-
-def reference_lines(report: Report) -> list[str]:
-    """What each group's verdicts are relative to (gaeq.results.reference): its reference in words, how
-    `baseline: auto` chose it, or the reference that would fit where it ran out of memory."""
-    notes = report.reference_notes
-    return [
-        f"Reference {group}: {words}" + (f" — {notes[group]}" if group in notes else "")
-        for group, words in report.references.items()
-    ]
-
-
-def floor_lines(report: Report) -> list[str]:
-    """What each group's noise floor was (gaeq.results.floor): the twins, how far rounding alone moved
-    them, what that allowed — and the smallest error the run would have caught. `margin` in the tables
-    is each cell's share of its tolerance."""
-    lines = []
-    for group, floor in report.floors.items():
-        f = floor.summary()
-        lines.append(
-            f"Noise floor {group}: {len(f['twins'])} nudged twin(s) of the baseline drifted max |Δloss| "
-            f"{f['max_abs_loss_diff']:.1e}, max rel Δ‖g‖ {f['max_rel_grad_norm_diff']:.1e} by rounding alone; "
-            f"tolerances are {f['factor']:g}× that where it is larger than the constants "
-            f"(at most {f['ceiling']:g}× them)"
-        )
-    lines += [
-        f"Noise floor {group}: {'warning' if group in report.floors else 'none'} — {why}"
-        for group, why in report.floor_notes.items()
-    ]
-    lines += [f"Detection limit {group}: {limit.describe()}" for group, limit in report.detection_limits.items()]
-    lines += [f"{instrument.capitalize()}: {why}" for instrument, why in report.instruments_off.items()]
-    return lines + precision_lines(report)
-
-
-def precision_lines(report: Report) -> list[str]:
-    """Where a matrix runs the same splits in fp32 and in a mixed precision — a script as it trains beside
-    the script made float32, or gaeq's own bf16 cells beside fp32 ones —: each run's verdicts and detection
-    limit side by side (the accumulation is the same arithmetic; only its rounding differs), and the cells
-    one run caught and the other did not."""
-    groups: dict[tuple[str, str], list[CellReport]] = {}
-    for c in report.cells:
-        if c.cell.role is Role.CELL:
-            groups.setdefault((c.variant, c.dtype), []).append(c)
-    lines = []
-    for (variant, dtype), mixed in groups.items():
-        exact = groups.get((variant, "fp32"))
-        if dtype not in MIXED or not exact:
-            continue
-
-        def said(label: str, group: str, cells: list[CellReport]) -> str:
-            counts = Counter(c.verdict for c in cells)
-            limit = report.detection_limits.get(group)
-            detects = f", detects δ ≥ {limit.limit:.1e}" if limit else ""
-            return f"{label}: " + ", ".join(f"{counts[v]} {v}" for v in Verdict if counts[v]) + detects
-
-        fp32_group, mixed_group = (group_key(dtype=d, variant=variant) for d in ("fp32", dtype))
-        lines.append(
-            f"Precision{'' if variant == BASE else f' @{variant}'}: "
-            + said("accumulation (float32)", fp32_group, exact)
-            + "; "
-            + said(f"as trained ({dtype})", mixed_group, mixed)
-        )
-        as_trained = {same_split(c): c for c in mixed}
-        for c in exact:
-            other = as_trained.get(same_split(c))
-            if other is not None and c.verdict == Verdict.DIVERGE and other.verdict == Verdict.MATCH:
-                lines.append(
-                    f"  {c.id}: caught by the float32 run ({_caught(c)}), not as trained in {dtype} "
-                    f"({other.id}: match, margin {other.margin:.2f})"
-                )
-            elif other is not None and c.verdict == Verdict.MATCH and other.verdict == Verdict.DIVERGE:
-                lines.append(f"  {other.id}: diverges as trained in {dtype} ({_caught(other)}), not in float32")
-    return lines
+    costed = replace(report, cells=[c for c in report.cells if c.samples_per_s is not None])
+    return _rows(table, costed, lambda c: [col.get(c) for col in cols])
 
 
 def render_markdown(report: Report, *, figure: str | None = None) -> str:
@@ -274,11 +229,15 @@ def render_markdown(report: Report, *, figure: str | None = None) -> str:
         ),
         "",
         *(line for floor in floor_lines(report) for line in (floor, "")),
+    ]
+    header = [
         "| " + " | ".join(col.name.replace("|", "\\|") for col in cols) + " | ok |",
         "|" + "---|" * (len(cols) + 1),
     ]
-    for c in report.cells:
-        lines.append("| " + " | ".join(col.get(c) for col in cols) + f" | {'✓' if c.as_expected else '✗'} |")
+    judged, instruments = sections(report)
+    for part in (judged, instruments):
+        lines += header if part is judged else ["", INSTRUMENTS_CAPTION, "", *header]
+        lines += ["| " + " | ".join(col.get(c) for col in cols) + f" | {'✓' if c.as_expected else '✗'} |" for c in part]
     notes = [c for c in report.cells if c.reason and c.reason != "baseline"]
     if notes:
         lines += ["", "## Reasons", ""]

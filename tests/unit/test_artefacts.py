@@ -189,3 +189,45 @@ def test_report_command_on_a_non_run_directory_is_bad_input(tmp_path):
     result = CliRunner().invoke(app, ["report", str(tmp_path)])
     assert result.exit_code == 2
     assert "is not a gaeq run directory" in result.output
+
+
+def test_the_tables_set_gaeqs_instruments_apart_from_the_splits_and_say_what_they_are(judged):
+    """The twins and the detection limit's cell are runs of the reference's split, not the user's splits: every
+    table shows them after the splits, in a section of their own, with one line on what each measures; report.md
+    in a table of its own under that line. Their reasons are not printed as a split's."""
+    import io
+
+    from rich.console import Console
+
+    from gaeq.closing import print_result
+    from gaeq.results.render import INSTRUMENTS_CAPTION, render_markdown, sections, verdict_table
+
+    matrix, run_dir, report, traces = judged
+    judged_cells, instruments = sections(report)
+    assert [c.id for c in instruments] == INSTRUMENTS
+    assert set(CELLS) <= {c.id for c in judged_cells} and not set(INSTRUMENTS) & {c.id for c in judged_cells}
+    table = verdict_table(report)
+    assert table.caption == INSTRUMENTS_CAPTION and table.rows[len(judged_cells) - 1].end_section
+    md = render_markdown(report)
+    assert md.index(INSTRUMENTS_CAPTION) > max(md.index(f"| {c} |") for c in CELLS)
+    assert md.index(INSTRUMENTS_CAPTION) < min(md.index(f"| {c} |") for c in INSTRUMENTS)
+
+    from gaeq.api import RunResult
+
+    out = io.StringIO()
+    print_result(Console(file=out, width=300), RunResult(matrix=matrix, run_dir=run_dir, report=report, traces=traces))
+    said = out.getvalue()
+    assert "torch-w1-mb16-ga1-weight1e-02 (diverge)" not in said  # the limit's line says what it measured
+    assert "torch-w1-mb4-ga4-bug_no_loss_division (diverge)" in said  # a split's reason is still said
+
+
+def test_a_grad_norm_with_nothing_to_compare_reads_skipped_not_nan():
+    from types import SimpleNamespace
+
+    from gaeq.results.render import _differs
+
+    skipped = SimpleNamespace(divergence_steps={"skipped": 2, "loss": 3})  # one side skipped step 2's update
+    assert _differs(float("nan"), skipped) == "skipped"
+    assert _differs(1.5e-3, skipped) == "1.5e-03"
+    # control: a nan no skipped step explains (a loss that blew up) is shown as what it is
+    assert _differs(float("nan"), SimpleNamespace(divergence_steps={"loss": 3})) == "nan"

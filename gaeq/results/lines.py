@@ -1,0 +1,96 @@
+"""What a report says in lines, beside its tables: the versions it certifies, each group's reference, noise
+floor and detection limit, the instruments a matrix turned off, and a mixed-precision run beside its float32 run
+(the terminal and report.md print the same lines)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from gaeq.matrix import BASE, Role, group_key
+from gaeq.results.compare import Verdict
+from gaeq.results.reference import MIXED, same_split
+from gaeq.results.report import CellReport, Report
+
+
+def caught(c: CellReport) -> str:
+    """Every metric that diverged, first one first: `grad_norm@0 loss@1`."""
+    steps = {m: s for m, s in (c.divergence_steps or {}).items() if s is not None}
+    return " ".join(f"{m}@{s}" for m, s in sorted(steps.items(), key=lambda kv: (kv[1], kv[0] != c.caught_by))) or "-"
+
+
+def versions_line(report: Report) -> str:
+    """The libraries the verdicts certify, e.g. `Versions: torch 2.13.0, deepspeed 0.19.8`."""
+    return "Versions: " + ", ".join(f"{name} {version}" for name, version in report.versions.items())
+
+
+def reference_lines(report: Report) -> list[str]:
+    """What each group's verdicts are relative to (gaeq.results.reference): its reference in words, how
+    `baseline: auto` chose it, or the reference that would fit where it ran out of memory."""
+    notes = report.reference_notes
+    return [
+        f"Reference {group}: {words}" + (f" — {notes[group]}" if group in notes else "")
+        for group, words in report.references.items()
+    ]
+
+
+def floor_lines(report: Report) -> list[str]:
+    """What each group's noise floor was (gaeq.results.floor): the twins, how far rounding alone moved
+    them, what that allowed — and the smallest error the run would have caught. `margin` in the tables
+    is each cell's share of its tolerance."""
+    lines = []
+    for group, floor in report.floors.items():
+        f = floor.summary()
+        lines.append(
+            f"Noise floor {group}: {len(f['twins'])} nudged twin(s) of the baseline drifted max |Δloss| "
+            f"{f['max_abs_loss_diff']:.1e}, max rel Δ‖g‖ {f['max_rel_grad_norm_diff']:.1e} by rounding alone; "
+            f"tolerances are {f['factor']:g}× that where it is larger than the constants "
+            f"(at most {f['ceiling']:g}× them)"
+        )
+    lines += [
+        f"Noise floor {group}: {'warning' if group in report.floors else 'none'} — {why}"
+        for group, why in report.floor_notes.items()
+    ]
+    lines += [f"Detection limit {group}: {limit.describe()}" for group, limit in report.detection_limits.items()]
+    lines += [f"{instrument.capitalize()}: {why}" for instrument, why in report.instruments_off.items()]
+    return lines + precision_lines(report)
+
+
+def precision_lines(report: Report) -> list[str]:
+    """Where a matrix runs the same splits in fp32 and in a mixed precision — a script as it trains beside
+    the script made float32, or gaeq's own bf16 cells beside fp32 ones —: each run's verdicts and detection
+    limit side by side (the accumulation is the same arithmetic; only its rounding differs), and the cells
+    one run caught and the other did not."""
+    groups: dict[tuple[str, str], list[CellReport]] = {}
+    for c in report.cells:
+        if c.cell.role is Role.CELL:
+            groups.setdefault((c.variant, c.dtype), []).append(c)
+    lines = []
+    for (variant, dtype), mixed in groups.items():
+        exact = groups.get((variant, "fp32"))
+        if dtype not in MIXED or not exact:
+            continue
+
+        def said(label: str, group: str, cells: list[CellReport]) -> str:
+            counts = Counter(c.verdict for c in cells)
+            limit = report.detection_limits.get(group)
+            detects = f", detects δ ≥ {limit.limit:.1e}" if limit else ""
+            return f"{label}: " + ", ".join(f"{counts[v]} {v}" for v in Verdict if counts[v]) + detects
+
+        fp32_group, mixed_group = (group_key(dtype=d, variant=variant) for d in ("fp32", dtype))
+        lines.append(
+            f"Precision{'' if variant == BASE else f' @{variant}'}: "
+            + said("accumulation (float32)", fp32_group, exact)
+            + "; "
+            + said(f"as trained ({dtype})", mixed_group, mixed)
+        )
+        as_trained = {same_split(c): c for c in mixed}
+        for c in exact:
+            other = as_trained.get(same_split(c))
+            if other is not None and c.verdict == Verdict.DIVERGE and other.verdict == Verdict.MATCH:
+                lines.append(
+                    f"  {c.id}: caught by the float32 run ({caught(c)}), not as trained in {dtype} "
+                    f"({other.id}: match, margin {other.margin:.2f})"
+                )
+            elif other is not None and c.verdict == Verdict.MATCH and other.verdict == Verdict.DIVERGE:
+                lines.append(f"  {other.id}: diverges as trained in {dtype} ({caught(other)}), not in float32")
+    return lines
