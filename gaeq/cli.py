@@ -237,6 +237,14 @@ def check(
             "(1), all or none. Without the floor, tolerances are the constants; without the limit, none is stated.",
         ),
     ] = Instruments.ALL,
+    dtype: Annotated[
+        str | None,
+        typer.Option(
+            "--dtype",
+            help="The runs, e.g. fp32,bf16: fp32 (the default) switches off your script's autocast and loss scaler — "
+            "its sharpest run; bf16 or fp16 judges it as it trains.",
+        ),
+    ] = None,
 ) -> None:
     """Your training script, unchanged, under each split: `gaeq check train.py --batch 32 --split w1:mb4
     --split w2:mb4 -- --batch_size {micro_batch_size} --grad_accum {grad_accum_steps}`. The arguments
@@ -253,6 +261,7 @@ def check(
         baseline=None if baseline in (None, "auto") else _split(baseline, option="--baseline"),
         auto=baseline == "auto",
         instruments=instruments,
+        dtypes=dtype.split(",") if dtype else (),
     )
     out = out or api.new_run_dir("check")
     out.mkdir(parents=True, exist_ok=True)

@@ -31,9 +31,8 @@ def print_result(console: Console, result: RunResult) -> int:
         console.print(f"[bold]{c.id}[/] ({c.verdict}): {escape(c.reason)}", highlight=False, soft_wrap=True)
     if like_baseline:
         console.print(f"{', '.join(like_baseline)} (error): as their baseline, whose split they run", highlight=False)
-    for line in reference_lines(report) + floor_lines(report):
-        console.print(line, highlight=False, soft_wrap=True)
-    console.print(versions_line(report), highlight=False)
+    for line in [*reference_lines(report), *floor_lines(report), versions_line(report)]:
+        console.print(escape(line), highlight=False, soft_wrap=True)  # ([fp32, bf16] is text, not markup)
     s = report.summary
     status = "[bold green]OK[/]" if report.ok else "[bold red]NOT OK[/]"
     baselines = "".join(f", baseline {b} {v}" for b, v in report.baselines_not_matching.items())

@@ -35,16 +35,22 @@ def check_matrix(
     baseline: tuple[int, int] | None = None,
     auto: bool = False,
     instruments: Instruments = Instruments.ALL,
+    dtypes: Sequence[str] = (),
 ) -> dict[str, Any]:
     """The script matrix `gaeq check` runs: `script` with `script_args` under each (world, micro) of `splits`,
-    compared with `baseline` (world, micro; default world 1 with the whole batch) or the one `auto` chooses."""
+    compared with `baseline` (world, micro; default world 1 with the whole batch) or the one `auto` chooses; in each
+    of `dtypes` (default fp32: a mixed-precision script made float32, its sharpest run), each with its reference."""
     spec: dict[str, Any] = {
         "name": "check",
         "script": {"path": str(script.resolve()), "launcher": launcher.value, "args": list(script_args)}
         | ({"deepspeed_config": str(deepspeed_config.resolve())} if deepspeed_config else {}),
         "steps": steps,
         "train_batch_size": batch,
-        "cells": [{"world_size": world, "micro_batch_size": micro} for world, micro in splits],
+        "cells": [
+            {"world_size": world, "micro_batch_size": micro} | ({"dtype": dtype} if dtype else {})
+            for dtype in (dtypes or [None])
+            for world, micro in splits
+        ],
         "noise_floor": instruments in (Instruments.ALL, Instruments.FLOOR),
         "detection_limit": instruments in (Instruments.ALL, Instruments.LIMIT),
     }
@@ -59,8 +65,10 @@ def check_command(spec: Mapping[str, Any], *, baseline: str) -> str:
     """The `gaeq check` command line of a matrix :func:`check_matrix` wrote, its reference `baseline` (e.g. w2:mb8)."""
     script = spec["script"]
     words = ["gaeq", "check", script["path"], "--batch", str(spec["train_batch_size"]), "--steps", str(spec["steps"])]
-    for cell in spec["cells"]:
-        words += ["--split", f"w{cell['world_size']}:mb{cell['micro_batch_size']}"]
+    for split in dict.fromkeys(f"w{c['world_size']}:mb{c['micro_batch_size']}" for c in spec["cells"]):
+        words += ["--split", split]
+    if dtypes := list(dict.fromkeys(c["dtype"] for c in spec["cells"] if "dtype" in c)):
+        words += ["--dtype", ",".join(dtypes)]
     if script["launcher"] != Launcher.TORCHRUN.value:
         words += ["--launcher", script["launcher"]]
     if "deepspeed_config" in script:

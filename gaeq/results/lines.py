@@ -65,6 +65,14 @@ def precision_lines(report: Report) -> list[str]:
         if c.cell.role is Role.CELL:
             groups.setdefault((c.variant, c.dtype), []).append(c)
     lines = []
+    for (variant, dtype), cells in groups.items():  # a script made float32, with no run as it trains beside it
+        switched = sorted({s for c in cells for s in ((c.ran or {}).get("precision") or {}).get("switched_off", [])})
+        if dtype == "fp32" and switched and not any(v == variant and d in MIXED for v, d in groups):
+            lines.append(
+                f"Precision{'' if variant == BASE else f' @{variant}'}: the float32 run — gaeq switched off your "
+                f"script's {', '.join(switched)}: the sharpest verdict; `--dtype fp32,bf16` (a matrix: `axes: "
+                "{dtype: [fp32, bf16]}`) judges it as it trains too"
+            )
     for (variant, dtype), mixed in groups.items():
         exact = groups.get((variant, "fp32"))
         if dtype not in MIXED or not exact:

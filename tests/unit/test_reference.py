@@ -159,3 +159,33 @@ def test_check_offers_a_reference_and_the_instruments_and_refuses_a_reference_wr
     assert shown.exit_code == 0 and "--baseline" in shown.output and "--instruments" in shown.output
     refused = CliRunner().invoke(app, ["check", str(SCRIPT), "--batch", "16", "--split", "w1:mb8", "--baseline", "2x8"])
     assert refused.exit_code == 2 and "--baseline 2x8: write it as w<world size>:mb<micro batch>" in refused.output
+
+
+def test_check_runs_each_dtype_asked_and_says_when_it_ran_a_script_made_float32():
+    from gaeq.results.cell_report import CellReport
+    from gaeq.results.compare import Verdict
+    from gaeq.results.lines import precision_lines
+    from gaeq.results.report import Report
+
+    both = check_matrix(
+        SCRIPT, script_args=[], batch=16, splits=[(1, 8)], steps=3, launcher=Launcher.TORCHRUN, dtypes=["fp32", "bf16"]
+    )
+    m = matrix_from_dict(both)
+    assert sorted(m.baselines) == ["bf16", "fp32"] and "script-w1-mb8-ga2-bf16" in {c.id for c in m.cells}
+    assert "--dtype fp32,bf16 --baseline w2:mb8" in check_command(both, baseline="w2:mb8")
+
+    made_float32 = {"precision": {"dtype": "fp32", "switched_off": ["autocast bf16 (cpu)"]}}
+    split = next(c for c in matrix_from_dict(check()).cells if c.id == "script-w1-mb8-ga2")
+    cell = CellReport(
+        cell=split,
+        verdict=Verdict.MATCH,
+        reason="",
+        outcome=DONE.__class__(status="done", seconds=1.0, ran=made_float32),
+    )
+    said = precision_lines(Report(baselines={}, tolerances={}, cells=[cell]))
+    assert said == [
+        "Precision: the float32 run — gaeq switched off your script's autocast bf16 (cpu): the sharpest verdict; "
+        "`--dtype fp32,bf16` (a matrix: `axes: {dtype: [fp32, bf16]}`) judges it as it trains too"
+    ]
+    as_it_is = CellReport(cell=split, verdict=Verdict.MATCH, reason="", outcome=DONE)  # control: nothing switched off
+    assert precision_lines(Report(baselines={}, tolerances={}, cells=[as_it_is])) == []
