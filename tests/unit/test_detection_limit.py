@@ -5,6 +5,8 @@ error planted in every split of a group."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -176,6 +178,31 @@ def test_the_limit_is_delta_times_the_tightest_ratio_of_tolerance_to_effect():
         "planted", delta=1e-2, base=base, planted=base, tolerances=lambda r: tolerances_at(FP32, r, None), floor=None
     )
     assert nothing is None  # an error that moved nothing: the run cannot say what it would catch
+
+
+def test_the_limit_allows_a_bf16_loss_its_resolution_as_a_splits_comparison_does():
+    """A loss recorded in bf16 is known to half a unit of it; compare_traces adds both sides' resolution to the
+    loss tolerance, so the limit must too — else it claims errors 1 + resolution / tolerance times smaller."""
+    import dataclasses
+
+    base = records([1.0, 0.9, 0.8], [2.0, 2.0, 2.0])
+    planted = records([1.0, 0.9, 0.8 + 1e-3], [2.0, 2.0, 2.0])
+    limit_of = functools.partial(
+        DetectionLimit.measure, "planted", delta=1e-2, tolerances=lambda r: tolerances_at(FP32, r, None), floor=None
+    )
+    exact = limit_of(base=base, planted=planted)
+    coarse = [dataclasses.replace(r, loss_resolution=2e-3) for r in base]
+    coarse_planted = [dataclasses.replace(r, loss_resolution=2e-3) for r in planted]
+    resolved = limit_of(base=coarse, planted=coarse_planted)
+    loss_tol = tolerances_at(FP32, base[2], None)[0].value
+    assert exact.limit == pytest.approx(1e-2 * loss_tol / 1e-3)
+    assert resolved.limit == pytest.approx(1e-2 * (loss_tol + 4e-3) / 1e-3)  # both sides' resolution, as compared
+    assert resolved.describe().startswith("detects rows reweighed 1 ± δ (the batch's total weight unchanged) for δ ≥")
+    # a limit above 1 (a row weighed ≤ 0) is said as none, never as a δ no one could plant
+    blunt = [dataclasses.replace(r, loss_resolution=0.06) for r in base]
+    none = limit_of(base=blunt, planted=[dataclasses.replace(r, loss_resolution=0.06) for r in planted])
+    assert none.limit > 1 and none.describe().startswith("detects no reweighing of rows 1 ± δ with δ < 1")
+    assert "δ ≥" not in none.describe()
 
 
 @pytest.fixture(scope="module")
