@@ -69,6 +69,8 @@ class MicroBatch:
     """Samples the micro-batch holds, where not one per fingerprint: a packed row whose layout inputs disagree
     holds the sequences any of them marks (the script's micro-batch size), trained as the fewer, longer ones
     they all mark (the fingerprints)."""
+    rows: int | None = None
+    """Rows as received (the inputs' first dimension): a packed dataset's micro-batch size counts its packs."""
 
     @property
     def samples(self) -> int:
@@ -139,7 +141,7 @@ class SampleIdentity:
         names += [f"{n} (targets{', shifted' if shift else ''})" for (n, _), shift in zip(targets, shifts)]
         names += [n for n, _ in by_row]
         count = None if count == len(fingerprints) else count
-        return MicroBatch(fingerprints, keys, names, length=length, exact=exact, layout=layout, count=count)
+        return MicroBatch(fingerprints, keys, names, length=length, exact=exact, layout=layout, count=count, rows=rows)
 
     def _stripped(self, data, targets, rows: int, length: int):
         """Spans of rows without a mask or packing: each row's positions without the run of known padding

@@ -28,7 +28,10 @@ class Seen:
     resolution: float = 0.0
     """Half a unit of their dtype, summed over the losses handed to backward in bf16 or fp16."""
     rows: list[int] = field(default_factory=list)
-    """Rows of each training call of the model (its micro-batch sizes)."""
+    """Samples of each training call of the model (its micro-batch sizes; a packed row's sequences each one)."""
+    packs: list[int] = field(default_factory=list)
+    """Rows of each training call as received: where a row packs several samples, the micro-batch size of a script
+    that packs its dataset before any sampler (TRL's packing: a pack is a dataset row)."""
     samples: list[str] = field(default_factory=list)
     keys: list[str] = field(default_factory=list)
     inputs: list[str] = field(default_factory=list)
@@ -50,6 +53,7 @@ class Seen:
         if batch is None:
             return
         self.rows.append(batch.samples)
+        self.packs.append(batch.rows if batch.rows is not None else batch.samples)
         self.samples.extend(batch.fingerprints)
         self.keys.extend(batch.keys)
         self.inputs = self.inputs or batch.names
@@ -67,7 +71,7 @@ class Seen:
 
     def add(self, later: Seen) -> None:
         """A later phase of the same training step."""
-        for name in ("losses", "rows", "samples", "keys", "lengths", "phases"):
+        for name in ("losses", "rows", "packs", "samples", "keys", "lengths", "phases"):
             getattr(self, name).extend(getattr(later, name))
         self.resolution += later.resolution
         self.inputs = self.inputs or later.inputs
@@ -162,6 +166,7 @@ def record(step: int, ranks: list[dict[str, Any]], read: Boundary, *, sketch: tu
         "sketch_scale": sketch[1],
         "world_size": world,
         "rows": [r["rows"] for r in ranks],
+        "packs": [r["packs"] for r in ranks],
         "backward": [r["events"].get("backward", 0) for r in ranks],
         "phases": [r["phases"] for r in ranks],
         "newton_schulz": [r["newton_schulz"] for r in ranks],

@@ -270,15 +270,17 @@ def ran_another_split(cell: Any, steps: list[dict]) -> str | None:
     if first["world_size"] != cell.world_size:
         return f"your script ran {first['world_size']} ranks, the cell {cell.world_size}"
     rows = {r for ranks in first["rows"] for r in ranks}
-    if rows != {cell.micro_batch_size}:
+    packs = {r for ranks in first.get("packs", first["rows"]) for r in ranks}  # rows as received
+    if rows != {cell.micro_batch_size} and packs != {cell.micro_batch_size}:  # (a packed dataset: packs are its rows)
         if not rows:
             return (
                 f"the probe saw no training forward of your model in its first step (the cell's micro-batches are "
                 f"{cell.micro_batch_size} rows): name the model with gaeq.probe(model=…)"
             )
+        packed = f" samples in {', '.join(map(str, sorted(packs)))} rows" if packs != rows else ""
         return (
-            f"your script ignored {{micro_batch_size}}: it ran micro-batches of {', '.join(map(str, sorted(rows)))}, "
-            f"the cell {cell.micro_batch_size}"
+            f"your script ignored {{micro_batch_size}}: it ran micro-batches of {', '.join(map(str, sorted(rows)))}"
+            f"{packed}, the cell {cell.micro_batch_size}"
         )
     phases = first.get("phases") or [[n] for n in first["backward"]]
     accumulated = {n for ranks in phases for n in ranks}

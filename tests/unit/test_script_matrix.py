@@ -250,6 +250,14 @@ def test_a_script_that_ignores_the_split_is_told_so(tmp_path):
         cell, [first | {"rows": [[8], [8]], "backward": [1, 1]}]
     )
     assert "saw no training forward" in ran_another_split(cell, [first | {"rows": [[], []]}])
+    # a dataset packed before any sampler (TRL's packing): 4 rows a micro-batch, each a pack of several texts —
+    # the split the cell asked for; the same packs with 9 rows a micro-batch is not
+    packed = first | {"rows": [[11, 13], [12, 10]], "packs": [[4, 4], [4, 4]]}
+    assert ran_another_split(cell, [packed]) is None
+    assert (
+        "ignored {micro_batch_size}: it ran micro-batches of 20, 22 samples in 9 rows, the cell 4"
+        in ran_another_split(cell, [packed | {"rows": [[20], [22]], "packs": [[9], [9]], "backward": [1, 1]}])
+    )
     per_micro = first | {"rows": [[4], [4]], "backward": [1, 1]}
     assert ran_another_split(cell, [per_micro, per_micro]) == (
         "AdamW stepped after every micro-batch (one backward call per step on each rank), where the cell accumulates "
