@@ -682,3 +682,24 @@ def test_a_launched_script_ranks_shared_memory_goes_with_it_and_the_parent_frees
     own = load_matrix(tmp_path / "own.yaml")
     mine = RunOptions(problems=own.problems, run_dir=tmp_path, timeout_s=60)
     assert _ports(port, cells=own.cells, opts=mine) == [port]
+
+
+def test_a_dataset_shorter_than_a_step_is_every_step_a_short_one_not_an_ignored_split(tmp_path):
+    """12 samples, a global batch of 16 (Lightning#21808's shape): the reference runs micro-batches of 12, a GA-2
+    split 8 + 4 — each the whole dataset, as the reference's step. Not "ignored {micro_batch_size}": said as a
+    dataset shorter than a step. Controls: a split that trained fewer samples than the reference's step, and one
+    whose steps accumulate another count, are still its split's mistakes."""
+    from gaeq.script.verdict import _short_steps
+
+    m = script_matrix(tmp_path)
+    cell = next(c for c in m.cells if c.id == "script-w2-mb4-ga2")
+    reference = [{"world_size": 1, "rows": [[12]], "backward": [1]}]
+    short = [{"world_size": 2, "rows": [[4, 2], [4, 2]], "backward": [2, 2], "events": {"stepped:AdamW": 1}}]
+    assert "ignored {micro_batch_size}" in ran_another_split(cell, short)  # alone, it looks ignored
+    assert _short_steps(cell, short, reference) == (
+        f"every step trained 12 of {cell.train_batch_size} rows, as the reference's did: a dataset shorter than a "
+        "step (each step an epoch's short last step)"
+    )
+    assert _short_steps(cell, [short[0] | {"rows": [[2, 2], [2, 2]]}], reference) is None  # fewer than the reference's
+    assert _short_steps(cell, [short[0] | {"rows": [[6], [6]], "backward": [1, 1]}], reference) is None  # too large
+    assert _short_steps(cell, [short[0] | {"backward": [3, 3]}], reference) is None  # more micro-steps than GA
