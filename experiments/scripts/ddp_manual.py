@@ -38,6 +38,12 @@ parser.add_argument(
 )
 parser.add_argument("--backoff", type=float, default=0.5, help="fp16: GradScaler's backoff_factor after an overflow")
 parser.add_argument(
+    "--clip_by_hand",
+    default="never",
+    choices=["never", "beyond_world_1"],
+    help="clip by its own norm (torchtitan's way)",
+)
+parser.add_argument(
     "--bug",
     default="none",
     choices=[
@@ -47,6 +53,7 @@ parser.add_argument(
         "sampler_seeded_by_rank",
         "clip_every_micro_step",
         "token_count_averaged_twice",
+        "clip_each_tensor_by_hand",
     ],
 )
 args = parser.parse_args()
@@ -181,7 +188,15 @@ for step in range(args.max_steps):
         dist.all_reduce(loss_accum, op=dist.ReduceOp.SUM)
     if args.clip > 0:
         scaler.unscale_(optimizer)  # clip the true gradients (a no-op without fp16)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        if args.clip_by_hand == "beyond_world_1" and ddp:  # the same arithmetic as clip_grad_norm_, written out
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            norms = [torch.linalg.vector_norm(g) for g in grads]
+            if args.bug == "clip_each_tensor_by_hand":
+                norms = [[n] for n in norms]  # BUG: each tensor clipped by its own norm, not the total
+            for g, n in zip(grads, norms if args.bug == "clip_each_tensor_by_hand" else [norms] * len(grads)):
+                g.mul_(torch.clamp(args.clip / (torch.linalg.vector_norm(torch.stack(n)) + 1e-6), max=1.0))
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
     scaler.step(optimizer)  # fp16: skipped when a gradient overflowed (inf/NaN), the scale then lowered
     scaler.update()
     scheduler.step()

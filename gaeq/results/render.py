@@ -93,7 +93,9 @@ COLUMNS = (
     Column("expect", lambda c: str(c.expectation)),
     Column("verdict", lambda c: c.verdict),
     Column("max |Δloss|", lambda c: _sci(c.max_abs_loss_diff)),
-    Column("max rel Δ‖g‖", lambda c: _differs(c.max_rel_grad_norm_diff, c)),
+    Column(
+        "max rel Δ‖g‖", lambda c: "-" if "grad_norm" in (c.not_checked or {}) else _differs(c.max_rel_grad_norm_diff, c)
+    ),
     Column(
         "margin",
         lambda c: (

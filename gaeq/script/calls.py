@@ -20,7 +20,9 @@ def patch(probe) -> None:
     @functools.wraps(backward)
     def probed_backward(tensors, *args, **kwargs):
         probe._before_backward(tensors)
-        return backward(tensors, *args, **kwargs)
+        done = backward(tensors, *args, **kwargs)
+        probe._after_backward()  # where the gradients are as the backward left them
+        return done
 
     torch.autograd.backward = probed_backward  # Tensor.backward calls it too
 

@@ -38,6 +38,7 @@ asked number of steps every rank leaves (the script is stopped).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -60,7 +61,7 @@ from gaeq.script.precision import Precision
 from gaeq.script.ranks import gather, rank, versions
 from gaeq.script.samples import SampleIdentity, trainable, wraps
 from gaeq.script.steps import Boundary, Seen, TrainingSteps, record, write_trace
-from gaeq.script.weights import UpdateSketch, active_dropout, engine_norm, fingerprint, grad_norm
+from gaeq.script.weights import AsLeft, UpdateSketch, active_dropout, engine_norm, fingerprint, grad_norm
 
 ACTIVE: Probe | None = None
 """The probe of this process, once installed (what ``gaeq.probe(model=…)`` tells)."""
@@ -122,6 +123,7 @@ class Probe:
         self._clip: tuple[float, set[int]] | None = None
         """The norm the first clip after the last backward read, and of which parameters (until a step reads it)."""
         self._clipped = False
+        self._left = AsLeft()
         self._read: set[int] = set()
         """The parameters whose gradient this training step's norm has read since the last backward."""
         self._orthogonalised_by_backward = 0
@@ -172,8 +174,7 @@ class Probe:
         self.precision.install(on_skipped=self._skipped_step, steps_taken=lambda: self._steps_begun)
         if self.perturbation:  # after the probe's own hooks: it nudges each step's gradients before it reads them
             given = dict(self.perturbation)
-            unit = given.pop("unit", None)
-            unit = getattr(torch, unit) if unit else None
+            unit = getattr(torch, given.pop("unit")) if given.get("unit") else given.pop("unit", None)
             self._perturbed = perturb.applied(**given, unit=unit, reorder_rows=True)  # held: the process's life
             self._applied = self._perturbed.__enter__()
             self._nudge = self._applied.nudge
@@ -195,6 +196,10 @@ class Probe:
         newton_schulz.count(loaded_only=True)  # a Muon the script has imported by now: its kernels counted
         self._orthogonalised_by_backward = newton_schulz.calls()  # before it: on a partial gradient
         self._clip, self._clipped, self._read = None, False, set()  # the gradient changes: read anew
+
+    @guarded
+    def _after_backward(self) -> None:
+        self._left.take(self.model)
 
     @guarded
     def _before_clip(self, parameters: list[torch.Tensor]) -> None:
@@ -267,6 +272,9 @@ class Probe:
         # the boundary's norm before clipping: the first clip's after the last backward, else now — of
         # the gradients no earlier optimizer of this training step read since that backward
         read = self.boundary
+        if self._clip is None and not self._clipped and self._left.changed():
+            read.edited = True  # changed in place since the last backward, by no clip call: the norm read after it
+            self.events["clip"] += 1  # a change before the step, as a clip call is one
         if self._clip is not None:
             norm, ids = self._clip
             read.norm_squared, self._clip = (read.norm_squared or 0.0) + norm**2, None
@@ -340,10 +348,7 @@ class Probe:
             return
         seen, read = self.open
         entered = time.perf_counter()
-        if self._comm is not None:
-            with self._comm.paused():
-                ranks = gather(seen.shared())
-        else:
+        with self._comm.paused() if self._comm is not None else contextlib.nullcontext():
             ranks = gather(seen.shared())
         sketch = self._sketch(self._parameters(None))  # every rank: a DTensor's blocks are summed over them
         if rank() == 0:
@@ -385,14 +390,11 @@ class Probe:
 
     def save(self, *, complete: bool) -> None:
         """probe.json; and, when `complete`, the trace in gaeq's format (the objective as its loss)."""
-        from gaeq.files import atomic_write
-
-        self.out.mkdir(parents=True, exist_ok=True)
         facts = {"steps": self.record, "initial": self.initial, "dropout": self.dropout, "complete": complete}
         facts["versions"], facts["accelerator_fp16"] = versions(), fp16_answer_record()  # None: no DeepSpeed
         facts["precision"] = self.precision.facts()
         if self._applied is not None and self._applied.check is not None:  # a twin's: what besides rounding moves it
             facts["order_check"] = self._applied.check.found
-        atomic_write(self.out / PROBE_FILE, json.dumps(facts))
+        self.write(PROBE_FILE, facts)
         if complete:
             write_trace(self.out, self.record)

@@ -106,6 +106,9 @@ class Boundary:
     """Seconds the probe's own work took."""
     skipped: bool = False
     """A loss scaler skipped the update (inf/NaN in the gradients): a step without an update."""
+    edited: bool = False
+    """The gradients changed in place between the last backward and the step by no clip call gaeq knows (a clip
+    written by hand, an unscale, an average): the norm was read after that change."""
 
     @property
     def grad_norm(self) -> float:
@@ -183,6 +186,7 @@ def record(step: int, ranks: list[dict[str, Any]], read: Boundary, *, sketch: tu
         "seconds": read.seconds,
         "probe_seconds": read.spent,
         "skipped": read.skipped,
+        "edited": read.edited,
     }
 
 

@@ -23,7 +23,7 @@ from gaeq.script.contract import PROBE_FILE
 
 EVENTS = {
     "optimizer_step": "optimizer.step()",
-    "clip": "clip_grad_norm_",
+    "clip": "clip_grad_norm_ (or gradients changed in place before the step)",
     "zero_grad": "zero_grad()",
     "scheduler": "scheduler.step()",
 }
@@ -108,7 +108,23 @@ def script_checks(
     found["events"] = found["events"] or orthogonalisation_differs(steps)
     found["update"] = _update_differs(base["steps"], cell["steps"], twins=twins, rtol=rtol)
     notes = {"lr": note} if lr_differs and (note := _schedule_advanced(steps)) else {}
+    if (edited := _norms_read_apart(steps)) is not None:
+        not_checked["grad_norm"] = edited
     return ScriptChecks(first=found, not_checked=not_checked, notes=notes, remarks=remarks)
+
+
+def _norms_read_apart(steps: list[tuple[dict, dict]]) -> str | None:
+    """Where one run's grad norm was read after its gradients changed in place by no clip call gaeq knows and the
+    other's before its clip: not comparable — why (the update and the loss judge the step)."""
+    for b, c in steps:
+        if bool(b.get("edited")) != bool(c.get("edited")):
+            who, other = ("this split", "the baseline") if c.get("edited") else ("the baseline", "this split")
+            return (
+                f"from optimizer step {c['step']} {who}'s gradients changed in place after its last backward by no "
+                f"call gaeq patches (as a clip written by hand does), and its norm was read after that; {other}'s was "
+                "read before its clip — the update and the loss judge the step"
+            )
+    return None
 
 
 def layouts(steps: list[dict]) -> list[str]:

@@ -95,6 +95,27 @@ def grad_norm(grads: list[torch.Tensor]) -> float:
     return total**0.5
 
 
+class AsLeft:
+    """The gradients as the last backward left them: each parameter, its gradient and that gradient's version — to
+    tell at the step whether the script changed them in place since, by no call gaeq patches (a clip written by
+    hand). Not for a DeepSpeed engine, whose own norm is read."""
+
+    def __init__(self) -> None:
+        self.left: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+
+    def take(self, model: torch.nn.Module | None) -> None:
+        engine = callable(getattr(model, "get_global_grad_norm", None))
+        params = [] if model is None or engine else model.parameters()
+        self.left = [(p, p.grad, p.grad._version) for p in params if p.grad is not None]
+
+    def changed(self) -> bool:
+        """Whether a gradient was changed in place, or replaced, since (told once; one set to None is no change
+        a step reads)."""
+        changed = any(p.grad is not None and (p.grad is not g or g._version != v) for p, g, v in self.left)
+        self.left = [] if changed else self.left
+        return changed
+
+
 def engine_norm(model: torch.nn.Module | None) -> float | None:
     """A DeepSpeed engine's global grad norm of this step, before clipping: its ZeRO optimizer's
     (computed before it steps the optimizer whose hook asks), else the engine's own (ZeRO-0)."""

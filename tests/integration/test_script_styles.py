@@ -238,3 +238,26 @@ def test_a_pytorch_lightning_script(tmp_path):
     sampled = cells["script-w2-mb4-ga2"]
     assert (sampled["verdict"], sampled["caught_by"], sampled["first_divergent_step"]) == ("diverge", "data", 0)
     assert "samples missing" in sampled["reason"]
+
+
+def test_a_clip_written_by_hand_on_more_ranks_matches_the_clip_call_of_the_reference_and_a_wrong_one_is_caught(
+    tmp_path,
+):
+    """torchtitan's style: on several ranks the script clips by its own total norm (`g.mul_(clamp(max / norm))`),
+    on one it calls clip_grad_norm_ — the same arithmetic, the same update. The probe sees the gradients change in
+    place after the last backward by no call it patches, so that split's norm (read after the clip) is not
+    compared with the reference's (read before): said, the update and the loss judge — and match. The control, in
+    every split: each tensor clipped by its own norm, caught by the update it makes. (Adam's first update is the
+    gradient's sign whatever its scale: the clip shows from step 1.)"""
+    args = ["--clip_by_hand", "beyond_world_1"]
+    cells = [{"world_size": 2, "micro_batch_size": 4}]
+    cells += [
+        {"world_size": 2, "micro_batch_size": 4, "args": ["--bug", "clip_each_tensor_by_hand"], "expect": "diverge"}
+    ]
+    said = run(tmp_path, "your_script.yaml", cells, args=args)
+    clean, planted = said["script-w2-mb4-ga2"], said["script-w2-mb4-ga2-args_bug_clip_each_tensor_by_hand"]
+    assert clean["verdict"] == "match" and clean["not_checked"]["grad_norm"].startswith(
+        "from optimizer step 0 this split's gradients changed in place after its last backward by no call gaeq patches"
+    )
+    assert clean["divergence_steps"]["events"] is None  # a hand clip is a change before the step, as a call is
+    assert planted["verdict"] == "diverge" and planted["caught_by"] == "update" and planted["first_divergent_step"] == 1
