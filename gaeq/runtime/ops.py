@@ -14,8 +14,10 @@ stale, building, none: not on this accelerator or machine), and one more when a 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -86,10 +88,11 @@ def ensure_built(ops: Iterable[Op], on_event: OnEvent) -> None:
         if built_here(op):  # (the common case, told without starting torch: a run pays nothing for it)
             continue
         proc = subprocess.Popen(
-            [sys.executable, "-m", "gaeq.runtime.ops", op.builder],
+            build_command(op),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            start_new_session=True,  # its group: ninja and the compilers it starts, stopped with it
         )
         said, lines, started, what = {}, [], time.perf_counter(), f"{op.builder} ({op.why})"
         try:
@@ -102,8 +105,9 @@ def ensure_built(ops: Iterable[Op], on_event: OnEvent) -> None:
                     on_event(Event(kind=EventKind.BUILD, world_size=0, op=what))
             code = proc.wait()
         finally:
-            if proc.poll() is None:
-                proc.kill()
+            if proc.poll() is None:  # interrupted: the build and every compiler it started (a killed build's
+                with contextlib.suppress(ProcessLookupError):  # compilers would write on into the folder)
+                    os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         if said.get("state") == "stale":
             raise StaleBuild(
@@ -116,6 +120,11 @@ def ensure_built(ops: Iterable[Op], on_event: OnEvent) -> None:
         if said.get("seconds") is not None:
             seconds = time.perf_counter() - started
             on_event(Event(kind=EventKind.BUILD, world_size=0, op=what, seconds=seconds))
+
+
+def build_command(op: Op) -> list[str]:
+    """The process that builds `op` (this module's own `_main`), printing its state as JSON lines."""
+    return [sys.executable, "-m", "gaeq.runtime.ops", op.builder]
 
 
 def built_here(op: Op) -> bool:
@@ -138,29 +147,34 @@ def library(op: Op) -> Path | None:
 
 def stale(folder: Path, library: Path, *, now: float | None = None) -> bool:
     """Whether `folder`'s build lock is a dead build's: no library, a lock older than STALE_AFTER_S, and no
-    live process whose command line names the folder (the compiler and ninja a live build runs do)."""
+    live process whose command line names the folder, or that works in it (ninja runs there, its targets
+    relative)."""
     lock = folder / "lock"
     if library.exists() or not lock.exists():
         return False
     if (now or time.time()) - lock.stat().st_mtime < STALE_AFTER_S:
         return False
-    return not any(str(folder) in cmd for cmd in _command_lines())
+    return not any(str(folder) in cmd or cwd.is_relative_to(folder) for cmd, cwd in _processes())
 
 
-def _command_lines() -> list[str]:
+def _processes() -> list[tuple[str, Path]]:
+    """Every live process's command line and working folder (those this user may read)."""
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                found.append((entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                found.append((cmd, Path(os.readlink(entry / "cwd"))))
             except OSError:
                 continue
     return found
 
 
 def _main(builder_name: str) -> int:
+    from gaeq.runtime import lifeline
     from gaeq.runtime.dist import set_accelerator_env
 
+    lifeline.bind_to_parent()  # a killed gaeq takes its build with it (its group: ninja, the compilers)
     set_accelerator_env()
     from deepspeed.accelerator import get_accelerator
     from torch.utils.cpp_extension import _get_build_directory

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -54,6 +55,11 @@ def test_a_lock_is_a_dead_builds_only_when_old_alone_and_no_process_builds_there
     with running([sys.executable, "-c", "import time; time.sleep(60)", str(folder)]):  # its compiler, say
         time.sleep(0.2)
         assert not stale(folder, library)
+    (folder / "build").mkdir()
+    with running([sys.executable, "-c", "import time; time.sleep(60)"], cwd=folder / "build"):  # ninja: relative
+        time.sleep(0.2)  # targets, the folder named nowhere in its command line, only where it works
+        assert not stale(folder, library)
+    assert stale(folder, library)  # and gone again: a killed build's
     library.touch()
     assert not stale(folder, library)  # built: the lock is harmless
 
@@ -76,3 +82,36 @@ def test_a_planted_dead_lock_is_named_with_the_command_that_clears_it(tmp_path, 
         ensure_built([COMM], events.append)
     assert f"rm -rf {folder}" in str(caught.value) and "a killed build's" in str(caught.value)
     assert events == [] and time.perf_counter() - started < 60  # named at once, nothing built, nothing waited on
+
+
+def test_a_build_stopped_midway_takes_its_compilers_with_it(monkeypatch, tmp_path):
+    """Ctrl-C while an op builds: the build process and every compiler it started (its group) are gone — a killed
+    build's compiler would write on into the folder the next run finds locked."""
+    from gaeq.runtime import ops
+    from gaeq.runtime.events import EventKind
+
+    started = tmp_path / "compiler.pid"
+    build = (  # a stand-in build: a compiler of its own that outlives it unless its group is stopped
+        "import json, subprocess, sys, time\n"
+        f"child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        f"open({str(started)!r}, 'w').write(str(child.pid))\n"
+        "print(json.dumps({'state': 'building', 'dir': 'x'}), flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    monkeypatch.setattr(ops, "build_command", lambda op: [sys.executable, "-c", build])
+    monkeypatch.setattr(ops, "built_here", lambda op: False)
+
+    def interrupt(event):
+        if event.kind == EventKind.BUILD:
+            raise KeyboardInterrupt  # Ctrl-C as the build runs
+
+    compiler = None
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ops.ensure_built([ops.COMM], interrupt)
+        compiler = int(started.read_text())
+        time.sleep(0.2)
+        assert not Path(f"/proc/{compiler}").exists() or "Z" in Path(f"/proc/{compiler}/stat").read_text().split()[2]
+    finally:
+        if compiler is not None and Path(f"/proc/{compiler}").exists():
+            os.kill(compiler, 9)
