@@ -37,6 +37,7 @@ parser.add_argument(
     "--init_scale", type=float, default=2.0**16, help="fp16: GradScaler's first scale (2**28: the first steps overflow)"
 )
 parser.add_argument("--backoff", type=float, default=0.5, help="fp16: GradScaler's backoff_factor after an overflow")
+parser.add_argument("--fused", action="store_true", help="AdamW(fused=True): one kernel, GradScaler's unscale inside")
 parser.add_argument(
     "--clip_by_hand",
     default="never",
@@ -127,7 +128,9 @@ if args.compile:
     model = torch.compile(model)  # as nanoGPT: compiled first, then wrapped
 if ddp:
     model = DDP(model, device_ids=[local_rank] if cuda else None)
-optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95), foreach=False)
+optimizer = torch.optim.AdamW(
+    model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95), foreach=False, fused=args.fused or None
+)  # fused: the kernel unscales itself — GradScaler hands it the scale and whether to skip, and steps it every time
 # mixed precision as nanoGPT writes it: the forward under autocast, fp16's loss scaled (its steps skipped on overflow)
 amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
 scaler = torch.amp.GradScaler(

@@ -221,6 +221,19 @@ class Precision:
         if self.force_float32:
             self._without_fsdp_mixed_precision()
 
+    @staticmethod
+    def read_fused(optimizer, read) -> None:
+        """Where GradScaler steps an optimizer that unscales inside its own kernel (fused AdamW:
+        `_step_supports_amp_scaling`), it steps it every time, handing it `grad_scale` and `found_inf`: the
+        gradients read before its step are still scaled (the norm is divided by `read.scale`), and an update it
+        skips is a skipped step all the same."""
+        if not getattr(optimizer, "_step_supports_amp_scaling", False):
+            return
+        if (scale := getattr(optimizer, "grad_scale", None)) is not None:
+            read.scale = float(scale)
+        if (found := getattr(optimizer, "found_inf", None)) is not None and float(found) > 0:
+            read.skipped = True
+
     def _without_fsdp_mixed_precision(self) -> None:
         """FSDP2's ``fully_shard`` as the script imports it, its ``mp_policy`` left out (float32 compute)."""
         try:

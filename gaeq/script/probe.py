@@ -287,6 +287,7 @@ class Probe:
             read.norm_squared = (read.norm_squared or 0.0) + grad_norm([p.grad for p in fresh]) ** 2
             self._read |= {id(p) for p in fresh}
         read.lr = float(optimizer.param_groups[0]["lr"])
+        self.precision.read_fused(optimizer, read)  # GradScaler's scale and skip, handed to a fused optimizer
         read.spent += time.perf_counter() - started
 
     @guarded
@@ -368,8 +369,7 @@ class Probe:
             self._close()
 
     def _parameters(self, optimizer) -> list[torch.Tensor]:
-        """The model's parameters (the outermost module's, in its order), else the optimizer's (the
-        first training step's first)."""
+        """The model's parameters (the outermost module's, in order), else the first step's optimizer's."""
         if self.model is not None:
             return list(self.model.parameters())
         if optimizer is not None:

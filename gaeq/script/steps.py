@@ -109,12 +109,14 @@ class Boundary:
     edited: bool = False
     """The gradients changed in place between the last backward and the step by no clip call gaeq knows (a clip
     written by hand, an unscale, an average): the norm was read after that change."""
+    scale: float = 1.0
+    """What the gradients read were still multiplied by (a loss scale a fused optimizer removes inside its step)."""
 
     @property
     def grad_norm(self) -> float:
         if self.engine_norm is not None:
             return self.engine_norm
-        return float("nan") if self.norm_squared is None else self.norm_squared**0.5
+        return float("nan") if self.norm_squared is None else self.norm_squared**0.5 / self.scale
 
     def add(self, later: Boundary) -> None:
         if later.norm_squared is not None:
@@ -128,6 +130,7 @@ class Boundary:
         self.seconds += later.seconds
         self.spent += later.spent
         self.skipped |= later.skipped
+        self.scale = later.scale if later.scale != 1.0 else self.scale
 
 
 class TrainingSteps:
