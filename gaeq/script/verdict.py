@@ -23,7 +23,7 @@ from gaeq.script.contract import PROBE_FILE
 
 EVENTS = {
     "optimizer_step": "optimizer.step()",
-    "clip": "clip_grad_norm_ (or gradients changed in place before the step)",
+    "clip": "clip_grad_norm_ (or a clip by hand)",
     "zero_grad": "zero_grad()",
     "scheduler": "scheduler.step()",
 }

@@ -146,8 +146,8 @@ def test_the_probes_are_compared_data_then_init_then_events():
     clipped = script_checks(base, probe([["a", "b", "c", "d"], ["e", "f", "g", "h"]], events=per_micro_step)).first
     assert clipped["data"] is None and clipped["events"] == (
         0,
-        "clip_grad_norm_ called 4× in optimizer step 0, the baseline 1× (per micro-step or per process where the "
-        "baseline calls it once per step?)",
+        "clip_grad_norm_ (or a clip by hand) called 4× in optimizer step 0, the baseline 1× (per micro-step or per "
+        "process where the baseline calls it once per step?)",
     )
 
 
