@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from gaeq.matrix.schema import BASE, MatrixError, MatrixSpec, Offload, Trainer
+from gaeq.matrix.schema import BASE, MatrixError, MatrixSpec, Offload, Trainer, baseline_spec
 from gaeq.problem.spec import Dtype, ProblemSpec
 from gaeq.problem.split import indivisible_message
 from gaeq.registry import TRAINERS
@@ -346,8 +346,7 @@ class Matrix:
     @property
     def auto(self) -> bool:
         """Some group's baseline is `auto`: chosen from what runs (`load.with_references`)."""
-        given = (self.spec.baseline, *(v.baseline for v in self.spec.variants.values()))
-        return any(b is not None and b.auto for b in given)
+        return any(baseline_spec(self.spec, v).auto for v in self.problems)
 
     def runnable(self) -> list[Cell]:
         return [c for c in self.cells if c.skip_reason is None]

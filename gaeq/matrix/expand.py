@@ -39,12 +39,12 @@ from gaeq.matrix.rules import (
 from gaeq.matrix.schema import (
     BASE,
     TENSOR_METRICS,
-    BaselineSpec,
     ExpectSpec,
     FaultSpec,
     MatrixError,
     MatrixSpec,
     ResumeSpec,
+    baseline_spec,
     describe,
 )
 from gaeq.problem.spec import ProblemSpec
@@ -176,7 +176,7 @@ class Expander:
         key = group_key(dtype=dtype, variant=variant)
         if key in self.baselines:
             return
-        b = self.baseline_spec(variant)
+        b = baseline_spec(self.spec, variant)
         micro = b.micro_batch_size or self.problems[variant].train_batch_size
         chosen = {}
         if (reference := self.references.get(key)) is not None:
@@ -190,10 +190,6 @@ class Expander:
         self.baselines[key] = baseline.id
         self.cells.append(baseline)
 
-    def baseline_spec(self, variant: str) -> BaselineSpec:
-        """The matrix's baseline, or its variant's."""
-        return (self.spec.variants[variant].baseline if variant in self.spec.variants else None) or self.spec.baseline
-
     def add_instruments(self, *, twins: int, detection_limit: bool) -> None:
         """After every cell: each group's instruments, right after its baseline — `twins` noise-floor
         twins and, with `detection_limit`, the cell that measures it. Each is the baseline's own split
@@ -203,7 +199,7 @@ class Expander:
             judged = (c for c in self.cells if c.group == key and c.role == Role.CELL and c.id != base_id)
             if not any(c.skip_reason is None for c in judged):
                 continue  # nothing of the group is judged but its baseline (the axes' copy of it)
-            if self.baseline_spec(baseline.variant).auto and key not in self.references:
+            if baseline_spec(self.spec, baseline.variant).auto and key not in self.references:
                 continue  # measured on the reference the run chooses, once it has chosen it
             instruments = [self.instrument(baseline, Role.FLOOR, twin_seed=k) for k in range(twins)]
             if instruments:

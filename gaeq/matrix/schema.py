@@ -330,6 +330,12 @@ class MatrixSpec(_Spec):
     )
 
 
+def baseline_spec(spec: MatrixSpec, variant: str) -> BaselineSpec:
+    """The baseline a variant's groups are judged against: its own, else the matrix's."""
+    given = spec.variants.get(variant)
+    return (given.baseline if given is not None else None) or spec.baseline
+
+
 def describe(exc: ValidationError) -> str:
     """The first pydantic error as one line that names the key: `problem.steps: ...`."""
     err = exc.errors()[0]

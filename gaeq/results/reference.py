@@ -15,6 +15,7 @@ from pathlib import Path
 
 from gaeq.files import atomic_write
 from gaeq.matrix import Cell, Matrix, Reference, Role, Split
+from gaeq.matrix.schema import baseline_spec
 from gaeq.results.cell_report import CellReport
 from gaeq.results.compare import Verdict
 from gaeq.results.outcome import CellOutcome
@@ -47,6 +48,8 @@ def choose(m: Matrix, outcomes: Mapping[str, CellOutcome]) -> dict[str, Referenc
     chosen = {}
     for group, base_id in m.baselines.items():
         base = next(c for c in m.cells if c.id == base_id)
+        if not baseline_spec(m.spec, base.variant).auto:
+            continue  # a group whose baseline the matrix names
         outcome = outcomes.get(base_id)
         if outcome is not None and outcome.status == "done":
             chosen[group] = Reference(world_size=base.world_size, micro_batch_size=base.micro_batch_size,
