@@ -38,6 +38,11 @@ def at(*, micro_batch_size: int, world_size: int) -> str:
     return f"out of memory at micro batch {micro_batch_size} (world {world_size})"
 
 
+def raised(*, micro_batch_size: int, world_size: int, rank: int, error: str) -> str:
+    """A cell's reason where a rank's allocation failed: the split named, the rank, what it raised."""
+    return f"{at(micro_batch_size=micro_batch_size, world_size=world_size)}: rank {rank} raised {error}"
+
+
 def is_out_of_memory(exc: BaseException | None) -> bool:
     """Whether `exc`, or an exception it was raised from or while handling, is a failed allocation."""
     seen: set[int] = set()

@@ -348,5 +348,9 @@ class Matrix:
         """Some group's baseline is `auto`: chosen from what runs (`load.with_references`)."""
         return any(baseline_spec(self.spec, v).auto for v in self.problems)
 
+    def baseline_cell(self, group: str) -> Cell:
+        """The cell `group` is judged against."""
+        return next(c for c in self.cells if c.id == self.baselines[group])
+
     def runnable(self) -> list[Cell]:
         return [c for c in self.cells if c.skip_reason is None]

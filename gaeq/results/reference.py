@@ -47,7 +47,7 @@ def choose(m: Matrix, outcomes: Mapping[str, CellOutcome]) -> dict[str, Referenc
     batch a split ran at. A group whose candidate failed otherwise, or whose splits all failed, has none."""
     chosen = {}
     for group, base_id in m.baselines.items():
-        base = next(c for c in m.cells if c.id == base_id)
+        base = m.baseline_cell(group)
         if not baseline_spec(m.spec, base.variant).auto:
             continue  # a group whose baseline the matrix names
         outcome = outcomes.get(base_id)
@@ -78,7 +78,7 @@ def read_references(run_dir: Path) -> dict[str, Reference]:
 def what_fits(m: Matrix, outcomes: Mapping[str, CellOutcome], group: str) -> tuple[str, tuple[int, int] | None] | None:
     """Where `group`'s reference ran out of memory: what fits, in words, and its (world, micro) at GA 1 — None
     where no split of the group ran either (None: the reference did not run out of memory)."""
-    base = next(c for c in m.cells if c.id == m.baselines[group])
+    base = m.baseline_cell(group)
     outcome = outcomes.get(base.id)
     if outcome is None or not outcome.out_of_memory:
         return None

@@ -173,8 +173,8 @@ def judge(
 def references(matrix: Matrix, outcomes: Mapping[str, CellOutcome]) -> dict[str, dict]:
     """Each group's reference in words; how `baseline: auto` chose it; where it ran out of memory, what fits."""
     words, notes, fits = {}, {}, {}
-    for group, base_id in matrix.baselines.items():
-        words[group] = in_words(next(c for c in matrix.cells if c.id == base_id))
+    for group in matrix.baselines:
+        words[group] = in_words(matrix.baseline_cell(group))
         if (chosen := matrix.references.get(group)) is not None:
             notes[group] = f"baseline auto: {chosen.why}"
         if (fit := what_fits(matrix, outcomes, group)) is not None:

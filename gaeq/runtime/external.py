@@ -25,8 +25,7 @@ from pathlib import Path
 
 from gaeq.accelerator import forced_fp16
 from gaeq.matrix import MATRIX_FILE, Cell, Matrix
-from gaeq.oom import at as oom_at
-from gaeq.oom import is_out_of_memory
+from gaeq.oom import is_out_of_memory, raised
 from gaeq.results.outcome import CellOutcome, read_outcome, write_outcome
 from gaeq.results.trace import cell_dir
 from gaeq.runtime import dist, lifeline, shm, worker
@@ -94,12 +93,11 @@ def _run_launched_cells(cells: Sequence[Cell], *, me: dist.LaunchedRank, matrix:
             # The first rank to fail names the cause: a peer that exits makes the others fail
             # after it ("connection closed by peer"), and their outcome must not replace its own.
             if read_outcome(cell_dir(run_dir, cell.id)) is None:
-                out_of_memory = is_out_of_memory(exc)
-                at = oom_at(micro_batch_size=cell.micro_batch_size, world_size=cell.world_size)
-                why = f"{at}: rank {me.rank} raised" if out_of_memory else f"rank {me.rank} failed:"
+                out_of_memory, error = is_out_of_memory(exc), f"{type(exc).__name__}: {exc}"
+                split = {"micro_batch_size": cell.micro_batch_size, "world_size": cell.world_size}
+                why = raised(**split, rank=me.rank, error=error) if out_of_memory else f"rank {me.rank} failed: {error}"
                 log = cell_dir(run_dir, cell.id) / f"rank{me.rank}.log"
-                fail_cell(cell.id, f"{why} {type(exc).__name__}: {exc}", run_dir=run_dir, logs=[log],
-                          out_of_memory=out_of_memory)  # fmt: skip
+                fail_cell(cell.id, why, run_dir=run_dir, logs=[log], out_of_memory=out_of_memory)
             return 1
         if me.rank == 0:
             write_outcome(cell_dir(run_dir, cell.id), done)

@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from gaeq.matrix import Cell
-from gaeq.oom import at as oom_at
+from gaeq.oom import raised
 from gaeq.registry import TRAINERS
 from gaeq.results.outcome import CellOutcome, write_outcome
 from gaeq.results.trace import cell_dir
@@ -347,8 +347,9 @@ def _root_cause(procs: list, state: _GroupRun) -> tuple[str, int, bool]:
             return f"rank {rank} {how_it_ended(p.exitcode)} before the cell finished", rank, False
     first = next((msg for msg in state.failures if msg.out_of_memory), state.failures[0])
     if first.out_of_memory and state.current is not None:
-        at = oom_at(micro_batch_size=state.current.micro_batch_size, world_size=state.world_size)
-        return f"{at}: rank {first.rank} raised {first.reason}", first.rank, True
+        micro = state.current.micro_batch_size
+        said = raised(micro_batch_size=micro, world_size=state.world_size, rank=first.rank, error=first.reason)
+        return said, first.rank, True
     return f"rank {first.rank} failed: {first.reason}", first.rank, False
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from gaeq.files import atomic_write
 from gaeq.matrix import Cell
-from gaeq.oom import OomKill, kill_count, oom_killer
+from gaeq.oom import OomKill, kill_count, oom_killer, raised
 from gaeq.oom import at as oom_at
 from gaeq.problem.spec import ProblemSpec
 from gaeq.results.outcome import CellOutcome, write_outcome
@@ -220,11 +220,12 @@ def conclude(
 def out_of_memory(cell: Cell, *, out: Path, killed: OomKill | None = None, rank: int | None = None) -> str | None:
     """Why the cell ran out of memory (None: nothing says it did): a rank's failed allocation — in the script,
     or in gaeq's probe —, or the OOM killer's SIGKILL of `rank`, with what the kernel says of it."""
-    at = oom_at(micro_batch_size=cell.micro_batch_size, world_size=cell.world_size)
+    split = {"micro_batch_size": cell.micro_batch_size, "world_size": cell.world_size}
+    at = oom_at(**split)
     for r in range(cell.world_size):
-        if (raised := out / OUT_OF_MEMORY_FILE.format(rank=r)).is_file():
-            said = json.loads(raised.read_text())
-            return f"{at}: rank {r} raised {said['error']} (at {said['where']})"
+        if (record := out / OUT_OF_MEMORY_FILE.format(rank=r)).is_file():
+            said = json.loads(record.read_text())
+            return f"{raised(**split, rank=r, error=said['error'])} (at {said['where']})"
         if (failure := out / FAILURE_FILE.format(rank=r)).is_file() and (said := json.loads(failure.read_text())).get(
             "out_of_memory"
         ):
