@@ -280,6 +280,11 @@ def _samples_differ(base_step: dict, cell_step: dict) -> str | None:
     return why + laid
 
 
+def as_received(step: dict) -> list[int]:
+    """Each micro-batch's rows as the model received them, every rank's: a packed dataset's rows are its packs."""
+    return [r for ranks in step.get("packs", step["rows"]) for r in ranks]
+
+
 def _short_steps(cell: Any, steps: list[dict], reference: list[dict]) -> str | None:
     """Where a dataset holds fewer samples than a step (every step an epoch's short last step): said so, when the
     cell's first step trained as many rows as the reference's, fewer than the global batch, in at most GA
@@ -287,12 +292,12 @@ def _short_steps(cell: Any, steps: list[dict], reference: list[dict]) -> str | N
     None otherwise."""
     if not reference:
         return None
-
-    def rows(step: dict) -> list[int]:  # as received: a packed dataset's rows are its packs
-        return [r for ranks in step.get("packs", step["rows"]) for r in ranks]
-
-    total, first = sum(rows(steps[0])), rows(steps[0])
-    if total == sum(rows(reference[0])) < cell.train_batch_size and max(first, default=0) <= cell.micro_batch_size:
+    first = as_received(steps[0])
+    total = sum(first)
+    if (
+        total == sum(as_received(reference[0])) < cell.train_batch_size
+        and max(first, default=0) <= cell.micro_batch_size
+    ):
         if max(steps[0]["backward"]) <= cell.grad_accum_steps:
             return (
                 f"every step trained {total} of {cell.train_batch_size} rows, as the reference's did: a dataset "
@@ -309,7 +314,7 @@ def ran_another_split(cell: Any, steps: list[dict]) -> str | None:
     if first["world_size"] != cell.world_size:
         return f"your script ran {first['world_size']} ranks, the cell {cell.world_size}"
     rows = {r for ranks in first["rows"] for r in ranks}
-    packs = {r for ranks in first.get("packs", first["rows"]) for r in ranks}  # rows as received
+    packs = set(as_received(first))
     if rows != {cell.micro_batch_size} and packs != {cell.micro_batch_size}:  # (a packed dataset: packs are its rows)
         if not rows:
             return (
