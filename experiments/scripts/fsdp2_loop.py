@@ -41,9 +41,13 @@ parser.add_argument(
         "none",
         "loss_not_scaled_for_reduction",  # FSDP2 averages the ranks' gradients: the loss must be x world
         "clip_norm_of_local_shards",  # each rank clips by the norm of its own shards
+        "clip_by_hand_per_shard",  # --clip_by_hand without its all-reduce: each rank's own shards again
     ],
 )
+parser.add_argument("--clip_by_hand", action="store_true", help="the clip written out, as Megatron-style loops do")
 args = parser.parse_args()
+if args.clip_by_hand and args.replicas > 1:
+    parser.error("--clip_by_hand sums the norm over every rank: with --replicas each shard would count twice")
 
 rank = int(os.environ.get("RANK", 0))
 world = int(os.environ.get("WORLD_SIZE", 1))
@@ -135,7 +139,15 @@ for step in range(args.max_steps):
         loss_sum = F.cross_entropy(logits.view(-1, VOCAB), y.view(-1), ignore_index=-100, reduction="sum")
         (loss_sum / n_tokens * scale).backward()
         logged += loss_sum.detach() / n_tokens
-    if args.clip > 0:
+    if args.clip > 0 and args.clip_by_hand:  # clip_grad_norm_'s arithmetic on this rank's shards, written out
+        grads = [p.grad.to_local() for p in model.parameters() if p.grad is not None]
+        squares = torch.stack([torch.linalg.vector_norm(g) for g in grads]).pow(2).sum()
+        if args.bug != "clip_by_hand_per_shard":
+            dist.all_reduce(squares)  # each rank holds its own shards: the whole model's squared norm is their sum
+        coefficient = torch.clamp(args.clip / (squares.sqrt() + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coefficient)  # in place on the shard: the DTensor's gradient is scaled with it
+    elif args.clip > 0:
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         if args.bug == "clip_norm_of_local_shards":
             grads = [g.to_local() for g in grads]  # BUG: this rank's shards only

@@ -110,6 +110,11 @@ def script_checks(
     notes = {"lr": note} if lr_differs and (note := _schedule_advanced(steps)) else {}
     if (edited := _norms_read_apart(steps)) is not None:
         not_checked["grad_norm"] = edited
+    elif any(c.get("edited") for _, c in steps):
+        notes["grad_norm"] = (
+            " (in both, the norm after the script changed its gradients in place by no call gaeq patches, as a clip "
+            "written by hand does: the gradient its optimizer received)"
+        )
     return ScriptChecks(first=found, not_checked=not_checked, notes=notes, remarks=remarks)
 
 

@@ -106,14 +106,20 @@ class AsLeft:
     def take(self, model: torch.nn.Module | None) -> None:
         engine = callable(getattr(model, "get_global_grad_norm", None))
         params = [] if model is None or engine else model.parameters()
-        self.left = [(p, p.grad, p.grad._version) for p in params if p.grad is not None]
+        self.left = [(p, p.grad, _version(p.grad)) for p in params if p.grad is not None]
 
     def changed(self) -> bool:
         """Whether a gradient was changed in place, or replaced, since (told once; one set to None is no change
         a step reads)."""
-        changed = any(p.grad is not None and (p.grad is not g or g._version != v) for p, g, v in self.left)
+        changed = any(p.grad is not None and (p.grad is not g or _version(g) != v) for p, g, v in self.left)
         self.left = [] if changed else self.left
         return changed
+
+
+def _version(grad: torch.Tensor) -> int:
+    """A gradient's in-place version: a DTensor's is its local shard's (scaling `to_local()` in place, as a hand
+    clip of FSDP2's shards does, leaves the wrapper's own counter as it was)."""
+    return dtensors.local(grad)._version
 
 
 def engine_norm(model: torch.nn.Module | None) -> float | None:

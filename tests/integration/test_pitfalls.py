@@ -61,6 +61,10 @@ def test_every_planted_bug_is_caught_and_every_twin_matches(pitfalls_run):
     for stage in (1, 2):
         caught(f"deepspeed-z{stage}-acc_manual-w2-mb4-ga4", grad_norm=0)
         assert cells[f"deepspeed-z{stage}-acc_manual-w2-mb4-ga4"]["ran"]["grad_accum_steps"] == 1  # what it told
+    # … with CPU offload (DeepSpeed#7981, #7967) the gradients are carried from step to step: the norm grows
+    caught("deepspeed-z1-cpuoff-acc_manual-w2-mb4-ga4", grad_norm=0)
+    carried = [r.grad_norm for r in read_trace(out / "cells" / "deepspeed-z1-cpuoff-acc_manual-w2-mb4-ga4")]
+    assert all(later > earlier for earlier, later in zip(carried[:8], carried[1:8])), carried[:8]
 
     twins = [
         "torch-w1-mb4-ga8@sgd",
@@ -84,6 +88,7 @@ def test_every_planted_bug_is_caught_and_every_twin_matches(pitfalls_run):
         "deepspeed-z1-acc_manual_with_boundary-w2-mb4-ga4",
         "deepspeed-z1-acc_manual_unmanaged-w2-mb4-ga4",
         "deepspeed-z0-acc_manual-w2-mb4-ga4",
+        "deepspeed-z1-cpuoff-acc_manual_with_boundary-w2-mb4-ga4",
     ]
     for cell_id in twins:
         assert cells[cell_id]["verdict"] == "match", cells[cell_id]

@@ -48,7 +48,7 @@ def judged(cells: list[dict]) -> list[dict]:
 
 
 def clean(report: dict, dtype: str) -> list[dict]:
-    return [c for c in judged(report["cells"]) if c["dtype"] == dtype and "args_bug" not in c["id"]]
+    return [c for c in judged(report["cells"]) if c["dtype"] == dtype and "_bug_" not in c["id"]]
 
 
 def test_a_bf16_autocast_script_matches_in_every_split_labelled_with_what_ran(amp):
@@ -143,7 +143,7 @@ def test_an_fsdp2_script_matches_and_its_mistakes_are_caught_where_they_change_t
     # local shards only would be ~1/√2 of the baseline's; HSDP's replicas hold the same block (not summed)
     assert cells["script-w2-mb4-ga4"]["max_rel_grad_norm_diff"] < 1e-6
     assert cells["script-w2-mb4-ga4-args_replicas_2"]["max_rel_grad_norm_diff"] < 1e-6
-    caught = {i: (c["verdict"], c["caught_by"]) for i, c in cells.items() if "args_bug" in i}
+    caught = {i: (c["verdict"], c["caught_by"]) for i, c in cells.items() if "_bug_" in i}
     assert caught == {
         "script-w1-mb4-ga8-args_bug_loss_not_scaled_for_reduction": ("match", None),  # one rank: nothing averaged
         "script-w2-mb4-ga4-args_bug_loss_not_scaled_for_reduction": ("diverge", "loss"),
@@ -151,7 +151,13 @@ def test_an_fsdp2_script_matches_and_its_mistakes_are_caught_where_they_change_t
         "script-w1-mb4-ga8-args_bug_clip_norm_of_local_shards": ("match", None),  # one rank holds every shard
         "script-w2-mb4-ga4-args_bug_clip_norm_of_local_shards": ("diverge", "update"),
         "script-w2-mb16-ga1-args_bug_clip_norm_of_local_shards": ("diverge", "update"),
+        # the clip written by hand (an FSDP2 shard scaled in place: seen), its per-shard mistake caught by the update
+        "script-w1-mb4-ga8-args_clip_by_hand_bug_clip_by_hand_per_shard": ("match", None),
+        "script-w2-mb4-ga4-args_clip_by_hand_bug_clip_by_hand_per_shard": ("diverge", "update"),
+        "script-w2-mb16-ga1-args_clip_by_hand_bug_clip_by_hand_per_shard": ("diverge", "update"),
     }
+    # the baseline's norm read before torch's clip, a hand clip's after its own: not compared, and said why
+    assert "changed in place after its last backward" in cells["script-w2-mb4-ga4-args_clip_by_hand"]["reason"]
 
 
 def test_a_deepspeed_bf16_script_matches_within_its_losses_resolution_and_its_mistake_is_caught(tmp_path_factory):

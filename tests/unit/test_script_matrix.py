@@ -703,3 +703,16 @@ def test_a_dataset_shorter_than_a_step_is_every_step_a_short_one_not_an_ignored_
     assert _short_steps(cell, [short[0] | {"rows": [[2, 2], [2, 2]]}], reference) is None  # fewer than the reference's
     assert _short_steps(cell, [short[0] | {"rows": [[6], [6]], "backward": [1, 1]}], reference) is None  # too large
     assert _short_steps(cell, [short[0] | {"backward": [3, 3]}], reference) is None  # more micro-steps than GA
+
+
+def test_a_norm_read_after_a_hand_clip_is_compared_where_both_runs_read_it_so_and_said_apart_otherwise():
+    """A hand clip changes the gradients in place by no call gaeq patches: its run's norm is read after it
+    (`edited`). Both runs so: compared, the reason saying whose norm it is; one only: not compared, said why."""
+    samples = [["a", "b"], ["c", "d"]]
+    base, hand = probe(samples), probe(samples)
+    for step in hand["steps"]:
+        step["edited"] = True
+    apart = script_checks(base, hand)
+    assert "changed in place after its last backward" in apart.not_checked["grad_norm"] and not apart.notes
+    both = script_checks(hand, hand)
+    assert not both.not_checked and "the gradient its optimizer received" in both.notes["grad_norm"]
