@@ -14,11 +14,13 @@ check, which module is the model).
 - **row order** and **order check** (the twins too, gaeq.rows): each batch's rows in another order, and
   whether the model's output depends on it (or on random draws) beyond rounding.
 - **weight** (the detection limit's probe, and a control of tunable size): the gradient that reaches the
-  model's output for the first half of each forward's rows × (1 + δ), for the rest × (1 − δ) (scaled so
-  that the batch's total weight is unchanged) — a **zero-sum** reweighting, the shape of the mistakes users
-  make (a mean of micro-batch means, a token count per rank, a row weighed per pack): rows weighed wrongly
-  against each other, the sum of the weights right, seen only as far as the rows' gradients differ. It is
-  applied once per forward, on the one tensor the loss is taken on (`rows_of`).
+  model's output for alternate rows of each forward × (1 + δ), for the others × (1 − δ) (scaled so that
+  the batch's total weight is unchanged). Alternate rows, so that a split whose micro-batches are even
+  slices of the batch weighs the very rows the baseline does: the same error in every split. A
+  **zero-sum** reweighting, the shape of the mistakes users make (a mean of micro-batch means, a token
+  count per rank, a row weighed per pack): rows weighed wrongly against each other, the sum of the weights
+  right, seen only as far as the rows' gradients differ. It is applied once per forward, on the one tensor
+  the loss is taken on (`rows_of`).
 
 The model is the outermost module called with gradients on that has trainable parameters (DDP's
 wrapper, a DeepSpeed engine or the model itself: their output is the model's). Applied through
@@ -34,7 +36,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 import gaeq.dtensors as dtensors
-from gaeq.rows import TWIN_SEED_BASE, OrderCheck, RowOrder, unwrap
+from gaeq.rows import TWIN_SEED_BASE, OrderCheck, RowOrder, trains, unwrap
 
 
 class Nudge:
@@ -138,7 +140,7 @@ class Outermost:
         loss alone — a LightningModule's training_step — is weighed there)."""
 
     def before(self, module, args) -> None:
-        if self.model is None and torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters()):
+        if self.model is None and trains(module):
             self.model = unwrap(module)  # (a wrapper's call: the model's own comes inside it)
         self._calls.append(module is self.model and torch.is_grad_enabled())
 
@@ -176,19 +178,19 @@ def rows_of(output) -> torch.Tensor | None:
 
 
 def row_weights(rows: int, delta: float, *, dtype=torch.float32, device=None) -> torch.Tensor:
-    """The first half of `rows` weighed 1 + δ, the rest 1 − δ·half/(rows − half): zero-sum, the weights
-    summing to `rows` (a single row: weighed 1 + δ, nothing to weigh it against)."""
-    half = max(rows // 2, 1)
+    """Rows 0, 2, 4, … weighed 1 + δ, the others less: zero-sum, the weights summing to `rows` (a single row:
+    weighed 1 + δ, nothing to weigh it against). Alternate rows rather than halves: a micro-batch of an even
+    number of rows, cut from the batch in order, weighs each row as the whole batch does."""
     weights = torch.ones(rows, dtype=torch.float64)
-    weights[:half] += delta
-    if rows > half:
-        weights[half:] -= delta * half / (rows - half)
+    weights[0::2] += delta
+    if rows > 1:
+        weights[1::2] -= delta * len(weights[0::2]) / len(weights[1::2])
     return weights.to(dtype=dtype, device=device)
 
 
 def weigh_rows(output: torch.Tensor, delta: float) -> None:
     """Hook `output` so that its rows — its positions, for a single row — pass back their gradient ×
-    :func:`row_weights`: the first half × (1 + delta), the rest less, the batch's total weight unchanged."""
+    :func:`row_weights`: alternate rows × (1 + delta), the others less, the batch's total weight unchanged."""
     dim = 0 if output.shape[0] > 1 or output.dim() == 1 else 1
     weights = row_weights(output.shape[dim], delta, dtype=output.dtype, device=output.device)
     shape = [1] * output.dim()

@@ -39,6 +39,15 @@ def wraps(module: torch.nn.Module) -> bool:
     return any(kind.__name__ in CALL_WRAPPERS for kind in type(module).__mro__)
 
 
+def trains(module: torch.nn.Module) -> bool:
+    """Whether this call of `module` is a model's training call: gradients on, and a parameter that trains (a
+    loss or a metric has none, a frozen teacher's do not). The first such call's module is the model — the
+    one rule the instruments (gaeq.perturb), the row order and order check here, and a script's probe use;
+    each then takes the model a wrapper holds (`unwrap`) or the first module a wrapper's call reaches
+    (`not wraps(module)`), as what it does needs."""
+    return torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters())
+
+
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The model inside WRAPPERS (DDP's, DeepSpeed's), or `model` itself."""
     while type(model).__name__ in WRAPPERS and isinstance(getattr(model, "module", None), torch.nn.Module):
@@ -53,7 +62,32 @@ def row_order(rows: int, *, seed: int, at: tuple[int, ...]) -> list[int]:
     return torch.randperm(rows, generator=generator).tolist()
 
 
-class RowOrder:
+class CallPatch:
+    """`torch.nn.Module.__call__` wrapped while installed — where a forward hook cannot change a keyword argument
+    or run the module again: the one place gaeq patches it. A subclass says what happens `around` each call;
+    patches are removed in the reverse order of their installing."""
+
+    def __init__(self) -> None:
+        self._call = None
+
+    def install(self) -> None:
+        self._call = call = torch.nn.Module.__call__
+        patch = self
+
+        def patched(module, *args, **kwargs):
+            return patch.around(call, module, args, kwargs)
+
+        torch.nn.Module.__call__ = patched
+
+    def remove(self) -> None:
+        if self._call is not None:
+            torch.nn.Module.__call__, self._call = self._call, None
+
+    def around(self, call, module, args, kwargs):
+        raise NotImplementedError
+
+
+class RowOrder(CallPatch):
     """A script's model gets its rows in another order from its first training call on, every tensor of its
     arguments with as many rows permuted alike and its output's put back: the same samples, summed in
     another order by every reduction over the batch. The model is the outermost module called with gradients
@@ -61,42 +95,26 @@ class RowOrder:
     where a forward hook cannot change a keyword argument — at ``Module.__call__``, while installed."""
 
     def __init__(self, seed: int) -> None:
+        super().__init__()
         self.seed, self.calls = seed, 0
         self.model: torch.nn.Module | None = None
         self._depth = 0
-        self._call = None
 
-    def install(self) -> None:
-        self._call = torch.nn.Module.__call__
-        call, order = self._call, self
-
-        def reordered_call(module, *args, **kwargs):
-            if order._depth or not order._training_call(module):
-                order._depth += 1
-                try:
-                    return call(module, *args, **kwargs)
-                finally:
-                    order._depth -= 1
-            rows = _rows((args, kwargs))
-            if rows is None or rows < 2:
-                return order._inside(call, module, args, kwargs)
-            order.calls += 1
-            perm = torch.tensor(row_order(rows, seed=order.seed, at=(order.calls,)))
-            args, kwargs = _take((args, kwargs), rows, perm)
-            return _take(order._inside(call, module, args, kwargs), rows, torch.argsort(perm))
-
-        torch.nn.Module.__call__ = reordered_call
-
-    def remove(self) -> None:
-        if self._call is not None:
-            torch.nn.Module.__call__ = self._call
+    def around(self, call, module, args, kwargs):
+        if self._depth or not self._training_call(module):
+            return self._inside(call, module, args, kwargs)
+        rows = _rows((args, kwargs))
+        if rows is None or rows < 2:
+            return self._inside(call, module, args, kwargs)
+        self.calls += 1
+        perm = torch.tensor(row_order(rows, seed=self.seed, at=(self.calls,)))
+        args, kwargs = _take((args, kwargs), rows, perm)
+        return _take(self._inside(call, module, args, kwargs), rows, torch.argsort(perm))
 
     def _training_call(self, module) -> bool:
-        if not torch.is_grad_enabled():
-            return False
-        if self.model is None and any(p.requires_grad for p in module.parameters()):
+        if self.model is None and trains(module):
             self.model = module
-        return module is self.model
+        return module is self.model and torch.is_grad_enabled()
 
     def _inside(self, call, module, args, kwargs):
         self._depth += 1
@@ -112,7 +130,7 @@ from a context variable): each entry, given an order of the rows, a context unde
 follows them — the order check reorders it with the rows it reverses."""
 
 
-class OrderCheck:
+class OrderCheck(CallPatch):
     """Whether the model's output depends on the order of its rows, or on random draws, beyond rounding —
     the causes besides rounding that make a noise-floor twin drift (capacity-limited routing, negatives
     taken across the batch's rows, a mask drawn per row). At the model's first training call with two rows
@@ -125,38 +143,28 @@ class OrderCheck:
     gaeq.results.floor.order_causes, which knows how many units rounding explains."""
 
     def __init__(self, unit: torch.dtype | None = None) -> None:
+        super().__init__()
         self.unit = unit
         self.model: torch.nn.Module | None = None
         """The model, where the script names it (else the first module that trains and wraps none)."""
         self.found: dict | None = None
-        self._call = None
         self._busy = False
 
-    def install(self) -> None:
-        self._call = torch.nn.Module.__call__
-        call, check = self._call, self
-
-        def checked_call(module, *args, **kwargs):
-            if check.found is None and not check._busy and torch.is_grad_enabled() and check._is_model(module):
-                check._busy = True
-                try:
-                    check.found = check.measure(call, module, args, kwargs)
-                except Exception as exc:  # (a model that cannot be run again as called: said, never a guess)
-                    check.found = {"not_checked": f"{type(exc).__name__}: {exc}"}
-                finally:
-                    check._busy = False
-            return call(module, *args, **kwargs)
-
-        torch.nn.Module.__call__ = checked_call
-
-    def remove(self) -> None:
-        if self._call is not None:
-            torch.nn.Module.__call__ = self._call
+    def around(self, call, module, args, kwargs):
+        if self.found is None and not self._busy and torch.is_grad_enabled() and self._is_model(module):
+            self._busy = True
+            try:
+                self.found = self.measure(call, module, args, kwargs)
+            except Exception as exc:  # (a model that cannot be run again as called: said, never a guess)
+                self.found = {"not_checked": f"{type(exc).__name__}: {exc}"}
+            finally:
+                self._busy = False
+        return call(module, *args, **kwargs)
 
     def _is_model(self, module: torch.nn.Module) -> bool:
         if self.model is not None:
             return module is self.model
-        return not wraps(module) and any(p.requires_grad for p in module.parameters())
+        return trains(module) and not wraps(module)
 
     def measure(self, call, module, args, kwargs) -> dict | None:
         """The two differences (None: this call has fewer than two rows — the next one is checked)."""

@@ -138,43 +138,7 @@ def compare_traces(
     base = [r for r in base if r.step >= first_step]
     if [r.step for r in other] != [r.step for r in base]:
         raise ValueError(f"trace has {len(other)} steps, the baseline has {len(base)} from step {first_step}")
-    diffs = step_diffs(base, other)
-    max_loss = max_grad = margin = 0.0
-    first: dict[str, tuple[int, str]] = {}  # metric → (step, reason) of its first divergence
-    for b, o, d in zip(base, other, diffs):
-        loss_tol, grad_tol = tolerances_at(tol, b, floor)
-        if b.loss_resolution or o.loss_resolution:  # losses recorded in bf16/fp16: each known to its resolution
-            loss_tol = Allowed(
-                value=loss_tol.value + b.loss_resolution + o.loss_resolution,
-                by_floor=loss_tol.by_floor,
-                resolution=b.loss_resolution + o.loss_resolution,
-            )
-        if b.skipped != o.skipped and "skipped" not in first:
-            who = "the cell" if o.skipped else "the baseline"
-            first["skipped"] = (d.step, f"{who} skipped the update of step {d.step} (fp16 overflow), the other did not")
-        both_skipped = b.skipped and o.skipped  # an overflowed step has no grad norm to compare
-        max_loss = nanmax(max_loss, d.abs_loss)
-        max_grad = max_grad if both_skipped else nanmax(max_grad, d.rel_grad_norm)
-        d_lr = rel_diff(o.lr, b.lr) if b.lr else abs(o.lr)
-        if "loss" in tracked:
-            margin = nanmax(margin, _share(d.abs_loss, loss_tol.value))
-        if "grad_norm" in tracked and not both_skipped:
-            margin = nanmax(margin, _share(d.rel_grad_norm, grad_tol.value))
-        if "loss" in tracked and "loss" not in first and not d.abs_loss <= loss_tol.value:
-            first["loss"] = (d.step, f"loss diverged at step {d.step}: |Δ| {d.abs_loss:.2e} > {loss_tol.describe()}")
-        if (
-            "grad_norm" in tracked
-            and "grad_norm" not in first
-            and not both_skipped
-            and not d.rel_grad_norm <= grad_tol.value
-        ):
-            first["grad_norm"] = (
-                d.step,
-                f"grad norm diverged at step {d.step}: rel {d.rel_grad_norm:.2e} > {grad_tol.describe()}"
-                f" ({o.grad_norm:.4g} vs {b.grad_norm:.4g})",
-            )
-        if "lr" not in first and not d_lr <= tol.lr_rtol:
-            first["lr"] = (d.step, f"lr diverged at step {d.step}: {o.lr:.4g} vs {b.lr:.4g}")
+    max_loss, max_grad, margin, first = _scan_steps(base, other, tol, tracked=tracked, floor=floor)
     for kind, divergence in (tensors.first if tensors else {}).items():
         first[kind] = (divergence.step, divergence.describe())
     first |= {k: v for k, v in (checks or {}).items() if v is not None}  # a script's data, init, events
@@ -198,6 +162,47 @@ def compare_traces(
         margin=margin,
         not_checked=dict(not_checked or {}),
     )
+
+
+def _scan_steps(
+    base: Sequence[StepRecord], other: Sequence[StepRecord], tol: Tolerance, *, tracked, floor
+) -> tuple[float, float, float, dict[str, tuple[int, str]]]:
+    """Step by step: the largest |Δloss| and rel Δ‖g‖, the largest share of its tolerance either used, and
+    each metric's first divergence (step, reason) — the loss within its recorded resolution, a step both
+    skipped (fp16 overflow) without a grad norm to compare."""
+    max_loss = max_grad = margin = 0.0
+    first: dict[str, tuple[int, str]] = {}
+    for b, o, d in zip(base, other, step_diffs(base, other)):
+        loss_tol, grad_tol = tolerances_at(tol, b, floor)
+        if b.loss_resolution or o.loss_resolution:  # losses recorded in bf16/fp16: each known to its resolution
+            loss_tol = Allowed(
+                value=loss_tol.value + b.loss_resolution + o.loss_resolution,
+                by_floor=loss_tol.by_floor,
+                resolution=b.loss_resolution + o.loss_resolution,
+            )
+        if b.skipped != o.skipped and "skipped" not in first:
+            who = "the cell" if o.skipped else "the baseline"
+            first["skipped"] = (d.step, f"{who} skipped the update of step {d.step} (fp16 overflow), the other did not")
+        both_skipped = b.skipped and o.skipped  # an overflowed step has no grad norm to compare
+        max_loss = nanmax(max_loss, d.abs_loss)
+        max_grad = max_grad if both_skipped else nanmax(max_grad, d.rel_grad_norm)
+        d_lr = rel_diff(o.lr, b.lr) if b.lr else abs(o.lr)
+        grad_judged = "grad_norm" in tracked and not both_skipped
+        if "loss" in tracked:
+            margin = nanmax(margin, _share(d.abs_loss, loss_tol.value))
+        if grad_judged:
+            margin = nanmax(margin, _share(d.rel_grad_norm, grad_tol.value))
+        if "loss" in tracked and "loss" not in first and not d.abs_loss <= loss_tol.value:
+            first["loss"] = (d.step, f"loss diverged at step {d.step}: |Δ| {d.abs_loss:.2e} > {loss_tol.describe()}")
+        if grad_judged and "grad_norm" not in first and not d.rel_grad_norm <= grad_tol.value:
+            first["grad_norm"] = (
+                d.step,
+                f"grad norm diverged at step {d.step}: rel {d.rel_grad_norm:.2e} > {grad_tol.describe()}"
+                f" ({o.grad_norm:.4g} vs {b.grad_norm:.4g})",
+            )
+        if "lr" not in first and not d_lr <= tol.lr_rtol:
+            first["lr"] = (d.step, f"lr diverged at step {d.step}: {o.lr:.4g} vs {b.lr:.4g}")
+    return max_loss, max_grad, margin, first
 
 
 def tolerances_at(tol: Tolerance, base: StepRecord, floor: NoiseFloor | None):

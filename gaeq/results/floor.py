@@ -15,7 +15,9 @@ judged by the constants alone.
 The detection limit (``Role.SENSITIVITY``: the baseline's split with each batch's rows reweighed 1 ± δ,
 the batch's total weight unchanged — the shape of the mistakes users make) is δ × the smallest ratio, over
 steps and metrics, of the tolerance to how far that moved the cell — the error that would have used its
-whole tolerance, for an effect proportional to δ; and the same, step by step.
+whole tolerance, for an effect proportional to δ; and the same, step by step. The effect is the same in
+every split, but a split already stands some way from the baseline, and that way may run against the error:
+the printed limit is the worst judged split's, its distance added to the tolerance.
 """
 
 from __future__ import annotations
@@ -162,7 +164,7 @@ class DetectionLimit:
     cell: str
     """The cell that carried the planted error."""
     delta: float
-    """The error planted: each batch's first half of rows × (1 + delta), the rest less (zero-sum)."""
+    """The error planted: alternate rows of each forward × (1 + delta), the others less (zero-sum)."""
     limit: float
     metric: str
     step: int
@@ -176,6 +178,11 @@ class DetectionLimit:
     per_step: tuple[float, ...] = ()
     """The limit at each step, for the error made at every step up to it (inf: it moved nothing there)."""
     steps: tuple[int, ...] = ()
+    split: str | None = None
+    """The judged split the limit is that of, where it is a split's (the worst): the planted error's effect
+    must also outgrow that split's own distance from the baseline, which may run the other way."""
+    at_baseline: float | None = None
+    """The limit on the baseline's split alone, where a split's is larger."""
 
     @classmethod
     def measure(
@@ -187,35 +194,28 @@ class DetectionLimit:
         planted: Sequence[StepRecord],
         tolerances: Callable[[StepRecord], tuple[Allowed, Allowed]],
         floor: NoiseFloor | None,
+        splits: Mapping[str, Sequence[StepRecord]] | None = None,
     ) -> DetectionLimit | None:
-        """None when the planted error moved nothing (a problem whose metrics ignore the batch's weights)."""
+        """None when the planted error moved nothing (a problem whose metrics ignore the batch's weights).
+        `splits`: the judged splits' traces — the limit is then the worst split's, where the effect of δ,
+        the same in every split, must exceed the tolerance plus that split's own distance from the baseline
+        (a triangle bound: that distance may cancel part of the effect)."""
         if [r.step for r in planted] != [r.step for r in base]:
             raise ValueError(f"the detection-limit cell {cell} has {len(planted)} steps, the baseline {len(base)}")
-        best, per_step = None, []
-        for b, p in zip(base, planted):
-            loss_tol, grad_tol = tolerances(b)
-            loss_floor, grad_floor = floor.at(b.step) if floor is not None else (0.0, 0.0)
-            # a loss recorded in bf16/fp16 is known to its resolution, which a split's comparison adds to its
-            # tolerance (compare.compare_traces): the limit allows it too — the planted cell's for the split's
-            loss_allowed = loss_tol.value + b.loss_resolution + p.loss_resolution
-            effects = [("loss", abs(p.loss - b.loss), loss_allowed, loss_floor)]
-            if not (b.skipped or p.skipped):
-                effects.append(("grad_norm", rel_diff(p.grad_norm, b.grad_norm), grad_tol.value, grad_floor))
-            here = math.inf
-            for metric, effect, allowed, noise in effects:
-                if not effect > 0 or math.isnan(effect):
-                    continue
-                limit = delta * allowed / effect
-                here = min(here, limit)
-                if best is None or limit < best["limit"]:
-                    best = dict(
-                        limit=limit, metric=metric, step=b.step, effect=effect, allowed=allowed,
-                        above_rounding=effect >= 10 * noise,
-                    )  # fmt: skip
-            per_step.append(here)
-        if best is None:
+        found = _scan(delta, base, planted, None, tolerances, floor)
+        if found is None:
             return None
-        return cls(cell=cell, delta=delta, per_step=tuple(per_step), steps=tuple(r.step for r in base), **best)
+        at_baseline, worst, split = found, found, None
+        for name, trace in (splits or {}).items():
+            if [r.step for r in trace] == [r.step for r in base]:
+                there = _scan(delta, base, planted, trace, tolerances, floor)
+                if there is not None and there[0]["limit"] > worst[0]["limit"]:
+                    worst, split = there, name
+        best, per_step = worst
+        return cls(
+            cell=cell, delta=delta, per_step=tuple(per_step), steps=tuple(r.step for r in base), split=split,
+            at_baseline=at_baseline[0]["limit"] if split else None, **best,
+        )  # fmt: skip
 
     @property
     def weakest(self) -> tuple[int, float] | None:
@@ -243,10 +243,16 @@ class DetectionLimit:
             if weakest is not None and weakest[1] > 1.5 * self.limit
             else ""
         )
+        split = (
+            f" — in {self.split}, the worst split: the error must outgrow its own distance from the baseline "
+            f"(on the baseline's split alone, δ ≥ {self.at_baseline:.1e})"
+            if self.split
+            else ""
+        )
         return (
-            f"detects rows reweighed 1 ± δ (the batch's total weight unchanged) for δ ≥ {self.limit:.1e}{bound} — "
-            f"measured on {self.cell}: δ = {self.delta:g} moved {self.metric} at step {self.step} by "
-            f"{self.effect:.1e}, tol {self.allowed:.1e}{per_step}"
+            f"detects rows reweighed 1 ± δ (the batch's total weight unchanged) for δ ≥ {self.limit:.1e}{bound}{split}"
+            f" — measured on {self.cell}: δ = {self.delta:g} moved {self.metric} at step {self.step} by "
+            f"{self.effect:.1e}, {'tol + its distance' if self.split else 'tol'} {self.allowed:.1e}{per_step}"
         )
 
     def summary(self) -> dict:
@@ -254,6 +260,38 @@ class DetectionLimit:
             "per_step": [v if math.isfinite(v) else None for v in self.per_step],
             "weakest": list(self.weakest) if self.weakest else None,
         }
+
+
+def _scan(delta, base, planted, split, tolerances, floor) -> tuple[dict, list[float]] | None:
+    """The smallest δ caught over steps and metrics, and per step: the planted error's effect (planted − base)
+    against the tolerance — plus, for a `split`, that split's own distance from the baseline and its losses'
+    resolution in place of the planted cell's."""
+    best, per_step = None, []
+    for i, (b, p) in enumerate(zip(base, planted)):
+        o = p if split is None else split[i]
+        loss_tol, grad_tol = tolerances(b)
+        loss_floor, grad_floor = floor.at(b.step) if floor is not None else (0.0, 0.0)
+        # a loss recorded in bf16/fp16 is known to its resolution, which a split's comparison adds to its
+        # tolerance (compare.compare_traces): the limit allows it too — the judged run's
+        loss_apart = 0.0 if split is None else abs(o.loss - b.loss)
+        effects = [("loss", abs(p.loss - b.loss), loss_tol.value + b.loss_resolution + o.loss_resolution + loss_apart,
+                    loss_floor)]  # fmt: skip
+        if not (b.skipped or p.skipped or o.skipped):
+            grad_apart = 0.0 if split is None else rel_diff(o.grad_norm, b.grad_norm)
+            effects.append(("grad_norm", rel_diff(p.grad_norm, b.grad_norm), grad_tol.value + grad_apart, grad_floor))
+        here = math.inf
+        for metric, effect, allowed, noise in effects:
+            if not effect > 0 or math.isnan(effect) or math.isnan(allowed):
+                continue
+            limit = delta * allowed / effect
+            here = min(here, limit)
+            if best is None or limit < best["limit"]:
+                best = dict(
+                    limit=limit, metric=metric, step=b.step, effect=effect, allowed=allowed,
+                    above_rounding=effect >= 10 * noise,
+                )  # fmt: skip
+        per_step.append(here)
+    return None if best is None else (best, per_step)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from importlib import metadata
 from pathlib import Path
@@ -131,7 +131,6 @@ def judge(
     one its cell expects says why in its reason."""
     tolerances = dict(tolerances or resolve_tolerances(matrix))
     floors, notes, causes = measure_floors(matrix, outcomes, traces, tolerances)
-    limits = measure_detection_limits(matrix, outcomes, traces, tolerances, floors)
     cells = []
     for cell in matrix.cells:
         base_id = matrix.baselines[cell.group]
@@ -163,6 +162,8 @@ def judge(
             )
         )
     cells = float32_that_does_not_fit(cells)
+    matched = {c.cell.id for c in cells if c.cell.role == Role.CELL and c.verdict == Verdict.MATCH}
+    limits = measure_detection_limits(matrix, outcomes, traces, tolerances, floors, splits=matched)
     return Report(
         baselines=dict(matrix.baselines), tolerances=tolerances, cells=cells, floors=floors, floor_notes=notes,
         detection_limits=limits, versions=dict(versions or installed_versions()),
@@ -235,8 +236,11 @@ def measure_detection_limits(
     traces: TraceStore,
     tolerances: Mapping[str, Tolerance],
     floors: Mapping[str, NoiseFloor],
+    *,
+    splits: Collection[str] = (),
 ) -> dict[str, DetectionLimit]:
-    """Each group's detection limit, where its planted cell and its baseline finished."""
+    """Each group's detection limit, where its planted cell and its baseline finished: the worst of those of
+    its `splits` (the cells that matched) — each must see the planted error beyond its own distance."""
     limits = {}
     cells = {c.id: c for c in matrix.cells}
     for group, planted in matrix.sensitivities.items():
@@ -244,6 +248,7 @@ def measure_detection_limits(
         if cells[planted].skip_reason or not all(_done(outcomes, i) for i in (base, planted)):
             continue
         tol, floor = tolerances[cells[base].dtype], floors.get(group)
+        judged = [i for i in splits if cells[i].group == group and i != base and cells[i].first_step == 0]
         try:
             limit = DetectionLimit.measure(
                 planted,
@@ -252,6 +257,7 @@ def measure_detection_limits(
                 planted=traces.get(planted),
                 tolerances=lambda record: tolerances_at(tol, record, floor),
                 floor=floor,
+                splits={i: traces.get(i) for i in judged},
             )
         except (OSError, ValueError, TypeError):
             continue

@@ -1,5 +1,5 @@
-"""The arithmetic a script's training really ran, as the probe (gaeq.script.probe) sees it — and, for a
-cell labelled fp32, the same script made float32.
+"""The arithmetic a script's training really ran, as the probe (gaeq.script.probe) sees it; for a cell
+labelled fp32, gaeq.script.float32 makes the same script float32 first and says what it switched off.
 
 What ran: autocast as the model's training forward saw it (entered around the call, or inside it as
 accelerate's wrapped forward enters it) with its dtype, the dtypes of the model's parameters, the lowest
@@ -7,13 +7,6 @@ float dtype any module inside the model produced in that forward (what FSDP2's `
 computes in: its parameters stay float32 DTensors outside the forward), an enabled loss scaler (torch's
 ``GradScaler``) and a DeepSpeed engine's bf16/fp16 section. :meth:`Precision.label` names it as gaeq's
 dtypes do (fp32, bf16, fp16, ds_bf16, ds_fp16): the cell's label is checked against it.
-
-A cell labelled fp32 runs the script with its autocast switched off, its ``GradScaler`` disabled
-(``enabled=False``: its ``scale`` returns the loss as it is, its ``step`` steps) and FSDP2's mixed precision
-left out (``fully_shard`` without its ``mp_policy``) — the same accumulation, measured where rounding is
-small (a DeepSpeed config's bf16/fp16 section gaeq writes is switched off by the launch, gaeq.script.launch).
-A cast the script writes itself (``model.to(torch.bfloat16)``) cannot be undone: its parameters' dtype says
-so, and the label check says why.
 
 A loss scaler's skipped update (inf or NaN in the gradients: ``scaler.step`` steps no optimizer; a DeepSpeed
 fp16 engine's step that counts a skipped step) is a training step without an update: the probe is told
@@ -29,12 +22,13 @@ from typing import Any
 
 import torch
 
-SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+from gaeq.script.float32 import SHORT, Float32, dtype_name
 
 
 class Precision:
     def __init__(self, *, force_float32: bool) -> None:
-        self.force_float32 = force_float32
+        self.float32 = Float32() if force_float32 else None
+        """What makes the run float32 (a cell labelled fp32), and says what it switched off."""
         self.autocast: str | None = None
         """The dtype autocast computed the model's first training forward in (None: no autocast)."""
         self.parameters: list[str] = []
@@ -42,8 +36,6 @@ class Precision:
         """An enabled loss scaler that scaled a loss: ``GradScaler``, ``DeepSpeed fp16``."""
         self.deepspeed: str | None = None
         """A DeepSpeed engine's mixed-precision section: bf16 or fp16."""
-        self.switched_off: list[str] = []
-        """What gaeq switched off to make the run float32 (``autocast bf16 (cpu)``, ``GradScaler``)."""
         self._scaled: dict[int, torch.Tensor] = {}
         """id of a scaled loss → the scale it was multiplied by (until its backward)."""
         self.produced: str | None = None
@@ -53,6 +45,13 @@ class Precision:
         self._engine = None
         """A DeepSpeed fp16 engine (its loss scale divides the losses handed to backward)."""
         self._on_skipped: Callable[[Any], None] | None = None
+        self._switched_by_launch: list[str] = []
+
+    @property
+    def switched_off(self) -> list[str]:
+        """What gaeq switched off to make the run float32 (``autocast bf16 (cpu)``, ``GradScaler``): said, and
+        added to by the launch (a DeepSpeed config's sections)."""
+        return self.float32.switched_off if self.float32 is not None else self._switched_by_launch
 
     # --- what the probe tells it ----------------------------------------------------------------
 
@@ -64,7 +63,7 @@ class Precision:
         params = list(model.parameters())
         self.parameters = sorted({str(p.dtype).removeprefix("torch.") for p in params})
         if params and torch.is_autocast_enabled(params[0].device.type):
-            self.autocast = _name(torch.get_autocast_dtype(params[0].device.type))
+            self.autocast = dtype_name(torch.get_autocast_dtype(params[0].device.type))
         for name in ("bf16", "fp16"):
             enabled = getattr(model, f"{'bfloat16' if name == 'bf16' else 'fp16'}_enabled", None)
             if callable(enabled) and enabled():  # a DeepSpeed engine
@@ -95,7 +94,7 @@ class Precision:
         for t in output if isinstance(output, (tuple, list)) else (output,):
             if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype in SHORT:
                 if self.produced is None or torch.finfo(t.dtype).eps > torch.finfo(getattr(torch, self.produced)).eps:
-                    self.produced = _name(t.dtype)
+                    self.produced = dtype_name(t.dtype)
 
     def left(self) -> None:
         self._inside -= 1
@@ -165,41 +164,24 @@ class Precision:
         """Hooks on autocast and torch's GradScaler: `on_skipped(optimizer)` for a scaler step that stepped
         no optimizer (`steps_taken()` counts the optimizer steps begun)."""
         autocast = torch.amp.autocast_mode.autocast
-        init, enter = autocast.__init__, autocast.__enter__
+        enter = autocast.__enter__
         precision = self
         self._on_skipped = on_skipped
-
-        @functools.wraps(init)
-        def probed_init(ctx, device_type, dtype=None, enabled=True, cache_enabled=None):
-            if precision.force_float32 and enabled:
-                low = dtype if dtype is not None else torch.get_autocast_dtype(device_type)
-                if low in (torch.bfloat16, torch.float16):
-                    said = f"autocast {SHORT[low]} ({device_type})"
-                    if said not in precision.switched_off:
-                        precision.switched_off.append(said)
-                    enabled = False
-            return init(ctx, device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+        if self.float32 is not None:
+            self.float32.install()  # (first: the hooks below then see the run as it is made)
 
         @functools.wraps(enter)
         def probed_enter(ctx):
             result = enter(ctx)
             if precision._inside and not precision._seen_forward and precision.autocast is None:
                 if getattr(ctx, "_enabled", False):  # entered inside the model's call (accelerate's wrapper)
-                    precision.autocast = _name(ctx.fast_dtype)
+                    precision.autocast = dtype_name(ctx.fast_dtype)
             return result
 
-        autocast.__init__, autocast.__enter__ = probed_init, probed_enter
+        autocast.__enter__ = probed_enter
 
         scaler = torch.amp.GradScaler
-        scaler_init, scale, step = scaler.__init__, scaler.scale, scaler.step
-
-        @functools.wraps(scaler_init)
-        def probed_scaler_init(gs, *args, **kwargs):
-            scaler_init(gs, *args, **kwargs)
-            if precision.force_float32 and gs._enabled:
-                gs._enabled = False  # as GradScaler(enabled=False): scale() returns the loss, step() steps
-                if "GradScaler" not in precision.switched_off:
-                    precision.switched_off.append("GradScaler")
+        scale, step = scaler.scale, scaler.step
 
         @functools.wraps(scale)
         def probed_scale(gs, outputs):
@@ -217,9 +199,7 @@ class Precision:
                 on_skipped(optimizer)  # inf/NaN found: the update skipped, the scale lowered by update()
             return result
 
-        scaler.__init__, scaler.scale, scaler.step = probed_scaler_init, probed_scale, probed_step
-        if self.force_float32:
-            self._without_fsdp_mixed_precision()
+        scaler.scale, scaler.step = probed_scale, probed_step
 
     @staticmethod
     def read_fused(optimizer, read) -> None:
@@ -233,28 +213,3 @@ class Precision:
             read.scale = float(scale)
         if (found := getattr(optimizer, "found_inf", None)) is not None and float(found) > 0:
             read.skipped = True
-
-    def _without_fsdp_mixed_precision(self) -> None:
-        """FSDP2's ``fully_shard`` as the script imports it, its ``mp_policy`` left out (float32 compute)."""
-        try:
-            import torch.distributed.fsdp as fsdp
-        except ImportError:  # a torch without distributed
-            return
-        shard, precision = fsdp.fully_shard, self
-
-        @functools.wraps(shard)
-        def float32_shard(module, *args, mp_policy=None, **kwargs):
-            if mp_policy is not None and mp_policy.param_dtype in (torch.bfloat16, torch.float16):
-                said = f"FSDP2 MixedPrecisionPolicy(param_dtype={_name(mp_policy.param_dtype)})"
-                if said not in precision.switched_off:
-                    precision.switched_off.append(said)
-                mp_policy = None
-            if mp_policy is not None:
-                kwargs["mp_policy"] = mp_policy
-            return shard(module, *args, **kwargs)
-
-        fsdp.fully_shard = float32_shard
-
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")

@@ -56,10 +56,11 @@ import gaeq.newton_schulz as newton_schulz
 import gaeq.perturb as perturb
 import gaeq.script.calls as calls
 from gaeq.accelerator import fp16_answer_record
+from gaeq.rows import trains, wraps
 from gaeq.script.contract import ENV, FAILURE_FILE, PROBE_FILE, failed_in_gaeq
 from gaeq.script.precision import Precision
 from gaeq.script.ranks import gather, rank, versions
-from gaeq.script.samples import SampleIdentity, trainable, wraps
+from gaeq.script.samples import SampleIdentity
 from gaeq.script.steps import Boundary, Seen, TrainingSteps, record, write_trace
 from gaeq.script.weights import AsLeft, UpdateSketch, active_dropout, engine_norm, fingerprint, grad_norm
 
@@ -92,11 +93,10 @@ class Probe:
         self._nudge = None
         """A noise-floor twin's nudge: applied before the probe reads a step's norm (that norm is the twin's)."""
         self._failure: dict | None = None
-        self._steps_begun = 0
-        self.step = 0
+        self._steps_begun = self.step = 0
         self.model: torch.nn.Module | None = None
-        """The module being trained: the first called with gradients on that has trainable parameters
-        (DDP's wrapper or DeepSpeed's engine, if there is one), or the one gaeq.probe(model=…) names."""
+        """The module being trained (gaeq.rows.trains: DDP's wrapper or DeepSpeed's engine, if there is one), or
+        the one gaeq.probe(model=…) names."""
         self.reads: torch.nn.Module | None = None
         """The module whose inputs are the samples: the model, inside any wrapper (DDP, a DeepSpeed engine, a
         LightningModule whose training_step Lightning calls) — the same module at every split."""
@@ -135,7 +135,7 @@ class Probe:
         probe = cls(
             Path(config["out"]), int(config["steps"]), config.get("perturbation"), float32=config.get("float32", False)
         )
-        probe.precision.switched_off += config.get("switched_off", [])  # by the launch: a config's sections
+        probe.precision.switched_off.extend(config.get("switched_off", []))  # by the launch: a config's sections
         return probe
 
     def failed(self, exc: BaseException) -> None:
@@ -218,12 +218,12 @@ class Probe:
         if any(self._calls):  # inside the model: its own modules
             self._calls.append(False)
             return
-        if self.model is None and torch.is_grad_enabled() and trainable(module):
+        if self.model is None and trains(module):
             self.model = module
             from gaeq.trainers.cost import watch_cost  # (loaded once a model trains)
 
             self._memory, self._comm = watch_cost(module)
-        if self.reads is None and torch.is_grad_enabled() and trainable(module) and not wraps(module):
+        if self.reads is None and trains(module) and not wraps(module):
             self.reads = module  # (inside a wrapper's call: what it calls is the model that gets the batch)
         self._calls.append(module is self.reads and torch.is_grad_enabled())
         if self._calls[-1]:

@@ -31,8 +31,6 @@ from typing import Any
 
 import torch
 
-import gaeq.rows as rows
-
 IGNORE_INDEX = -100
 """The label ignore index of torch's cross-entropy and of transformers' collators: label padding."""
 MASK_NAMES = ("attention_mask",)
@@ -311,12 +309,3 @@ def _sequence_length(inputs: list[tuple[str, torch.Tensor]], mask: torch.Tensor 
         return mask.shape[1]
     ids = next((t for _, t in inputs if t.ndim == 2 and not t.is_floating_point() and t.dtype != torch.bool), None)
     return None if ids is None else ids.shape[1]
-
-
-wraps = rows.wraps
-"""Whether a module is one a training call goes through to reach the model (gaeq.rows.CALL_WRAPPERS)."""
-
-
-def trainable(module: torch.nn.Module) -> bool:
-    """Whether `module` has a parameter that trains (a loss or a metric has none; a frozen teacher's do not)."""
-    return any(p.requires_grad for p in module.parameters())

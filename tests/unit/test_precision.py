@@ -147,7 +147,7 @@ def test_the_model_a_script_names_is_the_one_the_instruments_weigh_not_a_teacher
         applied.name_model(student)
         teacher(x).sum().backward()
         student(x).sum().backward()
-    rows = torch.tensor([1.5, 1.5, 0.5, 0.5]).unsqueeze(1)  # rows reweighed 1 ± 0.5, the total unchanged
+    rows = torch.tensor([1.5, 0.5, 1.5, 0.5]).unsqueeze(1)  # rows reweighed 1 ± 0.5, the total unchanged
     assert torch.allclose(student.weight.grad, (rows * x).sum(0).expand(2, 3))
     assert torch.allclose(teacher.weight.grad, x.sum(0).expand(2, 3))  # the teacher as it is
     # the control: unnamed, the first trainable module called is taken for the model — the teacher is weighed
