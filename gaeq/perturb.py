@@ -14,13 +14,12 @@ check, which module is the model).
 - **row order** and **order check** (the twins too, gaeq.rows): each batch's rows in another order, and
   whether the model's output depends on it (or on random draws) beyond rounding.
 - **weight** (the detection limit's probe, and a control of tunable size): the gradient that reaches the
-  model's output for alternate rows of each forward × (1 + δ), for the others × (1 − δ) (scaled so that
-  the batch's total weight is unchanged). Alternate rows, so that a split whose micro-batches are even
-  slices of the batch weighs the very rows the baseline does: the same error in every split. A
-  **zero-sum** reweighting, the shape of the mistakes users make (a mean of micro-batch means, a token
-  count per rank, a row weighed per pack): rows weighed wrongly against each other, the sum of the weights
-  right, seen only as far as the rows' gradients differ. It is applied once per forward, on the one tensor
-  the loss is taken on (`rows_of`).
+  model's output for the step's even rows × (1 + δ), for its odd rows × (1 − δ) — counted over the step's
+  forwards, so that every split weighs the very rows the whole batch does: the same error in every split. A
+  **zero-sum** reweighting (over a step of an even number of rows), the shape of the mistakes users make (a
+  mean of micro-batch means, a token count per rank, a row weighed per pack): rows weighed wrongly against
+  each other, the sum of the weights right, seen only as far as the rows' gradients differ. It is applied
+  once per forward, on the one tensor the loss is taken on (`rows_of`).
 
 The model is the outermost module called with gradients on that has trainable parameters (DDP's
 wrapper, a DeepSpeed engine or the model itself: their output is the model's). Applied through
@@ -152,15 +151,28 @@ class Outermost:
             self.last_rows = output
 
 
-def weigh_model(output, inside, delta: float) -> None:
+class RowCount:
+    """Rows the model's training forwards produced since the last optimizer step: where in its step the next
+    forward's first row stands (the planted weight alternates over the step's rows, not each forward's)."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def reset(self, *_) -> None:
+        self.seen = 0
+
+
+def weigh_model(output, inside, delta: float, count: RowCount | None = None) -> None:
     """The model's output weighed (:func:`weigh_rows`) — or, where it holds no tensor with rows (a model
     that returns its loss), `inside`: the last output with rows a module inside it produced, from which
-    every parameter before it gets its gradient."""
+    every parameter before it gets its gradient. Its rows counted on from `count`'s."""
     rows = rows_of(output)
     if rows is None and inside is not None:
         rows = rows_of(inside)
     if rows is not None:
-        weigh_rows(rows, delta)
+        weigh_rows(rows, delta, start=count.seen if count is not None else 0)
+        if count is not None:
+            count.seen += rows.shape[0]
 
 
 def rows_of(output) -> torch.Tensor | None:
@@ -177,24 +189,20 @@ def rows_of(output) -> torch.Tensor | None:
     return None
 
 
-def row_weights(rows: int, delta: float, *, dtype=torch.float32, device=None) -> torch.Tensor:
-    """Rows 0, 2, 4, … weighed 1 + δ, the others less: zero-sum, the weights summing to `rows` (a single row:
-    weighed 1 + δ, nothing to weigh it against). Alternate rows rather than halves: a micro-batch of an even
-    number of rows, cut from the batch in order, weighs each row as the whole batch does."""
-    weights = torch.ones(rows, dtype=torch.float64)
-    weights[0::2] += delta
-    if rows > 1:
-        weights[1::2] -= delta * len(weights[0::2]) / len(weights[1::2])
-    return weights.to(dtype=dtype, device=device)
+def row_weights(rows: int, delta: float, *, start: int = 0, dtype=torch.float32, device=None) -> torch.Tensor:
+    """Rows weighed 1 + δ and 1 − δ in turn, the first being the step's row `start`: the even rows of the step
+    up, the odd ones down — zero-sum over a step of an even number of rows. By the row's place in its step,
+    not in its forward: a split weighs the very rows the whole batch does, whatever its micro batch (on one
+    rank, its micro-batches cut from the batch in order)."""
+    signs = 1 - 2 * ((torch.arange(rows, dtype=torch.int64) + start) % 2)
+    return (1 + delta * signs.to(torch.float64)).to(dtype=dtype, device=device)
 
 
-def weigh_rows(output: torch.Tensor, delta: float) -> None:
-    """Hook `output` so that its rows — its positions, for a single row — pass back their gradient ×
-    :func:`row_weights`: alternate rows × (1 + delta), the others less, the batch's total weight unchanged."""
-    dim = 0 if output.shape[0] > 1 or output.dim() == 1 else 1
-    weights = row_weights(output.shape[dim], delta, dtype=output.dtype, device=output.device)
-    shape = [1] * output.dim()
-    shape[dim] = -1
+def weigh_rows(output: torch.Tensor, delta: float, *, start: int = 0) -> None:
+    """Hook `output` so that its rows pass back their gradient × :func:`row_weights` (its first row the step's
+    row `start`): alternate rows of the step × (1 + delta), the others × (1 − delta)."""
+    weights = row_weights(output.shape[0], delta, start=start, dtype=output.dtype, device=output.device)
+    shape = [-1] + [1] * (output.dim() - 1)
     output.register_hook(lambda grad: None if grad is None else grad * weights.view(shape))
 
 
@@ -239,8 +247,10 @@ def applied(
             order = RowOrder(twin_seed)
             order.install()
     if weight is not None:
-        watch = Outermost(on_model=lambda module, output, inside: weigh_model(output, inside, weight))
+        count = RowCount()
+        watch = Outermost(on_model=lambda module, output, inside: weigh_model(output, inside, weight, count))
         handles += [
+            register_optimizer_step_post_hook(count.reset),
             torch.nn.modules.module.register_module_forward_pre_hook(watch.before),
             torch.nn.modules.module.register_module_forward_hook(watch.after, always_call=True),
         ]

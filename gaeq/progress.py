@@ -58,6 +58,9 @@ class RunProgress:
                 f"freed {event.freed_bytes / 2**20:.0f} MB of /dev/shm: {event.freed_segments} all-reduce "
                 "buffer(s) left by gaeq runs that were killed"
             )
+        elif kind == EventKind.BUILD and event.waiting_on is not None:
+            self.say(f"waiting for {event.op}: another process is building it in {event.waiting_on}")
+            self.progress.update(current, description=f"  waiting for {event.op.split(' (')[0]}", visible=True)
         elif kind == EventKind.BUILD and event.seconds is None:
             self.say(f"building {event.op}: its first use on this machine (cached after; before any cell starts)")
             self.progress.update(current, description=f"  building {event.op.split(' (')[0]}", visible=True)

@@ -52,7 +52,7 @@ class Perturbation:
     twin_seed: int | None = None
     """Every gradient × (1 ± eps) before each optimizer step, signs seeded by this: a noise-floor twin."""
     weight: float | None = None
-    """The gradient of alternate rows of every forward × (1 + weight), the others less: an error of known size."""
+    """The gradient of the step's even rows × (1 + weight), its odd rows' × (1 − weight): an error of known size."""
 
     @property
     def id_part(self) -> str:

@@ -58,8 +58,8 @@ from gaeq.registry import (
 )
 
 SENSITIVITY_WEIGHT = 1e-2
-"""The error the detection limit is measured with: each batch's rows reweighed 1 ± this (alternate rows'
-gradient × (1 + this), the others' less, the batch's total weight unchanged: gaeq.perturb.row_weights) — large
+"""The error the detection limit is measured with: each batch's rows reweighed 1 ± this (the step's even
+rows' gradient × (1 + this), its odd rows' × (1 − this), the total weight unchanged: perturb.row_weights) — large
 enough that its effect stands far above rounding at every size of the scale ladder, small enough that the
 effect is still proportional to it (docs/verdicts.md: the detection limit, checked both ways)."""
 MIXED_SENSITIVITY_WEIGHT = 1e-1

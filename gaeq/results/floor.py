@@ -164,7 +164,7 @@ class DetectionLimit:
     cell: str
     """The cell that carried the planted error."""
     delta: float
-    """The error planted: alternate rows of each forward × (1 + delta), the others less (zero-sum)."""
+    """The error planted: the step's even rows × (1 + delta), its odd rows × (1 − delta) (zero-sum)."""
     limit: float
     metric: str
     step: int

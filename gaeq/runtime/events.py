@@ -48,6 +48,9 @@ class Event:
     """build: the op being built (gaeq.runtime.ops)."""
     seconds: float | None = None
     """build: how long it took, once built (None while it builds)."""
+    waiting_on: str | None = None
+    """build: the folder another process is building the op in, that this run waits for (its lock held, its
+    compilers alive: gaeq.runtime.ops.stale), and for how long it has been building."""
     cells: int = 0
     """more: how many cells are added to the run."""
 

@@ -101,8 +101,9 @@ def ensure_built(ops: Iterable[Op], on_event: OnEvent) -> None:
                 if not line.startswith("{"):
                     continue
                 said = json.loads(line)
-                if said["state"] == "building":
-                    on_event(Event(kind=EventKind.BUILD, world_size=0, op=what))
+                if said["state"] in ("building", "waiting"):
+                    waiting = f"{said['dir']} ({said['for']:.0f} s so far)" if said["state"] == "waiting" else None
+                    on_event(Event(kind=EventKind.BUILD, world_size=0, op=what, waiting_on=waiting))
             code = proc.wait()
         finally:
             if proc.poll() is None:  # interrupted: the build and every compiler it started (a killed build's
@@ -191,7 +192,11 @@ def _main(builder_name: str) -> int:
     if stale(folder, library):
         print(json.dumps({"state": "stale", "dir": str(folder)}), flush=True)
         return 0
-    print(json.dumps({"state": "building", "dir": str(folder)}), flush=True)
+    try:  # another process builds it now (its lock, not stale): torch's lock makes this one wait for it
+        said = {"state": "waiting", "dir": str(folder), "for": time.time() - (folder / "lock").stat().st_mtime}
+    except OSError:
+        said = {"state": "building", "dir": str(folder)}
+    print(json.dumps(said), flush=True)
     started = time.perf_counter()
     builder.load(verbose=False)
     print(json.dumps({"state": "built", "dir": str(folder), "seconds": time.perf_counter() - started}), flush=True)

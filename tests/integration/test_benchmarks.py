@@ -39,9 +39,9 @@ PHASES = {
     "noise_floor.py": ("false alarms / missed controls", "\nfp32 ", "\nbf16@gpt_43k ", "figure: /"),
     "detection_limit.py": (  # (it exits 1 when a planted split contradicts the limit: both ways, in every split)
         "| tiny.yaml | fp32 |",
-        "(3 ×) | 2/2 |",
+        "(2 ×) | 2/2 |",
         "(0.33 ×) | 0/2 |",
-        "verdicts contradicting the limit by 3× or more: 0",
+        "verdicts contradicting the limit (missed at 2 ×, or caught by the loss or grad norm at a third): 0",
     ),
     "script_speed.py": (
         "splits through gaeq run",

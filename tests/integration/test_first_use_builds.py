@@ -1,18 +1,21 @@
 """A DeepSpeed op's first use on a machine, as a newcomer meets it (gaeq/runtime/ops.py): a lock a killed
-build left is named with the command that clears it, at once — never waited on —; after that command, the
-op is built by `gaeq run` itself before any cell starts, shown as progress, and the run trains.
+build left is named with the command that clears it, at once — never waited on —; after that command, a
+second run started while a first build is alive waits for it (said, with the folder), then trains.
 
 The build is the one this machine pays once anyway, into its own cache, where the comm op was never built
 there (a fresh clone's first suite: every later DeepSpeed cell finds it). Where it was, the test's empty
-cache is given the objects this machine compiled (`*.o`, ninja's files), not the library: DeepSpeed's
-builder then runs as on first use and ninja links the library (~1 s instead of a ~55 s compile that
-proves nothing more about gaeq: the compile is DeepSpeed's and torch's)."""
+cache is given the objects this machine compiled (`*.o`, ninja's files) but one: DeepSpeed's builder then
+runs as on first use and ninja compiles that one object (~20 s, a real build the run must wait for) and
+links the library."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import sys
 import time
+from pathlib import Path
 from subprocess import PIPE
 
 import pytest
@@ -20,7 +23,7 @@ import yaml
 
 from gaeq.runtime.ops import COMM, STALE_AFTER_S, built_here, library
 from tests.helpers import small_spec
-from tests.processes import gaeq_command, leftovers, new_tag, run
+from tests.processes import gaeq_command, leftovers, new_tag, run, running
 
 pytestmark = [pytest.mark.integration, pytest.mark.first_use_build]
 
@@ -50,17 +53,26 @@ def test_a_dead_builds_lock_is_named_and_a_first_use_build_runs_before_any_cell(
             env = dict(os.environ)
         else:
             compiled(folder)
-        built = run(gaeq_command("run", "--matrix", str(tmp_path / "m.yaml"), "--out", str(tmp_path / "b")),
-                    timeout=900, tag=tag, env=env, stdout=PIPE, stderr=PIPE, text=True)  # fmt: skip
-        said = built.stdout + built.stderr
-        assert built.returncode == 0, said[-4000:]
-        building = said.index("building ShareMemCommBuilder")
-        assert building < said.index("built ShareMemCommBuilder") and "before any cell starts" in said
+        with running([sys.executable, "-m", "gaeq.runtime.ops", COMM.builder], tag=tag, env=env, stdout=PIPE,
+                     text=True) as first:  # fmt: skip
+            building = json.loads(first.stdout.readline())  # a first run's build, alive
+            assert building["state"] == "building", building
+            lock = Path(building["dir"]) / "lock"
+            while not lock.exists() and first.poll() is None:  # (DeepSpeed's builder takes torch's lock)
+                time.sleep(0.2)
+            second = run(gaeq_command("run", "--matrix", str(tmp_path / "m.yaml"), "--out", str(tmp_path / "b")),
+                         timeout=900, tag=tag, env=env, stdout=PIPE, stderr=PIPE, text=True)  # fmt: skip
+            said = second.stdout + second.stderr
+            assert second.returncode == 0, said[-4000:]  # it waited for the live build, then trained
+            waited = f"waiting for {COMM.builder} ({COMM.why}): another process is building it in {building['dir']}"
+            assert waited in said, said[-4000:]
+            assert "rm -rf" not in said and first.wait(timeout=600) == 0
         assert built_here(COMM) if own_cache else (folder / f"{COMM.name}.so").exists()
     finally:
         assert leftovers(tag) == []
 
 
 def compiled(folder):
-    """This machine's compiled objects of the comm op, copied into `folder` with their times, no library."""
-    shutil.copytree(library(COMM).parent, folder, ignore=shutil.ignore_patterns("*.so", "lock"))
+    """This machine's compiled objects of the comm op but one, copied into `folder` with their times, no library:
+    the build then compiles that one (a build that lasts) and links."""
+    shutil.copytree(library(COMM).parent, folder, ignore=shutil.ignore_patterns("*.so", "lock", "shm_interface.o"))

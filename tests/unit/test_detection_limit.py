@@ -54,11 +54,11 @@ def test_a_nudge_moves_every_gradient_by_a_unit_in_the_last_place_once_per_outer
 
 def test_rows_are_reweighed_one_plus_minus_delta_their_total_weight_unchanged_once_per_forward():
     torch.manual_seed(0)
-    model, x = torch.nn.Linear(4, 3), torch.randn(9, 4)
-    weights = perturb.row_weights(9, 0.25)
-    assert weights[0::2].tolist() == [1.25] * 5 and float(weights.sum()) == pytest.approx(9.0)  # zero-sum
-    # alternate rows: a micro-batch of an even number of rows cut from the batch weighs each row as the batch does
-    assert torch.equal(perturb.row_weights(8, 0.25), perturb.row_weights(16, 0.25)[4:12])
+    model, x = torch.nn.Linear(4, 3), torch.randn(10, 4)
+    weights = perturb.row_weights(10, 0.25)
+    assert weights[0::2].tolist() == [1.25] * 5 and float(weights.sum()) == pytest.approx(10.0)  # zero-sum
+    # by the row's place in its step: a micro-batch from row 5 of the step on weighs each row as the batch does
+    assert torch.equal(perturb.row_weights(3, 0.25, start=5), perturb.row_weights(10, 0.25)[5:8])
 
     def grads(**kw):
         model.zero_grad()
@@ -72,7 +72,7 @@ def test_rows_are_reweighed_one_plus_minus_delta_their_total_weight_unchanged_on
     model.zero_grad()
     with perturb.applied(weight=0.25):
         model(x).sum().backward()  # every row's gradient the same: a zero-sum reweighting moves nothing
-    assert torch.allclose(model.bias.grad, torch.full((3,), 9.0))
+    assert torch.allclose(model.bias.grad, torch.full((3,), 10.0))
 
     class Several(torch.nn.Module):  # a transformers-style output holding several tensors: logits weighed once
         def __init__(self):
@@ -100,6 +100,20 @@ def test_rows_are_reweighed_one_plus_minus_delta_their_total_weight_unchanged_on
     assert perturb.rows_of((torch.zeros(()), out.requires_grad_())) is out  # a tuple: its first tensor with rows
     with torch.no_grad(), perturb.applied(weight=0.25):
         assert not model(x).requires_grad  # an evaluation forward is left alone
+    # counted over the step's forwards: two micro-batches of 5 weigh the rows as one forward of 10 does; after an
+    # optimizer step the count starts again (a forward of rows 5–9 then weighs them as the step's rows 0–4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    model.zero_grad()
+    with perturb.applied(weight=0.25):
+        for micro_batch in (x[:5], x[5:]):
+            model(micro_batch).square().sum().backward()
+        assert torch.allclose(model.weight.grad - plain, moved, atol=1e-5)
+        optimizer.step()
+        model.zero_grad()
+        model(x[5:]).square().sum().backward()
+    late = model(x[5:]).detach()
+    anew = 2 * ((perturb.row_weights(5, 0.25) - 1)[:, None] * late).T @ x[5:]
+    assert torch.allclose(model.weight.grad - 2 * late.T @ x[5:], anew, atol=1e-5)
 
 
 def test_the_order_check_names_what_besides_rounding_moves_the_output():
