@@ -225,8 +225,8 @@ def check(
         str | None,
         typer.Option(
             "--baseline",
-            help="The reference the splits are compared with: a split (w2:mb8), or auto — world 1 with the whole "
-            "batch, else GA 1 at the largest micro batch a split ran at. Default: world 1, the whole batch.",
+            help="The reference the splits are compared with: a split (w2:mb8); auto — world 1 with the whole batch, "
+            "else GA 1 at the largest micro batch a split ran at; none — each split judged by its targets' weights.",
         ),
     ] = None,
     instruments: Annotated[
@@ -258,8 +258,7 @@ def check(
         steps=steps,
         launcher=launcher,
         deepspeed_config=deepspeed_config,
-        baseline=None if baseline in (None, "auto") else _split(baseline, option="--baseline"),
-        auto=baseline == "auto",
+        baseline=baseline if baseline in (None, "auto", "none") else _split(baseline, option="--baseline"),
         instruments=instruments,
         dtypes=dtype.split(",") if dtype else (),
     )

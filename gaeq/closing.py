@@ -9,7 +9,7 @@ from rich.markup import escape
 from gaeq.api import RunResult
 from gaeq.results.cell_report import INSTRUMENTS
 from gaeq.results.compare import Verdict
-from gaeq.results.lines import floor_lines, reference_lines, versions_line
+from gaeq.results.lines import floor_lines, reference_lines, versions_line, weights_lines
 from gaeq.results.render import cost_table, verdict_table
 
 
@@ -31,7 +31,7 @@ def print_result(console: Console, result: RunResult) -> int:
         console.print(f"[bold]{c.id}[/] ({c.verdict}): {escape(c.reason)}", highlight=False, soft_wrap=True)
     if like_baseline:
         console.print(f"{', '.join(like_baseline)} (error): as their baseline, whose split they run", highlight=False)
-    for line in [*reference_lines(report), *floor_lines(report), versions_line(report)]:
+    for line in [*weights_lines(report), *reference_lines(report), *floor_lines(report), versions_line(report)]:
         console.print(escape(line), highlight=False, soft_wrap=True)  # ([fp32, bf16] is text, not markup)
     s = report.summary
     status = "[bold green]OK[/]" if report.ok else "[bold red]NOT OK[/]"

@@ -334,6 +334,8 @@ class Matrix:
     """group → id of the cell that measures its detection limit (Role.SENSITIVITY)."""
     references: dict[str, Reference] = field(default_factory=dict)
     """group → the reference `baseline: auto` chose for it, once chosen (`load.with_references`)."""
+    unreferenced: tuple[str, ...] = ()
+    """Groups with no reference (`baseline: none`): each split judged by its targets' weights alone."""
     plugin_dirs: tuple[str, ...] = ()
     """Folders searched for plugin modules: the matrix file's folder and the working directory."""
     source: dict = field(default_factory=dict, compare=False, repr=False)

@@ -32,14 +32,14 @@ def check_matrix(
     steps: int,
     launcher: Launcher,
     deepspeed_config: Path | None = None,
-    baseline: tuple[int, int] | None = None,
-    auto: bool = False,
+    baseline: tuple[int, int] | str | None = None,
     instruments: Instruments = Instruments.ALL,
     dtypes: Sequence[str] = (),
 ) -> dict[str, Any]:
     """The script matrix `gaeq check` runs: `script` with `script_args` under each (world, micro) of `splits`,
-    compared with `baseline` (world, micro; default world 1 with the whole batch) or the one `auto` chooses; in each
-    of `dtypes` (default fp32: a mixed-precision script made float32, its sharpest run), each with its reference."""
+    compared with `baseline` (world, micro; default world 1 with the whole batch), the one `"auto"` chooses, or —
+    `"none"` — none (each split judged by its targets' weights alone, gaeq.script.objective); in each of
+    `dtypes` (default fp32: a mixed-precision script made float32, its sharpest run), each with its reference."""
     spec: dict[str, Any] = {
         "name": "check",
         "script": {"path": str(script.resolve()), "launcher": launcher.value, "args": list(script_args)}
@@ -54,8 +54,8 @@ def check_matrix(
         "noise_floor": instruments in (Instruments.ALL, Instruments.FLOOR),
         "detection_limit": instruments in (Instruments.ALL, Instruments.LIMIT),
     }
-    if auto:
-        spec["baseline"] = "auto"
+    if isinstance(baseline, str):
+        spec["baseline"] = baseline
     elif baseline is not None:
         spec["baseline"] = {"world_size": baseline[0], "micro_batch_size": baseline[1]}
     return spec

@@ -76,6 +76,7 @@ class Expander:
         self.problems = _variant_problems(spec)
         self.cells: list[Cell] = []
         self.baselines: dict[str, str] = {}
+        self.unreferenced: list[str] = []
         """group (dtype[@variant]) → id of its baseline cell."""
         self.floors: dict[str, tuple[str, ...]] = {}
         """group → ids of the twins that measure its noise floor."""
@@ -174,9 +175,15 @@ class Expander:
         """The group's baseline (the matrix's, or its variant's), added once, before its cells."""
         self.problem(variant)  # an unknown variant is named here
         key = group_key(dtype=dtype, variant=variant)
-        if key in self.baselines:
+        if key in self.baselines or key in self.unreferenced:
             return
         b = baseline_spec(self.spec, variant)
+        if b.none:  # judged by its weights alone: no reference, and nothing to measure one by
+            if not self.problems[variant].script:
+                raise MatrixError("baseline: none judges a script's splits by the weights its probe reads: a script "
+                                  "matrix only (gaeq's own trainers have a reference)")  # fmt: skip
+            self.unreferenced.append(key)
+            return
         micro = b.micro_batch_size or self.problems[variant].train_batch_size
         chosen = {}
         if (reference := self.references.get(key)) is not None:
@@ -311,6 +318,7 @@ class Expander:
             problems=self.problems,
             cells=tuple(unique.values()),
             baselines=self.baselines,
+            unreferenced=tuple(self.unreferenced),
             floors=self.floors,
             sensitivities=self.sensitivities,
             references=self.references,

@@ -83,7 +83,8 @@ def _script_matrix(raw: dict, base_dir: Path) -> dict:
     if isinstance(raw.get("axes"), dict):
         raw["axes"].setdefault("trainer", ["script"])
     given = raw.get("baseline") or {}
-    raw["baseline"] = {"trainer": "script"} | ({"auto": True} if given == "auto" else given)
+    said = {"auto": {"auto": True}, "none": {"none": True}}  # (the schema reads the words; with the trainer, a mapping)
+    raw["baseline"] = {"trainer": "script"} | (said[given] if isinstance(given, str) and given in said else given)
     raw["cells"] = [{"trainer": "script"} | c if isinstance(c, dict) else c for c in raw.get("cells") or []]
     return raw
 

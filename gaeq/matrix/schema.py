@@ -224,16 +224,24 @@ class BaselineSpec(_Spec):
         description="The fewest ranks at GA 1 whose micro batch fits, found from what ran: world 1 with the whole "
         "batch, else — where that ran out of memory — the largest micro batch a split of the group ran at.",
     )
+    none: bool = Field(
+        False,
+        description="No reference (`baseline: none`, a script's only): each split judged by the weights its "
+        "targets got in one run of it (gaeq.script.objective) — the objective's weighting, not the optimizer, "
+        "the data or the schedule.",
+    )
 
     @model_validator(mode="before")
     @classmethod
     def _auto(cls, given: Any) -> Any:
-        return {"auto": True} if given == "auto" else given
+        return {"auto": True} if given == "auto" else {"none": True} if given == "none" else given
 
     @model_validator(mode="after")
     def _auto_alone(self) -> BaselineSpec:
         if self.auto and {"world_size", "micro_batch_size"} & self.model_fields_set:
             raise ValueError("auto chooses world_size and micro_batch_size: give them, or auto, not both")
+        if self.none and ({"world_size", "micro_batch_size", "zero_stage"} & self.model_fields_set or self.auto):
+            raise ValueError("none is no reference: give a reference's split, or none, not both")
         return self
 
 

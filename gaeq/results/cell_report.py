@@ -99,6 +99,8 @@ class CellReport:
     comparison: Comparison | None = None
     outcome: CellOutcome | None = None
     cost: Cost = Cost()
+    weights: dict | None = None
+    """A script cell's targets' weights in words (gaeq.script.objective.Weighting.summary): `line`, `shape`, …"""
 
     # The cell: what it is.
     id = Part[str]("cell")
@@ -242,7 +244,7 @@ JSON_FIELDS = (
     *("max_abs_loss_diff", "max_rel_grad_norm_diff", "max_abs_grad_diff", "max_abs_param_diff"),
     *("first_divergent_step", "caught_by", "divergence_steps", "not_checked", "margin", "reason", "seconds"),
     *("samples_per_s", "step_seconds", "peak_mem_bytes", "comm_bytes_per_step", "model_state_bytes"),
-    *("p2p_bytes_per_step", "bubble", "bubble_theory", "a2a_bytes_per_step", "ran"),
+    *("p2p_bytes_per_step", "bubble", "bubble_theory", "a2a_bytes_per_step", "ran", "weights"),
 )
 """A cell's entry in report.json, in this order."""
 

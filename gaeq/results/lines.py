@@ -23,6 +23,16 @@ def versions_line(report: Report) -> str:
     return "Versions: " + ", ".join(f"{name} {version}" for name, version in report.versions.items())
 
 
+def weights_lines(report: Report) -> list[str]:
+    """Each script split's targets' weights in words (gaeq.script.objective): `Weights: <cell>: every target
+    weighs 1/N ± 3e-07 …: the step's target mean` — the instruments' left out (they plant or nudge)."""
+    return [
+        f"Weights: {c.id}: {c.weights['line']}"
+        for c in report.cells
+        if c.weights and c.cell.role in (Role.CELL, Role.BASELINE)
+    ]
+
+
 def reference_lines(report: Report) -> list[str]:
     """What each group's verdicts are relative to (gaeq.results.reference): its reference in words, how
     `baseline: auto` chose it, or the reference that would fit where it ran out of memory."""

@@ -21,7 +21,7 @@ from gaeq.files import atomic_write
 from gaeq.matrix import Cell, Matrix, Role
 from gaeq.results.cell_report import INSTRUMENTS
 from gaeq.results.compare import Verdict
-from gaeq.results.lines import caught, floor_lines, reference_lines, versions_line
+from gaeq.results.lines import caught, floor_lines, reference_lines, versions_line, weights_lines
 from gaeq.results.report import CellReport, Report
 
 
@@ -223,6 +223,7 @@ def render_markdown(report: Report, *, figure: str | None = None) -> str:
         versions_line(report),
         "",
         *(line for reference in reference_lines(report) for line in (reference, "")),
+        *(line for weights in weights_lines(report) for line in (weights, "")),
         *([f"![loss of every cell, and |Δloss| vs baseline]({figure})", ""] if figure else []),
         "Tolerances: "
         + "; ".join(

@@ -27,6 +27,7 @@ from gaeq.results.outcome import CellOutcome
 from gaeq.results.reference import float32_that_does_not_fit, in_words, what_fits
 from gaeq.results.snapshots import compare_snapshots, read_snapshots
 from gaeq.results.trace import TraceStore, cell_dir
+from gaeq.results.weighing import beside, judged_alone, weighting_of
 from gaeq.script.verdict import read_probe, script_checks
 
 VERDICTS = tuple(Verdict)
@@ -87,13 +88,14 @@ class Report:
         """What the verdicts are relative to, once per distinct reference: `world 2 × micro 8, GA 1`."""
         return "; ".join(dict.fromkeys(self.references.values()))
 
-    def baseline_of(self, cell: CellReport) -> str:
-        return self.baselines[group_key(dtype=cell.dtype, variant=cell.variant)]
+    def baseline_of(self, cell: CellReport) -> str | None:
+        """The cell's reference; None for a group that has none (`baseline: none`)."""
+        return self.baselines.get(group_key(dtype=cell.dtype, variant=cell.variant))
 
     def to_json(self) -> dict:
         return {
             "ok": self.ok,
-            "baseline": next(iter(self.baselines.values())),
+            "baseline": next(iter(self.baselines.values()), None),
             "baselines": self.baselines,
             "tolerances": {dtype: asdict(tol) for dtype, tol in self.tolerances.items()},
             "noise_floors": {group: floor.summary() for group, floor in self.floors.items()},
@@ -132,19 +134,19 @@ def judge(
     tolerances = dict(tolerances or resolve_tolerances(matrix))
     floors, notes, causes = measure_floors(matrix, outcomes, traces, tolerances)
     cells = []
+    weights = {c.id: weighting_of(traces.run_dir, c.id) for c in matrix.cells if TRAINERS[c.trainer].script}
     for cell in matrix.cells:
-        base_id = matrix.baselines[cell.group]
-        verdict, reason, comparison = _judge_cell(
-            cell,
-            base_id=base_id,
-            outcomes=outcomes,
-            traces=traces,
-            tolerance=tolerances[cell.dtype],
-            tracked=tuple(matrix.spec.track),
-            floor=floors.get(cell.group),
-            twins=matrix.floors.get(cell.group, ()),
-            causes=causes.get(cell.group, ()),
-        )
+        base_id = matrix.baselines.get(cell.group)
+        judged = dict(base_id=base_id, outcomes=outcomes, traces=traces, tolerance=tolerances[cell.dtype])
+        verdict, reason, comparison = (
+            _judge_alone(cell, outcomes, weights.get(cell.id))
+            if base_id is None
+            else _judge_cell(
+                cell, **judged, tracked=tuple(matrix.spec.track), floor=floors.get(cell.group),
+                twins=matrix.floors.get(cell.group, ()), causes=causes.get(cell.group, ()),
+            )
+        )  # fmt: skip
+        own = weights.get(cell.id)
         if (unmet := unmet_expectation(cell.expectation, comparison)) is not None:
             reason += f" — {unmet}"
         ran = getattr(outcomes.get(cell.id), "ran", None) or {}
@@ -155,6 +157,7 @@ def judge(
                 reason=reason,
                 comparison=comparison,
                 outcome=outcomes.get(cell.id),
+                weights=None if own is None else beside(own, weights.get(base_id)).summary(),
                 cost=Cost.of(
                     traces.usable(cell.id) if verdict in (Verdict.MATCH, Verdict.DIVERGE) else None,
                     compiling=ran.get("compile_seconds", 0.0),  # a compiled cell's: reported apart, in its `ran`
@@ -180,6 +183,8 @@ def references(matrix: Matrix, outcomes: Mapping[str, CellOutcome]) -> dict[str,
             notes[group] = f"baseline auto: {chosen.why}"
         if (fit := what_fits(matrix, outcomes, group)) is not None:
             notes[group], fits[group] = fit
+    for group in matrix.unreferenced:
+        words[group] = "no reference (each split judged by its targets' weights alone)"
     return {"references": words, "reference_notes": notes, "fits": {g: f for g, f in fits.items() if f}}
 
 
@@ -300,6 +305,16 @@ def installed_versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             continue
     return versions
+
+
+def _judge_alone(cell: Cell, outcomes, own):
+    """A split of a group with no reference (`baseline: none`): judged by its targets' weights (results.weighing)."""
+    if cell.skip_reason:
+        return Verdict.SKIPPED, cell.skip_reason, None
+    outcome = outcomes.get(cell.id)
+    if outcome is None or outcome.status != "done":
+        return Verdict.ERROR, "did not run" if outcome is None else outcome.reason, None
+    return (*judged_alone(own), None)
 
 
 def _judge_cell(

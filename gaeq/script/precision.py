@@ -46,6 +46,8 @@ class Precision:
         """A DeepSpeed fp16 engine (its loss scale divides the losses handed to backward)."""
         self._on_skipped: Callable[[Any], None] | None = None
         self._switched_by_launch: list[str] = []
+        self.scale: float | torch.Tensor = 1.0
+        """The loss scale of the last loss handed to backward (1: none), which its gradients carry."""
 
     @property
     def switched_off(self) -> list[str]:
@@ -107,7 +109,9 @@ class Precision:
         if scale is None and self._engine is not None:  # a DeepSpeed fp16 engine's backward: loss × its scale
             optimizer = self._engine.optimizer
             engine_scale = getattr(optimizer, "loss_scale", None) or getattr(optimizer, "cur_scale", None)
+            self.scale = float(engine_scale) if engine_scale else 1.0
             return value / float(engine_scale) if engine_scale else value
+        self.scale = 1.0 if scale is None else scale.double()
         return value if scale is None else value / scale.double()
 
     def loss_dtype(self, loss: torch.Tensor) -> torch.dtype | None:

@@ -19,16 +19,14 @@ writes, per optimizer step, what was really optimised and on which data.
   on that has trainable parameters (a loss module has none), or the one ``gaeq.probe(model=…)`` names
   — fingerprinted without its padding (gaeq.script.samples), gathered over ranks: each step's
   multiset of samples;
-- **the cost**: rank 0's peak memory and the bytes its training wrapper (DDP, a DeepSpeed engine,
-  FSDP2) put through collectives, per step (gaeq.trainers.cost, as gaeq's own trainers count them);
-- **the weights**: a fingerprint of the initial parameters and, after each step, a fixed random
-  projection of how far they moved (an update sketch) — DTensors (FSDP2's) read where they live;
-- **the precision**: the arithmetic that ran — autocast, the parameters' dtypes, a loss scaler, a DeepSpeed
-  engine's bf16/fp16 — and, in a cell labelled fp32, the script made float32 (gaeq.script.precision); a
-  loss scaler's skipped update is a training step recorded ``skipped``.
+- **the cost**: rank 0's peak memory and its wrapper's collective bytes per step (gaeq.trainers.cost);
+- **the weights**: the initial parameters' fingerprint and, after each step, an update sketch — DTensors
+  (FSDP2's) read where they live; and **each target's weight** in the step (gaeq.script.targets);
+- **the precision**: the arithmetic that ran (gaeq.script.precision) — in a cell labelled fp32, the script
+  made float32; a loss scaler's skipped update is a training step recorded ``skipped``.
 
 A failure of the probe's own code stops the script with it and is written down as gaeq's
-(``contract.FAILURE_FILE``: the error and the frame in gaeq): the cell's reason never blames the script.
+(``contract.FAILURE_FILE``): the cell's reason never blames the script.
 
 A record is a training step — what consumes the accumulated gradients, one optimizer's step or several
 (gaeq.script.steps) — and ``step(closure)`` is read after its closure ran. Rank 0 writes the trace
@@ -62,6 +60,7 @@ from gaeq.script.precision import Precision
 from gaeq.script.ranks import gather, rank, versions
 from gaeq.script.samples import SampleIdentity
 from gaeq.script.steps import Boundary, Seen, TrainingSteps, record, write_trace
+from gaeq.script.targets import TargetWeights
 from gaeq.script.weights import AsLeft, UpdateSketch, active_dropout, engine_norm, fingerprint, grad_norm
 
 ACTIVE: Probe | None = None
@@ -89,10 +88,9 @@ class Probe:
         self.perturbation = perturbation or {}
         """An instrument's nudge or planted error (gaeq.perturb), applied from install on."""
         self.precision = Precision(force_float32=float32)
-        self._applied = None
-        self._nudge = None
-        """A noise-floor twin's nudge: applied before the probe reads a step's norm (that norm is the twin's)."""
-        self._failure: dict | None = None
+        self.targets = TargetWeights()
+        self._applied = self._nudge = self._failure = None
+        """(The nudge: a noise-floor twin's, applied before the probe reads a step's norm: that norm is the twin's.)"""
         self._steps_begun = self.step = 0
         self.model: torch.nn.Module | None = None
         """The module being trained (gaeq.rows.trains: DDP's wrapper or DeepSpeed's engine, if there is one), or
@@ -100,12 +98,9 @@ class Probe:
         self.reads: torch.nn.Module | None = None
         """The module whose inputs are the samples: the model, inside any wrapper (DDP, a DeepSpeed engine, a
         LightningModule whose training_step Lightning calls) — the same module at every split."""
-        self.initial: str | None = None
+        self.initial, self.record, self.samples, self.steps_of = None, [], SampleIdentity(), TrainingSteps()
         self.dropout: dict[str, float] = {}
         """The model's dropout modules active in its first training forward: name → p."""
-        self.record: list[dict[str, Any]] = []
-        self.samples = SampleIdentity()
-        self.steps_of = TrainingSteps()
         self.open: tuple[Seen, Boundary] | None = None
         """The open training step: what this rank saw in its phases so far, what rank 0 read at their ends."""
         self._calls: list[bool] = []
@@ -189,6 +184,7 @@ class Probe:
         if isinstance(tensors, torch.Tensor) and tensors.numel() == 1:
             started = time.perf_counter()
             self.seen.losses.append(self.precision.unscaled(tensors))  # on its device: read at the step's end
+            self.targets.scale = self.precision.scale  # (its targets' weights carry it)
             if (low := self.precision.loss_dtype(tensors)) is not None:  # the value known to half a unit of it
                 self._resolutions.append(self.seen.losses[-1].abs() * torch.finfo(low).eps / 2)
             self.boundary.spent += time.perf_counter() - started
@@ -238,6 +234,7 @@ class Probe:
         if not self._calls.pop():
             return  # another module than the model (a loss, a metric, a teacher), or an evaluation forward
         self.precision.left()
+        self.targets.watch(output)  # each target's weight, read as its gradient arrives
         started = time.perf_counter()
         if self._first_forward:  # the first training forward: the model's dropout, as it trains
             self._first_forward = False
@@ -318,6 +315,7 @@ class Probe:
         self._pending.clear()
         seen, read = self.seen, self.boundary
         seen.ended_by_step(name)
+        seen.targets = self.targets.take()
         seen.losses = [float(v) for v in torch.stack(seen.losses).cpu()] if seen.losses else []  # one sync a phase
         seen.resolution = float(sum(self._resolutions)) if self._resolutions else 0.0
         self._resolutions = []
@@ -392,7 +390,7 @@ class Probe:
         """probe.json; and, when `complete`, the trace in gaeq's format (the objective as its loss)."""
         facts = {"steps": self.record, "initial": self.initial, "dropout": self.dropout, "complete": complete}
         facts["versions"], facts["accelerator_fp16"] = versions(), fp16_answer_record()  # None: no DeepSpeed
-        facts["precision"] = self.precision.facts()
+        facts["precision"], facts["targets_unread"] = self.precision.facts(), self.targets.unread
         if self._applied is not None and self._applied.check is not None:  # a twin's: what besides rounding moves it
             facts["order_check"] = self._applied.check.found
         self.write(PROBE_FILE, facts)

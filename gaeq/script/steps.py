@@ -47,6 +47,8 @@ class Seen:
     """Newton–Schulz orthogonalisations (Muon's) run on this rank."""
     newton_schulz_early: int = 0
     """… of which before a phase's last backward began: on a partial gradient (once per micro-batch)."""
+    targets: list[dict] = field(default_factory=list)
+    """The weights of each training forward's targets, per row (gaeq.script.targets)."""
 
     def received(self, batch) -> None:
         """A micro-batch the model received (gaeq.script.samples.MicroBatch; None: no tensor input)."""
@@ -71,7 +73,7 @@ class Seen:
 
     def add(self, later: Seen) -> None:
         """A later phase of the same training step."""
-        for name in ("losses", "rows", "packs", "samples", "keys", "lengths", "phases"):
+        for name in ("losses", "rows", "packs", "samples", "keys", "lengths", "phases", "targets"):
             getattr(self, name).extend(getattr(later, name))
         self.resolution += later.resolution
         self.inputs = self.inputs or later.inputs
@@ -177,6 +179,7 @@ def record(step: int, ranks: list[dict[str, Any]], read: Boundary, *, sketch: tu
         "phases": [r["phases"] for r in ranks],
         "newton_schulz": [r["newton_schulz"] for r in ranks],
         "newton_schulz_early": [r["newton_schulz_early"] for r in ranks],
+        "targets": [r["targets"] for r in ranks],
         "events": ranks[0]["events"],
         "samples": sorted(s for r in ranks for s in r["samples"]),
         "keys": sorted(k for r in ranks for k in r["keys"]),

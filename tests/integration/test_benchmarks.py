@@ -58,6 +58,7 @@ PHASES = {
         "slowest tests",
     ),
     "trainer_sequence_parallel.py": ("w1 GA 1 ", "sp2 GA 2 ", "× w1 GA 1's"),  # (its TINY_RUNS)
+    "target_weights.py": ("torch threads:", "| 2 × 16 × 64 |"),
     "pipeline_bubble.py": (
         "bubble  theory  p2p KB/step",
         "torch-w2-pp2-gpipe-",

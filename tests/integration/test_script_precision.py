@@ -78,6 +78,18 @@ def test_a_mean_of_means_in_every_split_is_caught_by_the_float32_run_and_the_rep
     assert limits["fp32"]["limit"] < 1e-4 < 1e-2 < limits["bf16"]["limit"]
     assert "Precision: accumulation (float32): 4 match, 4 diverge" in proc.stdout
     assert "script-w2-mb4-ga4-args_bug_mean_of_means: caught by the float32 run" in proc.stdout
+    # the same mistake named from each split's own weights: by micro-batch at GA > 1, by rank where a rank's
+    # batch is one micro-batch (w2, GA 1) — and every correct split the step's target mean
+    assert {c["id"]: c["weights"]["shape"] for c in as_fp32} == {
+        "script-w1-mb4-ga8-args_bug_mean_of_means": "micro_batch_means",
+        "script-w1-mb16-ga2-args_bug_mean_of_means": "micro_batch_means",
+        "script-w2-mb4-ga4-args_bug_mean_of_means": "micro_batch_means",
+        "script-w2-mb16-ga1-args_bug_mean_of_means": "rank_means",
+    }
+    assert all(c["weights"]["shape"] == "mean" for c in clean(report, "fp32") + clean(report, "bf16"))
+    assert "Weights: script-w1-mb4-ga8-args_bug_mean_of_means: targets weigh 1/(GA · n_k) by micro-batch k" in (
+        proc.stdout.replace("\n", " ")
+    )
 
 
 def test_an_fp16_script_whose_first_steps_overflow_matches_with_its_skipped_steps(fp16):
@@ -174,6 +186,8 @@ def test_a_deepspeed_bf16_script_matches_within_its_losses_resolution_and_its_mi
         assert cell["ran"]["precision"]["switched_off"] == ["DeepSpeed bf16 section"]
     control = cells_by_id(report)["script-w2-mb4-ga4-ds_bf16-args_bug_loss_divided_twice"]
     assert (control["verdict"], control["caught_by"]) == ("diverge", "loss")
+    assert "÷ GA (4) twice" in control["weights"]["line"]  # DeepSpeed's backward ÷ GA, and the script's own
+    assert all(c["weights"]["shape"] == "mean" for c in clean(report, "ds_bf16") + clean(report, "fp32"))
     assert "of the losses' own bf16/fp16 resolution" in control["reason"]
     # the resolution is the split's own: half a bf16 unit of each value handed to backward (8 at GA 8)
     from gaeq.results.trace import read_trace

@@ -67,6 +67,9 @@ def test_a_trainer_script_padding_each_batch_left_and_right(tmp_path):
     assert [c["verdict"] for i, c in cells.items() if "bug" not in i] == ["match"] * 5
     assert all(c["not_checked"] == {} for c in cells.values())
     assert caught(cells["script-w1-mb4-ga4-args_bug_model_without_loss_kwargs"]) == ("loss", 0)
+    # the Trainer's mean of micro-batch means (transformers#34242), named from the split's own targets' weights
+    assert cells["script-w1-mb4-ga4-args_bug_model_without_loss_kwargs"]["weights"]["shape"] == "micro_batch_means"
+    assert [c["weights"]["shape"] for i, c in cells.items() if "bug" not in i] == ["mean"] * 5
 
 
 def test_targets_that_depend_on_the_padding_are_caught_by_the_numbers_not_the_data(tmp_path):
@@ -101,6 +104,8 @@ def test_an_accelerate_script_with_a_scheduler_sized_for_its_processes(tmp_path)
         and "AcceleratedScheduler, which stepped the scheduler it wraps 2×" in (unsized["reason"])
     )
     assert caught(cells["script-w1-mb4-ga4-args_bug_mean_of_means"]) == ("loss", 0)
+    assert cells["script-w1-mb4-ga4-args_bug_mean_of_means"]["weights"]["shape"] == "micro_batch_means"
+    assert cells["script-w2-mb4-ga2-args_bug_scheduler_not_sized"]["weights"]["shape"] == "mean"  # the lr's, not its
 
 
 def test_a_ddp_script_with_torchs_muon(tmp_path):

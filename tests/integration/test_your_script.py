@@ -47,6 +47,10 @@ def test_a_users_script_matches_across_world_sizes_and_its_mistakes_are_caught_w
         "token_count_averaged_twice": ("loss", 0),  # the objective halved: DDP averaged again
     }
     assert "samples missing" in cells["script-w2-mb4-ga2-args_bug_sampler_seeded_by_rank"]["reason"]
+    # the objective halved, named from the split's own targets' weights: they sum to 0.5
+    halved = cells["script-w2-mb4-ga2-args_bug_token_count_averaged_twice"]["weights"]
+    assert halved["shape"] == "scaled" and "sum to 0.5 at step 0" in halved["line"]
+    assert cells["script-w2-mb4-ga2"]["weights"]["shape"] == "mean"
 
 
 def corner(tmp_path, experiment: str, bug: str) -> dict:

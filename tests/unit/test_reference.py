@@ -29,7 +29,7 @@ FAILED = CellOutcome(status="error", seconds=1.0, reason="the script exited with
 def check(baseline=None, *, auto=False, instruments=Instruments.ALL) -> dict:
     return check_matrix(
         SCRIPT, script_args=["--batch_size", "{micro_batch_size}"], batch=16, splits=[(1, 4), (1, 8), (2, 4)],
-        steps=3, launcher=Launcher.TORCHRUN, baseline=baseline, auto=auto, instruments=instruments,
+        steps=3, launcher=Launcher.TORCHRUN, baseline="auto" if auto else baseline, instruments=instruments,
     )  # fmt: skip
 
 

@@ -1,0 +1,162 @@
+"""What the weights every target got (gaeq.script.targets) say a script optimises, step by step — in words, and
+matched against the weighting mistakes of the pitfall catalogue (docs/pitfalls.md), with their fix.
+
+A target's weight in the update is its rank's weight ÷ the world size (DDP, FSDP and DeepSpeed average the
+ranks' gradients, as the probe's objective assumes). A step whose targets all weigh 1/N and sum to 1 takes the
+step's target mean. Otherwise the shape is named where the weights show it:
+
+- one weight per micro-batch, each inversely to its target count: a mean of micro-batch means;
+- one weight per rank, each inversely to the rank's count: a mean of rank means;
+- one weight per row (sequence), each inversely to its length: a mean of per-sequence means;
+- every target alike, summing to k ≠ 1: the loss × k (× GA where k is GA);
+- otherwise: how far apart, and that no known shape fits.
+
+A shape is matched to `tol`: `UNITS` units in the last place of the gradient's dtype, summed over the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+UNITS = 64
+"""Units in the last place of the gradients' dtype that weights may differ by and still be the same weight."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Weighting:
+    """What a run's weights say, over its steps."""
+
+    shape: str
+    """`mean`, `micro_batch_means`, `rank_means`, `sequence_means`, `scaled`, `uneven` or `unread`."""
+    line: str
+    """In words, with the numbers: what `Weights:` prints."""
+    step: int | None = None
+    """The first step where it is not the step's target mean (None: every step is, or nothing was read)."""
+    fix: str | None = None
+
+    @property
+    def is_mean(self) -> bool:
+        return self.shape == "mean"
+
+    def summary(self) -> dict:
+        return {"shape": self.shape, "line": self.line, "step": self.step, "fix": self.fix}
+
+
+FIXES = {
+    "micro_batch_means": "divide each micro-batch's summed loss by the step's target count (`num_items_in_batch`), "
+    "not by its own",
+    "rank_means": "count the step's targets over every rank (an all-reduce; the Trainer's "
+    "`average_tokens_across_devices`) before dividing",
+    "scaled": "divide the step's summed loss by the step's target count once (÷ GA where each micro-batch's mean is "
+    "summed)",
+}
+
+
+def weighting(steps: list[dict], *, unread: str | None = None) -> Weighting:
+    """The weighting of a probe's steps (each with its ranks' `targets`), the first step that is not a mean
+    deciding; `unread`: why no weight could be read."""
+    read = [s for s in steps if any(f["rows"] for ranks in s.get("targets") or [] for f in ranks)]
+    if not read:
+        return Weighting(shape="unread", line=f"not read: {unread or 'the probe read no target weights'}")
+    for s in read:
+        found = _step(s)
+        if not found.is_mean:
+            return found
+    first = _stats(read[0])
+    spread = max(_stats(s)["spread"] for s in read)
+    return Weighting(
+        shape="mean",
+        line=f"every target weighs 1/N ± {spread:.0e} (N = {first['n']} at step {read[0]['step']}): the step's "
+        "target mean, in every step read",
+    )
+
+
+def _stats(step: dict) -> dict:
+    world = step["world_size"]
+    forwards = [(r, k, f) for r, ranks in enumerate(step["targets"]) for k, f in enumerate(ranks)]
+    rows = [(r, k, row) for r, k, f in forwards for row in f["rows"] if row[0]]
+    n = sum(row[0] for _, _, row in rows)
+    total = sum(row[1] for _, _, row in rows) / world
+    low = min(row[2] for _, _, row in rows) / world
+    high = max(row[3] for _, _, row in rows) / world
+    eps = max(f.get("eps", 2.0**-23) for _, _, f in forwards)
+    return {"n": n, "sum": total, "low": low, "high": high, "spread": high / low - 1, "tol": UNITS * eps,
+            "forwards": forwards, "rows": rows, "world": world}  # fmt: skip
+
+
+def _step(step: dict) -> Weighting:
+    st = _stats(step)
+    s, tol, at = step["step"], st["tol"], step["step"]
+    if st["spread"] <= tol:
+        if abs(st["sum"] - 1) <= tol:
+            return Weighting(shape="mean", line="", step=None)
+        ga = max((len(ranks) for ranks in step["targets"]), default=1)
+        times = f" — × GA ({ga})" if abs(st["sum"] - ga) <= tol * ga else ""
+        times = f" — ÷ GA ({ga}) twice" if ga > 1 and abs(st["sum"] * ga - 1) <= tol else times
+        return Weighting(
+            shape="scaled",
+            line=f"every target weighs alike but they sum to {st['sum']:.4g} at step {s}, not 1: the loss × "
+            f"{st['sum']:.4g}{times} — {FIXES['scaled']}",
+            step=at,
+            fix=FIXES["scaled"],
+        )
+    for shape, groups in (
+        ("rank_means", _groups(st, lambda r, k, i: r)),
+        ("micro_batch_means", _groups(st, lambda r, k, i: (r, k))),
+        ("sequence_means", _groups(st, lambda r, k, i: (r, k, i))),
+    ):
+        if (said := _each_alike(groups, tol)) is not None:
+            weights, counts = said
+            if len(set(weights)) > 1 and _alike([w * c for w, c in zip(weights, counts)], tol):
+                return _named(shape, st, weights, counts, at)
+    return Weighting(
+        shape="uneven",
+        line=f"targets weigh from {st['low']:.3g} to {st['high']:.3g} at step {s} (× {st['high'] / st['low']:.3g}), "
+        "in no shape gaeq knows (not by micro-batch, rank or sequence)",
+        step=at,
+    )
+
+
+def _groups(st: dict, key) -> dict:
+    groups: dict = {}
+    for r, k, f in st["forwards"]:
+        for i, row in enumerate(f["rows"]):
+            if row[0]:
+                groups.setdefault(key(r, k, i), []).append(row)
+    return groups
+
+
+def _each_alike(groups: dict, tol: float) -> tuple[list[float], list[int]] | None:
+    """Where every group's targets share one weight: (each group's weight, its target count)."""
+    weights, counts = [], []
+    for rows in groups.values():
+        low, high = min(r[2] for r in rows), max(r[3] for r in rows)
+        if high / low - 1 > tol:
+            return None
+        weights.append(high)
+        counts.append(sum(r[0] for r in rows))
+    return weights, counts
+
+
+def _alike(values: list[float], tol: float) -> bool:
+    return max(values) / min(values) - 1 <= tol * 4
+
+
+def _named(shape: str, st: dict, weights: list[float], counts: list[int], step: int) -> Weighting:
+    world = st["world"]
+    low, high = min(weights) / world, max(weights) / world
+    summed = f", summing to {st['sum']:.4g}, not 1" if abs(st["sum"] - 1) > st["tol"] else ""
+    what = {
+        "micro_batch_means": f"targets weigh 1/(GA · n_k) by micro-batch k ({low:.3g} to {high:.3g} at step {step}, "
+        f"micro-batches of {min(counts)} to {max(counts)} targets): a mean of micro-batch means"
+        if not summed
+        else f"targets weigh 1/n_k by micro-batch k ({low:.3g} to {high:.3g} at step {step}, micro-batches of "
+        f"{min(counts)} to {max(counts)} targets{summed}): each micro-batch's own mean, summed — not ÷ GA",
+        "rank_means": f"targets weigh by rank, 1/(world · n_r) ({low:.3g} to {high:.3g} at step {step}, ranks of "
+        f"{min(counts)} to {max(counts)} targets): a mean of rank means",
+        "sequence_means": f"targets weigh by sequence, inversely to its length ({low:.3g} to {high:.3g} at step "
+        f"{step}, sequences of {min(counts)} to {max(counts)} targets): a mean of per-sequence means — every "
+        "sequence weighs alike (on purpose, if the reference weighs so too)",
+    }[shape]
+    fix = FIXES.get(shape)
+    return Weighting(shape=shape, line=what + (f" — {fix}" if fix else ""), step=step, fix=fix)

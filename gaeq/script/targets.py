@@ -1,0 +1,106 @@
+"""The weight every target gets in a training step, read by the probe where the loss meets the model's output —
+one run of one split, nothing run again.
+
+For a cross-entropy over the vocabulary (transformers' models given labels, ``F.cross_entropy`` on logits), the
+gradient that reaches target t's logits is w_t (p_t − e_{y_t}): one negative entry, at the label, and every
+other entry w_t times its probability. So w_t is the sum of the other entries over the sum of their
+probabilities, read in float64 from the gradient and the logits the forward produced. A position whose
+gradient is zero is no target (``ignore_index``, padding). A row whose gradient has another shape (label
+smoothing, a z-loss, a regression) is not read, and said.
+
+Each forward's weights are kept per row (count, sum, least, largest): the probe gathers them with the rest of
+the step (gaeq.script.steps), and gaeq.script.objective says what they mean. The weights are this rank's, as
+its backward made them; a loss scaler's scale is taken out.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import gaeq.dtensors as dtensors
+from gaeq.perturb import rows_of
+
+CHUNK = 1 << 22
+"""Elements of the logits read at once (32 MB in float64)."""
+SAMPLE = 256
+"""Targets of a forward whose gradients' shape is checked in full (a plain cross-entropy's): spread over it."""
+UNITS = 64
+"""How many units in the last place of the gradient's dtype a row may stray from w·p and still be a plain
+cross-entropy's (rounding of the softmax and the subtraction, summed)."""
+
+
+class TargetWeights:
+    """One rank's reader: each training forward of the model hooks its logits; their backward reads the
+    weights; `take` hands a phase's forwards on."""
+
+    def __init__(self) -> None:
+        self.forwards: list[dict] = []
+        self.unread: str | None = None
+        """Why the weights could not be read (the first reason met), else None."""
+        self.scale = 1.0
+        """The loss scale the backward in progress carries (GradScaler's), divided out of the weights."""
+
+    def watch(self, output) -> None:
+        """The model's output of a training forward: its logits are read when their gradient arrives."""
+        logits = rows_of(output)
+        if logits is None:
+            return self._said("the model's output holds no logits (it returns its loss alone, or fuses it)")
+        if dtensors.is_dtensor(logits):
+            return self._said("its logits are sharded over ranks (a DTensor)")
+        if logits.dim() < 2 or not logits.is_floating_point() or logits.shape[-1] < 2:
+            return self._said("its output has no class dimension: not a cross-entropy over logits")
+        saved = logits.detach()
+        logits.register_hook(lambda grad: self._read(saved, grad))
+
+    def take(self) -> list[dict]:
+        """The forwards read since the last take (a phase's), each ``{"rows": [[n, sum, least, largest], …]}``."""
+        taken, self.forwards = self.forwards, []
+        return taken
+
+    def _said(self, why: str) -> None:
+        self.unread = self.unread or why
+
+    def _read(self, logits: torch.Tensor, grad: torch.Tensor) -> None:
+        classes = logits.shape[-1]
+        z, g = logits.reshape(-1, classes), grad.detach().reshape(-1, classes)
+        weights = torch.empty(z.shape[0], dtype=torch.float64, device=z.device)
+        step = max(1, CHUNK // classes)
+        for i in range(0, z.shape[0], step):
+            zi, gi = z[i : i + step].float(), g[i : i + step]
+            label = gi.argmin(dim=-1, keepdim=True)
+            # w from the entries off the label — sums of positive terms, no cancellation where p[y] nears 1:
+            # their gradient's sum over their probability's, exp(logsumexp of the others − logsumexp of all)
+            others = (zi.scatter(-1, label, -torch.inf).logsumexp(dim=-1) - zi.logsumexp(dim=-1)).double().exp()
+            pushed = gi.scatter(-1, label, 0).clamp_min(0).sum(dim=-1, dtype=torch.float64)
+            weights[i : i + step] = torch.where(others > 0, pushed / others.clamp_min(1e-300), 0.0)
+        if (strayed := self._strayed(z, g, weights)) > UNITS * torch.finfo(grad.dtype).eps:
+            return self._said(
+                f"the gradient at the model's output is not a plain cross-entropy's over logits (off w·p by "
+                f"{strayed:.1e} of it: a regression, label smoothing, a z-loss, another loss)"
+            )
+        rows = weights.view(logits.shape[0], -1).cpu() / float(self.scale)
+        targets = rows != 0
+        n = targets.sum(dim=1)
+        big = torch.where(targets, rows, -torch.inf).amax(dim=1)
+        small = torch.where(targets, rows, torch.inf).amin(dim=1)
+        self.forwards.append(
+            {
+                "rows": [
+                    [int(k), float(s), float(lo), float(hi)] if k else [0, 0.0, 0.0, 0.0]
+                    for k, s, lo, hi in zip(n, rows.sum(dim=1), small, big)
+                ],
+                "eps": torch.finfo(grad.dtype).eps,
+            }
+        )
+
+    @staticmethod
+    def _strayed(z: torch.Tensor, g: torch.Tensor, weights: torch.Tensor) -> float:
+        """How far a sample of the targets' gradients stray from w·p off their label, relative to w·max p (a plain
+        cross-entropy's: rounding): SAMPLE positions spread over the forward, in float64."""
+        chosen = torch.nonzero(weights).squeeze(-1)
+        chosen = chosen[:: max(1, len(chosen) // SAMPLE)][:SAMPLE]
+        if not len(chosen):
+            return 0.0
+        gi, p, w = g[chosen].double(), torch.softmax(z[chosen].double(), dim=-1), weights[chosen]
+        rest = (gi - w[:, None] * p).scatter_(-1, gi.argmin(dim=-1, keepdim=True), 0.0).abs().amax(dim=-1)
+        return float((rest / (w.abs() * p.amax(dim=-1)).clamp_min(1e-300)).amax())
