@@ -127,8 +127,9 @@ def nudge_(grad: torch.Tensor, generator: torch.Generator, *, unit: torch.dtype 
 
 class Outermost:
     """Finds the model — the outermost module called with gradients on that has trainable parameters, and
-    inside a known wrapper (WRAPPERS) the model it wraps — and calls `on_model(model, output)` after each
-    of its training calls."""
+    inside a known wrapper (WRAPPERS) the model it wraps — and calls `on_model(model, output, inside, packed)`
+    after each of its training calls (`inside`: the last output with rows inside it; `packed`: its input one
+    padding-free row, :func:`packed_row`)."""
 
     def __init__(self, *, on_model) -> None:
         self.on_model = on_model
@@ -143,9 +144,11 @@ class Outermost:
             self.model = unwrap(module)  # (a wrapper's call: the model's own comes inside it)
         self._calls.append(module is self.model and torch.is_grad_enabled())
 
-    def after(self, module, args, output) -> None:
+    def after(self, module, args, *kwargs_output) -> None:
+        # (module, args, kwargs, output); an always-call hook is called without kwargs when the forward raised
+        kwargs, output = kwargs_output if len(kwargs_output) == 2 else ({}, kwargs_output[-1])
         if self._calls.pop():
-            self.on_model(module, output, self.last_rows)
+            self.on_model(module, output, self.last_rows, packed_row(kwargs))
             self.last_rows = None
         elif any(self._calls) and isinstance(output, torch.Tensor) and output.dim() >= 1 and output.requires_grad:
             self.last_rows = output
@@ -156,23 +159,38 @@ class RowCount:
     forward's first row stands (the planted weight alternates over the step's rows, not each forward's)."""
 
     def __init__(self) -> None:
-        self.seen = 0
+        self.seen = self.positions = 0
 
     def reset(self, *_) -> None:
-        self.seen = 0
+        self.seen = self.positions = 0
 
 
-def weigh_model(output, inside, delta: float, count: RowCount | None = None) -> None:
+def packed_row(kwargs) -> bool:
+    """A padding-free micro-batch: one row of several sequences end to end, its `position_ids` restarting."""
+    ids = kwargs.get("position_ids") if isinstance(kwargs, Mapping) else None
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] < 2:
+        return False
+    return bool((ids[0, 1:] <= ids[0, :-1]).any())
+
+
+def weigh_model(output, inside, delta: float, count: RowCount | None = None, packed: bool = False) -> None:
     """The model's output weighed (:func:`weigh_rows`) — or, where it holds no tensor with rows (a model
     that returns its loss), `inside`: the last output with rows a module inside it produced, from which
-    every parameter before it gets its gradient. Its rows counted on from `count`'s."""
+    every parameter before it gets its gradient. Its rows counted on from `count`'s — a `packed` row's
+    positions instead (its sequences are the samples: a row of them weighed as one would be a scale, not a
+    reweighing)."""
     rows = rows_of(output)
     if rows is None and inside is not None:
         rows = rows_of(inside)
-    if rows is not None:
-        weigh_rows(rows, delta, start=count.seen if count is not None else 0)
-        if count is not None:
-            count.seen += rows.shape[0]
+    if rows is None:
+        return
+    along = 1 if packed and rows.dim() >= 2 else 0
+    start = 0 if count is None else count.positions if along else count.seen
+    weigh_rows(rows, delta, start=start, dim=along)
+    if count is not None and along:
+        count.positions += rows.shape[1]
+    elif count is not None:
+        count.seen += rows.shape[0]
 
 
 def rows_of(output) -> torch.Tensor | None:
@@ -198,11 +216,12 @@ def row_weights(rows: int, delta: float, *, start: int = 0, dtype=torch.float32,
     return (1 + delta * signs.to(torch.float64)).to(dtype=dtype, device=device)
 
 
-def weigh_rows(output: torch.Tensor, delta: float, *, start: int = 0) -> None:
-    """Hook `output` so that its rows pass back their gradient × :func:`row_weights` (its first row the step's
-    row `start`): alternate rows of the step × (1 + delta), the others × (1 − delta)."""
-    weights = row_weights(output.shape[0], delta, start=start, dtype=output.dtype, device=output.device)
-    shape = [-1] + [1] * (output.dim() - 1)
+def weigh_rows(output: torch.Tensor, delta: float, *, start: int = 0, dim: int = 0) -> None:
+    """Hook `output` so that its rows (along `dim`: 1 for a packed row's positions) pass back their gradient ×
+    :func:`row_weights` (its first the step's `start`): alternate ones × (1 + delta), the others × (1 − delta)."""
+    weights = row_weights(output.shape[dim], delta, start=start, dtype=output.dtype, device=output.device)
+    shape = [1] * output.dim()
+    shape[dim] = -1
     output.register_hook(lambda grad: None if grad is None else grad * weights.view(shape))
 
 
@@ -248,11 +267,11 @@ def applied(
             order.install()
     if weight is not None:
         count = RowCount()
-        watch = Outermost(on_model=lambda module, output, inside: weigh_model(output, inside, weight, count))
+        watch = Outermost(on_model=lambda module, out, inside, packed: weigh_model(out, inside, weight, count, packed))
         handles += [
             register_optimizer_step_post_hook(count.reset),
             torch.nn.modules.module.register_module_forward_pre_hook(watch.before),
-            torch.nn.modules.module.register_module_forward_hook(watch.after, always_call=True),
+            torch.nn.modules.module.register_module_forward_hook(watch.after, with_kwargs=True, always_call=True),
         ]
     try:
         yield Applied(nudge, order, watch, check)

@@ -39,6 +39,9 @@ measuring rounding (it is rejected, and its group judged by the constants). Set 
 twin and weakest planted control (docs/verdicts.md, the noise floor)."""
 
 
+SAID_APART = 1.01
+"""A split's limit is the printed one where it exceeds the baseline's split's by more than this factor."""
+
 ORDER_UNITS = 64.0
 """A batch run again in another order, or with other random draws, may differ from itself by rounding — a
 few units in the last place of its arithmetic where sums over rows run in another order —; by more than
@@ -209,7 +212,7 @@ class DetectionLimit:
         for name, trace in (splits or {}).items():
             if [r.step for r in trace] == [r.step for r in base]:
                 there = _scan(delta, base, planted, trace, tolerances, floor)
-                if there is not None and there[0]["limit"] > worst[0]["limit"]:
+                if there is not None and there[0]["limit"] > worst[0]["limit"] * SAID_APART:
                     worst, split = there, name
         best, per_step = worst
         return cls(

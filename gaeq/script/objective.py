@@ -55,7 +55,7 @@ FIXES = {
 def weighting(steps: list[dict], *, unread: str | None = None) -> Weighting:
     """The weighting of a probe's steps (each with its ranks' `targets`), the first step that is not a mean
     deciding; `unread`: why no weight could be read."""
-    read = [s for s in steps if any(f["rows"] for ranks in s.get("targets") or [] for f in ranks)]
+    read = [s for s in steps if any(row[0] for ranks in s.get("targets") or [] for f in ranks for row in f["rows"])]
     if not read:
         return Weighting(shape="unread", line=f"not read: {unread or 'the probe read no target weights'}")
     for s in read:
@@ -66,8 +66,8 @@ def weighting(steps: list[dict], *, unread: str | None = None) -> Weighting:
     spread = max(_stats(s)["spread"] for s in read)
     return Weighting(
         shape="mean",
-        line=f"every target weighs 1/N ± {spread:.0e} (N = {first['n']} at step {read[0]['step']}): the step's "
-        "target mean, in every step read",
+        line=f"every target weighs 1/N{f' ± {spread:.0e}' if spread else ''} (N = {first['n']} at step "
+        f"{read[0]['step']}): the step's target mean, in every step read",
     )
 
 

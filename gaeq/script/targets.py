@@ -6,7 +6,8 @@ gradient that reaches target t's logits is w_t (p_t − e_{y_t}): one negative e
 other entry w_t times its probability. So w_t is the sum of the other entries over the sum of their
 probabilities, read in float64 from the gradient and the logits the forward produced. A position whose
 gradient is zero is no target (``ignore_index``, padding). A row whose gradient has another shape (label
-smoothing, a z-loss, a regression) is not read, and said.
+smoothing, a z-loss, a regression) is not read, and said. On per-token log-probabilities (TRL's fused forward
+returns `log_probs`, its loss −Σ w_t log p_t) the gradient is −w_t itself.
 
 Each forward's weights are kept per row (count, sum, least, largest): the probe gathers them with the rest of
 the step (gaeq.script.steps), and gaeq.script.objective says what they mean. The weights are this rank's, as
@@ -14,6 +15,8 @@ its backward made them; a loss scaler's scale is taken out.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 
@@ -41,7 +44,17 @@ class TargetWeights:
         """The loss scale the backward in progress carries (GradScaler's), divided out of the weights."""
 
     def watch(self, output) -> None:
-        """The model's output of a training forward: its logits are read when their gradient arrives."""
+        """The model's output of a training forward: its logits are read when their gradient arrives — or its
+        per-token log-probabilities (TRL's fused forward, `fused_lm_head=True`: `log_probs`, the loss −Σ w_t log p_t),
+        whose gradient is −w_t itself."""
+        logps = output.get("log_probs") if isinstance(output, Mapping) else None
+        if isinstance(logps, torch.Tensor) and logps.requires_grad and logps.dim() == 2:
+            mask = output.get("label_mask")  # (an ignored position's log p is a constant 0: its gradient no weight)
+            mask = mask.detach() if isinstance(mask, torch.Tensor) and mask.shape == logps.shape else None
+            logps.register_hook(
+                lambda grad: self._keep(-grad.detach().double() * (1 if mask is None else mask), grad.dtype)
+            )
+            return
         logits = rows_of(output)
         if logits is None:
             return self._said("the model's output holds no logits (it returns its loss alone, or fuses it)")
@@ -78,7 +91,11 @@ class TargetWeights:
                 f"the gradient at the model's output is not a plain cross-entropy's over logits (off w·p by "
                 f"{strayed:.1e} of it: a regression, label smoothing, a z-loss, another loss)"
             )
-        rows = weights.view(logits.shape[0], -1).cpu() / float(self.scale)
+        self._keep(weights.view(logits.shape[0], -1), grad.dtype)
+
+    def _keep(self, weights: torch.Tensor, dtype: torch.dtype) -> None:
+        """A forward's weights, [rows, positions] (0: no target), kept per row, the loss scale taken out."""
+        rows = weights.cpu() / float(self.scale)
         targets = rows != 0
         n = targets.sum(dim=1)
         big = torch.where(targets, rows, -torch.inf).amax(dim=1)
@@ -89,7 +106,7 @@ class TargetWeights:
                     [int(k), float(s), float(lo), float(hi)] if k else [0, 0.0, 0.0, 0.0]
                     for k, s, lo, hi in zip(n, rows.sum(dim=1), small, big)
                 ],
-                "eps": torch.finfo(grad.dtype).eps,
+                "eps": torch.finfo(dtype).eps,
             }
         )
 

@@ -320,7 +320,10 @@ def ran_another_split(cell: Any, steps: list[dict]) -> str | None:
         return f"your script ran {first['world_size']} ranks, the cell {cell.world_size}"
     rows = {r for ranks in first["rows"] for r in ranks}
     packs = set(as_received(first))
-    if rows != {cell.micro_batch_size} and packs != {cell.micro_batch_size}:  # (a packed dataset: packs are its rows)
+    # padding-free: each micro-batch flattened into one row of its sequences (TRL's packing, then its collator) —
+    # how many dataset rows it held cannot be counted; the data check compares each step's samples
+    flattened = packs == {1} and min(rows, default=1) > 1
+    if rows != {cell.micro_batch_size} and packs != {cell.micro_batch_size} and not flattened:
         if not rows:
             return (
                 f"the probe saw no training forward of your model in its first step (the cell's micro-batches are "

@@ -111,6 +111,24 @@ def test_rows_are_reweighed_one_plus_minus_delta_their_total_weight_unchanged_on
         optimizer.step()
         model.zero_grad()
         model(x[5:]).square().sum().backward()
+    # a padding-free row (its position_ids restarting): its positions are the samples, weighed in turn — a row
+    # weighed as one would scale the batch, not reweigh it
+    packed = torch.nn.Linear(4, 3)
+    tokens, restart = torch.randn(1, 6, 4), torch.tensor([[0, 1, 2, 0, 1, 0]])
+
+    class Packed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = packed
+
+        def forward(self, x, position_ids=None):
+            return self.inner(x)
+
+    with perturb.applied(weight=0.25):
+        Packed()(tokens, position_ids=restart).sum().backward()
+    assert torch.allclose(packed.bias.grad, torch.full((3,), 6.0))  # zero-sum over the row's 6 positions
+    expected = (perturb.row_weights(6, 0.25)[:, None] * tokens[0]).sum(dim=0)
+    assert torch.allclose(packed.weight.grad, expected.expand(3, 4), atol=1e-6)
     late = model(x[5:]).detach()
     anew = 2 * ((perturb.row_weights(5, 0.25) - 1)[:, None] * late).T @ x[5:]
     assert torch.allclose(model.weight.grad - 2 * late.T @ x[5:], anew, atol=1e-5)

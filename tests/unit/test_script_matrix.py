@@ -258,6 +258,9 @@ def test_a_script_that_ignores_the_split_is_told_so(tmp_path):
         "ignored {micro_batch_size}: it ran micro-batches of 20, 22 samples in 9 rows, the cell 4"
         in ran_another_split(cell, [packed | {"rows": [[20], [22]], "packs": [[9], [9]], "backward": [1, 1]}])
     )
+    # … and its collator then flattening each micro-batch into one padding-free row (TRL's bfd): how many packs a
+    # row held cannot be counted — the data check compares the samples — never "ignored" (TRL 1.16's sft.py)
+    assert ran_another_split(cell, [packed | {"rows": [[31, 35], [30, 33]], "packs": [[1, 1], [1, 1]]}]) is None
     per_micro = first | {"rows": [[4], [4]], "backward": [1, 1]}
     assert ran_another_split(cell, [per_micro, per_micro]) == (
         "AdamW stepped after every micro-batch (one backward call per step on each rank), where the cell accumulates "

@@ -145,3 +145,22 @@ def test_no_reference_is_a_script_matrixs_splits_alone_each_judged_by_its_weight
     assert unread[0] == Verdict.ERROR and "not read (its logits are sharded): nothing judges it" in unread[1]
     assert beside(means, mean).line.endswith("where the reference's weights read: every target weighs 1/N")
     assert beside(mean, mean) == mean
+
+
+def test_trls_fused_forward_hands_per_token_log_probabilities_whose_gradient_is_the_weight():
+    """TRL 1.16's SFT (`fused_lm_head=True`): the model returns `log_probs` [rows, positions], zero where ignored; its
+    loss −Σ log p / N. Each target's weight is −the gradient there: the step's mean, or — per device — not."""
+    lengths = [[[3, 8], [5, 2]]]  # 11 and 7 targets
+    n = sum(sum(b) for b in lengths[0])
+
+    def step(divide):
+        reader = TargetWeights()
+        for k, y in enumerate(batches(lengths)[0]):
+            logits = torch.randn(*y.shape, V, requires_grad=True)
+            log_probs = torch.where(y != -100, logits.log_softmax(-1).gather(-1, y.clamp_min(0)[..., None])[..., 0], 0)
+            reader.watch({"log_probs": log_probs, "label_mask": y != -100})
+            (-log_probs.sum() / divide(y)).backward()
+        return weighting([{"step": 0, "world_size": 1, "targets": [reader.take()]}])
+
+    assert step(lambda y: n).shape == "mean"
+    assert step(lambda y: 2 * int((y != -100).sum())).shape == "micro_batch_means"
