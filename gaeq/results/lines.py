@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import Counter
 
 from gaeq.matrix import BASE, Role, group_key
+from gaeq.registry import TRAINERS
 from gaeq.results.compare import Verdict
 from gaeq.results.reference import MIXED, same_split
 from gaeq.results.report import CellReport, Report
@@ -24,12 +25,15 @@ def versions_line(report: Report) -> str:
 
 
 def weights_lines(report: Report) -> list[str]:
-    """Each script split's targets' weights in words (gaeq.script.objective): `Weights: <cell>: every target
-    weighs 1/N ± 3e-07 …: the step's target mean` — the instruments' left out (they plant or nudge)."""
+    """Each split's targets' weights in words (gaeq.script.objective): `Weights: <cell>: every target weighs 1/N
+    ± 3e-07 …: the step's target mean` — where they were read, and for a script's also why not (a cell of gaeq's
+    own trainers on a regression has none to read); the instruments' left out (they plant or nudge)."""
     return [
         f"Weights: {c.id}: {c.weights['line']}"
         for c in report.cells
-        if c.weights and c.cell.role in (Role.CELL, Role.BASELINE)
+        if c.weights
+        and c.cell.role in (Role.CELL, Role.BASELINE)
+        and (c.weights["shape"] != "unread" or TRAINERS[c.trainer].script)
     ]
 
 

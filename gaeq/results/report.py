@@ -134,7 +134,7 @@ def judge(
     tolerances = dict(tolerances or resolve_tolerances(matrix))
     floors, notes, causes = measure_floors(matrix, outcomes, traces, tolerances)
     cells = []
-    weights = {c.id: weighting_of(traces.run_dir, c.id) for c in matrix.cells if TRAINERS[c.trainer].script}
+    weights = {c.id: weighting_of(traces.run_dir, c.id) for c in matrix.cells if c.role in (Role.CELL, Role.BASELINE)}
     for cell in matrix.cells:
         base_id = matrix.baselines.get(cell.group)
         judged = dict(base_id=base_id, outcomes=outcomes, traces=traces, tolerance=tolerances[cell.dtype])

@@ -4,10 +4,13 @@ its reference's where the two differ; and, where a group has no reference (`base
 
 from __future__ import annotations
 
+import itertools
+import json
 from pathlib import Path
 
 from gaeq.results.compare import Verdict
 from gaeq.results.trace import cell_dir
+from gaeq.script.contract import TARGETS_FILE
 from gaeq.script.objective import Weighting, weighting
 from gaeq.script.verdict import read_probe
 
@@ -18,17 +21,35 @@ ALONE = (
 
 
 def weighting_of(run_dir: Path, cell_id: str) -> Weighting | None:
-    """What a script cell's probe read of its targets' weights; None where it left no probe."""
-    probe = read_probe(cell_dir(run_dir, cell_id))
-    if probe is None:
+    """What a cell's targets' weights say: a script's, from its probe; a cell of gaeq's own trainers, from its ranks'
+    files (gaeq.script.targets.reading) — unread where any rank could not read them. None where neither was left."""
+    folder = cell_dir(run_dir, cell_id)
+    probe = read_probe(folder)
+    if probe is not None:
+        return weighting(probe.get("steps") or [], unread=probe.get("targets_unread"))
+    ranks = []
+    for rank in itertools.count():
+        try:
+            ranks.append(json.loads((folder / TARGETS_FILE.format(rank=rank)).read_text()))
+        except (OSError, ValueError):
+            break
+    if not ranks:
         return None
-    return weighting(probe.get("steps") or [], unread=probe.get("targets_unread"))
+    if unread := next((r["unread"] for r in ranks if r.get("unread")), None):
+        return weighting([], unread=unread)
+    steps = [
+        {"step": i, "world_size": len(ranks), "targets": list(forwards)}
+        for i, forwards in enumerate(zip(*(r["steps"] for r in ranks)))
+    ]
+    return weighting(steps)
 
 
 def beside(own: Weighting, reference: Weighting | None) -> Weighting:
     """The cell's weighting, said against its reference's where their shapes differ (a reference that weighs its
     targets unequally on purpose sets what its splits are held to)."""
-    if reference is None or "unread" in (own.shape, reference.shape) or own.shape == reference.shape:
+    if own.shape == "unread" and reference is not None:
+        return Weighting(shape=own.shape, line=f"{own.line} — the comparison with the reference judges it")
+    if reference is None or reference.shape == "unread" or own.shape == reference.shape:
         return own
     return Weighting(
         shape=own.shape,

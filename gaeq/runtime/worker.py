@@ -215,7 +215,7 @@ def train(cell: Cell, problem: ProblemSpec, ctx: Any) -> dict:
 
     # Eager kernels unless the cell compiles: a library function that compiles itself (DeepSpeed's
     # Muon update) would spend tens of seconds compiling in every cell on a CPU, and recompile per shape.
-    with eager(cell), perturbed(cell) as applied:
+    with eager(cell), perturbed(cell) as applied, weighed(cell, ctx):
         train_cell = trainer_for(cell.trainer, pipeline_parallel=cell.pipeline_parallel)
         ran = train_cell(cell=cell, problem=problem, ctx=ctx)
     if applied is not None and applied.check is not None and applied.check.found is not None:
@@ -237,6 +237,21 @@ def perturbed(cell: Cell) -> contextlib.AbstractContextManager:
 
     p = cell.perturbation
     return perturb.applied(twin_seed=p.twin_seed, weight=p.weight) if p else contextlib.nullcontext()
+
+
+def weighed(cell: Cell, ctx: Any) -> contextlib.AbstractContextManager:
+    """The weight every target gets in each step, read in a split or baseline of gaeq's own trainers
+    (gaeq.script.targets; a script's probe reads its own). Not where ranks share a batch (TP, PP, SP) nor in an
+    instrument, which plants or nudges."""
+    from gaeq.matrix import Role
+    from gaeq.registry import TRAINERS
+    from gaeq.script import targets
+    from gaeq.script.contract import TARGETS_FILE
+
+    shared = cell.tensor_parallel * cell.pipeline_parallel * cell.sequence_parallel > 1
+    if TRAINERS[cell.trainer].script or shared or cell.role not in (Role.CELL, Role.BASELINE):
+        return contextlib.nullcontext()
+    return targets.reading(Path(ctx.cell_dir) / TARGETS_FILE.format(rank=ctx.rank))
 
 
 def _exit(events: Any, code: int) -> None:

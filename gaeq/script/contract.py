@@ -7,6 +7,9 @@ cell is labelled fp32, so its autocast and loss scaler are switched off (gaeq.sc
 what the launch itself switched off (a DeepSpeed config's bf16/fp16 section)}."""
 PROBE_FILE = "probe.json"
 """Rank 0's record of what it saw, per optimizer step (written even when the script stops early)."""
+TARGETS_FILE = "targets.rank{rank}.json"
+"""A rank of gaeq's own trainers: its steps' target weights, beside the cell's trace (gaeq.script.targets.reading;
+a script's are in its probe's file)."""
 FAILURE_FILE = "probe-failure-rank{rank}.json"
 """A rank whose probe raised writes why here ({"error", "where", "out_of_memory"}): the cell's reason is gaeq's
 failure, not a guess about the script — or, where an allocation failed in it, out of memory."""

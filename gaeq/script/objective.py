@@ -7,7 +7,7 @@ step's target mean. Otherwise the shape is named where the weights show it:
 
 - one weight per micro-batch, each inversely to its target count: a mean of micro-batch means;
 - one weight per rank, each inversely to the rank's count: a mean of rank means;
-- one weight per row (sequence), each inversely to its length: a mean of per-sequence means;
+- one weight per row (a sequence, or a pack), each inversely to its targets: a mean of per-row means;
 - every target alike, summing to k ≠ 1: the loss × k (× GA where k is GA);
 - otherwise: how far apart, and that no known shape fits.
 
@@ -93,6 +93,8 @@ def _step(step: dict) -> Weighting:
         ga = max((len(ranks) for ranks in step["targets"]), default=1)
         times = f" — × GA ({ga})" if abs(st["sum"] - ga) <= tol * ga else ""
         times = f" — ÷ GA ({ga}) twice" if ga > 1 and abs(st["sum"] * ga - 1) <= tol else times
+        both = ga * st["world"]
+        times = f" — × GA × world ({both})" if st["world"] > 1 and abs(st["sum"] - both) <= tol * both else times
         return Weighting(
             shape="scaled",
             line=f"every target weighs alike but they sum to {st['sum']:.4g} at step {s}, not 1: the loss × "
@@ -154,9 +156,9 @@ def _named(shape: str, st: dict, weights: list[float], counts: list[int], step: 
         f"{min(counts)} to {max(counts)} targets{summed}): each micro-batch's own mean, summed — not ÷ GA",
         "rank_means": f"targets weigh by rank, 1/(world · n_r) ({low:.3g} to {high:.3g} at step {step}, ranks of "
         f"{min(counts)} to {max(counts)} targets): a mean of rank means",
-        "sequence_means": f"targets weigh by sequence, inversely to its length ({low:.3g} to {high:.3g} at step "
-        f"{step}, sequences of {min(counts)} to {max(counts)} targets): a mean of per-sequence means — every "
-        "sequence weighs alike (on purpose, if the reference weighs so too)",
+        "sequence_means": f"targets weigh by row, inversely to its targets ({low:.3g} to {high:.3g} at step "
+        f"{step}, rows of {min(counts)} to {max(counts)} targets): a mean of per-row means — every sequence (or "
+        "pack) weighs alike (on purpose, if the reference weighs so too)",
     }[shape]
     fix = FIXES.get(shape)
     return Weighting(shape=shape, line=what + (f" — {fix}" if fix else ""), step=step, fix=fix)

@@ -16,7 +16,10 @@ its backward made them; a loss scaler's scale is taken out.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import json
+from collections.abc import Iterator, Mapping
+from pathlib import Path
 
 import torch
 
@@ -121,3 +124,49 @@ class TargetWeights:
         gi, p, w = g[chosen].double(), torch.softmax(z[chosen].double(), dim=-1), weights[chosen]
         rest = (gi - w[:, None] * p).scatter_(-1, gi.argmin(dim=-1, keepdim=True), 0.0).abs().amax(dim=-1)
         return float((rest / (w.abs() * p.amax(dim=-1)).clamp_min(1e-300)).amax())
+
+
+@contextlib.contextmanager
+def reading(path: Path) -> Iterator[None]:
+    """While a rank of gaeq's own trainers trains: the model's training forwards read (its outermost trainable
+    module, as the instruments find it), each optimizer step's kept — an optimizer stepping another inside its
+    own step is one step — and written to `path` at the end: {"steps": [forwards…], "unread": why | None}."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    from gaeq.files import atomic_write
+    from gaeq.perturb import Outermost
+
+    reader, steps, depth = TargetWeights(), [], [0]
+    # a model that returns its loss alone (gaeq's Trainer models): the last output with rows inside it, its logits
+    watch = Outermost(
+        on_model=lambda module, output, inside, packed: reader.watch(
+            output if inside is None else _logits(output, inside)
+        )
+    )
+
+    def before(*_):
+        depth[0] += 1
+
+    def after(*_):
+        depth[0] -= 1
+        if not depth[0]:
+            steps.append(reader.take())
+
+    hooks = torch.nn.modules.module
+    handles = [
+        hooks.register_module_forward_pre_hook(watch.before),
+        hooks.register_module_forward_hook(watch.after, with_kwargs=True, always_call=True),
+        register_optimizer_step_pre_hook(before),
+        register_optimizer_step_post_hook(after),
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        atomic_write(path, json.dumps({"steps": steps, "unread": reader.unread}))
+
+
+def _logits(output, inside):
+    """The model's output where it holds logits, else the last output with rows a module inside it produced."""
+    return output if rows_of(output) is not None else inside

@@ -114,6 +114,22 @@ def test_libraries_experiment(tmp_path):
         assert abs(c["max_rel_grad_norm_diff"] - (factor - 1)) < 1e-2  # 5.000 at step 0, 5.002 later
     fixed = cells["hf-w2-mb4-ga3@token_classifier_fixed"]
     assert fixed["verdict"] == "match" and fixed["ran"]["model_accepts_loss_kwargs"] is False
+    # each weighting mistake named from its split's own targets' weights (#68), every correct split a mean
+    shapes = {i: c["weights"]["shape"] for i, c in cells.items() if c["role"] == "cell"}
+    assert {i: s for i, s in shapes.items() if s != "mean"} == {
+        "accelerate-w1-mb4-ga6-bug_accelerate_loss_divided_twice": "scaled",
+        "hf_deepspeed-z1-w1-mb4-ga6-bug_hf_deepspeed_loss_divided_twice": "scaled",
+        "accelerate-w2-mb4-ga3-bug_mean_of_means": "micro_batch_means",
+        "accelerate-w2-mb4-ga3-bug_hf_num_items_per_micro_batch@llama": "micro_batch_means",
+        "hf-w1-mb4-ga6-bug_hf_loss_per_micro_batch": "micro_batch_means",
+        "hf-w2-mb4-ga3-bug_hf_loss_per_micro_batch@llama": "micro_batch_means",
+        "hf-w2-mb4-ga3-bug_hf_tokens_per_device": "rank_means",
+        "hf_deepspeed-z2-w2-mb4-ga3-bug_hf_tokens_per_device": "rank_means",
+        "hf-w1-mb4-ga6@token_classifier": "scaled",
+        "hf-w2-mb4-ga3@token_classifier": "scaled",
+    }
+    assert "× GA × world (6)" in cells["hf-w2-mb4-ga3@token_classifier"]["weights"]["line"]
+    assert "÷ GA (6) twice" in cells["accelerate-w1-mb4-ga6-bug_accelerate_loss_divided_twice"]["weights"]["line"]
 
     versions = json.loads((out / "versions.json").read_text())
     assert versions["accelerate"] == metadata.version("accelerate") and versions["transformers"] == metadata.version(

@@ -92,6 +92,17 @@ def test_every_planted_bug_is_caught_and_every_twin_matches(pitfalls_run):
     ]
     for cell_id in twins:
         assert cells[cell_id]["verdict"] == "match", cells[cell_id]
+    # the weighting mistakes named from their split's own targets' weights (#68), every token-LM twin a mean
+    shapes = {i: c["weights"]["shape"] for i, c in cells.items() if c.get("weights")}
+    assert {i: shapes[i] for i in shapes if "bug_" in i and shapes[i] != "unread"} == {
+        "torch-w1-mb4-ga8-bug_mean_of_means@gpt": "micro_batch_means",
+        "deepspeed-z2-w2-mb4-ga4-bug_mean_of_means@gpt": "micro_batch_means",
+        "torch-w2-mb4-ga4-bug_tokens_all_reduced_then_ddp_averaged@gpt": "scaled",  # sum 0.5
+        "torch-w1-mb1-ga32-bug_empty_micro_batch_counted@masked": "scaled",  # sum 0.75
+        "torch-w1-mb4-ga8-bug_packed_sequences_weighted_per_pack@packed": "sequence_means",
+    }
+    assert all(shapes[t] == "mean" for t in twins if "@gpt" in t or "@masked" in t or "@packed" in t)
+    assert "sum to 0.75 at step 0" in cells["torch-w1-mb1-ga32-bug_empty_micro_batch_counted@masked"]["weights"]["line"]
     # bf16 accumulation over GA 16 stays inside the bf16 noise at this scale (see pitfalls.yaml).
     bf16 = cells["deepspeed-z1-w1-mb2-ga16-ds_bf16-bug_grad_accum_bf16@bf16_accum"]
     assert bf16["verdict"] == "match" and 1e-6 < bf16["max_abs_loss_diff"] < 1e-3

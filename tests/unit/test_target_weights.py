@@ -88,7 +88,7 @@ def test_a_mean_of_per_sequence_means_is_said_as_one_and_a_loss_that_is_not_read
     per_sequence = weighting(
         [step_of(batches(lengths), lambda lo, y, r, k: sum(ce(lo[i], y[i], "mean") for i in range(3)) / 3, world=1)]
     )
-    assert per_sequence.shape == "sequence_means" and "on purpose, if the reference weighs so too" in per_sequence.line
+    assert per_sequence.shape == "sequence_means" and "a mean of per-row means" in per_sequence.line
     reader = TargetWeights()
     logits = torch.randn(2, 8, V, requires_grad=True)
     reader.watch(logits)
@@ -145,6 +145,11 @@ def test_no_reference_is_a_script_matrixs_splits_alone_each_judged_by_its_weight
     assert unread[0] == Verdict.ERROR and "not read (its logits are sharded): nothing judges it" in unread[1]
     assert beside(means, mean).line.endswith("where the reference's weights read: every target weighs 1/N")
     assert beside(mean, mean) == mean
+    per_row = Weighting(shape="sequence_means", line="a mean of per-row means", step=0)
+    assert beside(per_row, per_row) == per_row  # weighed so on purpose, as its reference: not called wrong
+    assert beside(Weighting(shape="unread", line="not read: x"), mean).line.endswith(
+        "the comparison with the reference judges it"
+    )
 
 
 def test_trls_fused_forward_hands_per_token_log_probabilities_whose_gradient_is_the_weight():
