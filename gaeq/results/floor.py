@@ -39,8 +39,9 @@ measuring rounding (it is rejected, and its group judged by the constants). Set 
 twin and weakest planted control (docs/verdicts.md, the noise floor)."""
 
 
-SAID_APART = 1.01
-"""A split's limit is the printed one where it exceeds the baseline's split's by more than this factor."""
+SAID_APART = 1.1
+"""A split's limit is the printed one where it exceeds the baseline's split's by more than this factor (10 %: a
+difference the printed limit, to two digits, shows)."""
 
 ORDER_UNITS = 64.0
 """A batch run again in another order, or with other random draws, may differ from itself by rounding — a

@@ -28,13 +28,18 @@ def weights_lines(report: Report) -> list[str]:
     """Each split's targets' weights in words (gaeq.script.objective): `Weights: <cell>: every target weighs 1/N
     ± 3e-07 …: the step's target mean` — where they were read, and for a script's also why not (a cell of gaeq's
     own trainers on a regression has none to read); the instruments' left out (they plant or nudge)."""
-    return [
-        f"Weights: {c.id}: {c.weights['line']}"
+    said = [
+        c
         for c in report.cells
         if c.weights
         and c.cell.role in (Role.CELL, Role.BASELINE)
         and (c.weights["shape"] != "unread" or TRAINERS[c.trainer].script)
     ]
+    means = [c.id for c in said if c.weights["shape"] == "mean"]
+    lines = [f"Weights: {c.id}: {c.weights['line']}" for c in said if c.weights["shape"] != "mean"]
+    if len(means) > 1:  # one line for the splits that are right, their ids in it
+        return [f"Weights: every target weighs 1/N, the step's target mean, in {', '.join(means)}", *lines]
+    return [f"Weights: {c.id}: {c.weights['line']}" for c in said if c.id in means] + lines
 
 
 def reference_lines(report: Report) -> list[str]:

@@ -50,5 +50,5 @@ def test_with_no_reference_each_split_is_judged_by_its_targets_weights_and_a_mis
     said = cells["script-w1-mb4-ga4-args_bug_mean_of_means"]["reason"]
     assert "a mean of micro-batch means — divide each micro-batch's summed loss by the step's target count" in said
     assert "not ÷ GA" in cells["script-w1-mb4-ga4-args_bug_no_loss_division"]["weights"]["line"]
-    assert "Weights: script-w2-mb4-ga2: every target weighs 1/N" in proc.stdout
-    assert "Weights: script-w2-mb4-ga2: every target weighs 1/N" in (tmp_path / "run" / "report.md").read_text()
+    both = "Weights: every target weighs 1/N, the step's target mean, in script-w1-mb4-ga4, script-w2-mb4-ga2"
+    assert both in proc.stdout and both in (tmp_path / "run" / "report.md").read_text()
