@@ -82,6 +82,7 @@ def peer_comparison(*, steps: int, configs: list[tuple[int, int]], tiny: bool) -
         ]
         spec.pop("axes", None), spec.pop("variants", None)
         spec["detection_limit"] = False  # the cells, their baseline and its twins: what this measured before the limit
+        spec["noise_floor"] = not tiny  # (tiny: the code of every phase, not its numbers — no twin)
         matrix = Path(tmp) / "peer.yaml"
         matrix.write_text(yaml.safe_dump(spec))
         gaeq = run_matrix(matrix, Path(tmp) / "run")

@@ -4,9 +4,10 @@ second run started while a first build is alive waits for it (said, with the fol
 
 The build is the one this machine pays once anyway, into its own cache, where the comm op was never built
 there (a fresh clone's first suite: every later DeepSpeed cell finds it). Where it was, the test's empty
-cache is given the objects this machine compiled (`*.o`, ninja's files) but one: DeepSpeed's builder then
-runs as on first use and ninja compiles that one object (~20 s, a real build the run must wait for) and
-links the library."""
+cache is given the objects this machine compiled (`*.o`, ninja's files), not the library: DeepSpeed's
+builder then runs as on first use, and ninja links the library — a real build, held open a few seconds by
+a `ninja` first on its PATH that waits before it runs the real one (the second run must meet it alive;
+a ~25 s compile would prove nothing more about gaeq, and cost a core)."""
 
 from __future__ import annotations
 
@@ -50,10 +51,11 @@ def test_a_dead_builds_lock_is_named_and_a_first_use_build_runs_before_any_cell(
         shutil.rmtree(folder)  # the command it named
         own_cache = not built_here(COMM)  # this machine's own first build: paid here, once, for the whole suite
         if own_cache:
-            env = dict(os.environ)
+            env, slow = dict(os.environ), {}
         else:
             compiled(folder)
-        with running([sys.executable, "-m", "gaeq.runtime.ops", COMM.builder], tag=tag, env=env, stdout=PIPE,
+            slow = {"PATH": f"{slow_ninja(tmp_path / 'bin')}{os.pathsep}{env['PATH']}"}
+        with running([sys.executable, "-m", "gaeq.runtime.ops", COMM.builder], tag=tag, env=env | slow, stdout=PIPE,
                      text=True) as first:  # fmt: skip
             building = json.loads(first.stdout.readline())  # a first run's build, alive
             assert building["state"] == "building", building
@@ -73,6 +75,15 @@ def test_a_dead_builds_lock_is_named_and_a_first_use_build_runs_before_any_cell(
 
 
 def compiled(folder):
-    """This machine's compiled objects of the comm op but one, copied into `folder` with their times, no library:
-    the build then compiles that one (a build that lasts) and links."""
-    shutil.copytree(library(COMM).parent, folder, ignore=shutil.ignore_patterns("*.so", "lock", "shm_interface.o"))
+    """This machine's compiled objects of the comm op, copied into `folder` with their times, no library."""
+    shutil.copytree(library(COMM).parent, folder, ignore=shutil.ignore_patterns("*.so", "lock"))
+
+
+def slow_ninja(folder, seconds: int = 10):
+    """A folder holding a `ninja` that waits `seconds` before a build (not before `--version`, torch's check),
+    then runs the real one: the build it makes is ninja's own, alive that much longer."""
+    folder.mkdir()
+    real = shutil.which("ninja")
+    (folder / "ninja").write_text(f'#!/bin/sh\n[ "$1" = "--version" ] || sleep {seconds}\nexec {real} "$@"\n')
+    (folder / "ninja").chmod(0o755)
+    return folder
