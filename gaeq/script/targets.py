@@ -40,7 +40,8 @@ class TargetWeights:
     weights; `take` hands a phase's forwards on."""
 
     def __init__(self) -> None:
-        self.forwards: list[dict] = []
+        self._pending: list[tuple] = []
+        """Each forward's per-row counts, sums, least and largest weights and strayed share, on their device."""
         self.unread: str | None = None
         """Why the weights could not be read (the first reason met), else None."""
         self.scale = 1.0
@@ -69,9 +70,22 @@ class TargetWeights:
         logits.register_hook(lambda grad: self._read(saved, grad))
 
     def take(self) -> list[dict]:
-        """The forwards read since the last take (a phase's), each ``{"rows": [[n, sum, least, largest], …]}``."""
-        taken, self.forwards = self.forwards, []
-        return taken
+        """The forwards read since the last take (a phase's), each ``{"rows": [[n, sum, least, largest], …]}`` — read
+        back from the device here, once a phase (a forward whose gradient is not a plain cross-entropy's is said)."""
+        taken, self._pending = self._pending, []
+        forwards = []
+        for n, total, small, big, strayed, eps in taken:
+            if float(strayed) > UNITS * eps:
+                self._said(
+                    f"the gradient at the model's output is not a plain cross-entropy's over logits (off w·p by "
+                    f"{float(strayed):.1e} of it: a regression, label smoothing, a z-loss, another loss)"
+                )
+                continue
+            rows = zip(n.tolist(), total.tolist(), small.tolist(), big.tolist())
+            forwards.append(
+                {"rows": [[k, s, lo, hi] if k else [0, 0.0, 0.0, 0.0] for k, s, lo, hi in rows], "eps": eps}
+            )
+        return forwards
 
     def _said(self, why: str) -> None:
         self.unread = self.unread or why
@@ -89,41 +103,26 @@ class TargetWeights:
             others = (zi.scatter(-1, label, -torch.inf).logsumexp(dim=-1) - zi.logsumexp(dim=-1)).double().exp()
             pushed = gi.scatter(-1, label, 0).clamp_min(0).sum(dim=-1, dtype=torch.float64)
             weights[i : i + step] = torch.where(others > 0, pushed / others.clamp_min(1e-300), 0.0)
-        if (strayed := self._strayed(z, g, weights)) > UNITS * torch.finfo(grad.dtype).eps:
-            return self._said(
-                f"the gradient at the model's output is not a plain cross-entropy's over logits (off w·p by "
-                f"{strayed:.1e} of it: a regression, label smoothing, a z-loss, another loss)"
-            )
-        self._keep(weights.view(logits.shape[0], -1), grad.dtype)
+        self._keep(weights.view(logits.shape[0], -1), grad.dtype, strayed=self._strayed(z, g, weights))
 
-    def _keep(self, weights: torch.Tensor, dtype: torch.dtype) -> None:
-        """A forward's weights, [rows, positions] (0: no target), kept per row, the loss scale taken out."""
-        rows = weights.cpu() / float(self.scale)
+    def _keep(self, weights: torch.Tensor, dtype: torch.dtype, *, strayed: torch.Tensor | None = None) -> None:
+        """A forward's weights, [rows, positions] (0: no target), kept per row on their device, the loss scale
+        taken out; `take` reads them back."""
+        rows = weights / (self.scale if isinstance(self.scale, torch.Tensor) else float(self.scale))
         targets = rows != 0
-        n = targets.sum(dim=1)
         big = torch.where(targets, rows, -torch.inf).amax(dim=1)
         small = torch.where(targets, rows, torch.inf).amin(dim=1)
-        self.forwards.append(
-            {
-                "rows": [
-                    [int(k), float(s), float(lo), float(hi)] if k else [0, 0.0, 0.0, 0.0]
-                    for k, s, lo, hi in zip(n, rows.sum(dim=1), small, big)
-                ],
-                "eps": torch.finfo(dtype).eps,
-            }
-        )
+        stray = strayed if strayed is not None else torch.zeros((), device=rows.device)
+        self._pending.append((targets.sum(dim=1), rows.sum(dim=1), small, big, stray, torch.finfo(dtype).eps))
 
     @staticmethod
-    def _strayed(z: torch.Tensor, g: torch.Tensor, weights: torch.Tensor) -> float:
-        """How far a sample of the targets' gradients stray from w·p off their label, relative to w·max p (a plain
-        cross-entropy's: rounding): SAMPLE positions spread over the forward, in float64."""
-        chosen = torch.nonzero(weights).squeeze(-1)
-        chosen = chosen[:: max(1, len(chosen) // SAMPLE)][:SAMPLE]
-        if not len(chosen):
-            return 0.0
+    def _strayed(z: torch.Tensor, g: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """How far the gradients of SAMPLE positions spread over the forward stray from w·p off their label, relative
+        to w·max p (a plain cross-entropy's: rounding), in float64 — its targets only, on their device."""
+        chosen = torch.arange(0, z.shape[0], max(1, z.shape[0] // SAMPLE), device=z.device)[:SAMPLE]
         gi, p, w = g[chosen].double(), torch.softmax(z[chosen].double(), dim=-1), weights[chosen]
         rest = (gi - w[:, None] * p).scatter_(-1, gi.argmin(dim=-1, keepdim=True), 0.0).abs().amax(dim=-1)
-        return float((rest / (w.abs() * p.amax(dim=-1)).clamp_min(1e-300)).amax())
+        return torch.where(w != 0, rest / (w.abs() * p.amax(dim=-1)).clamp_min(1e-300), 0.0).amax()
 
 
 @contextlib.contextmanager
