@@ -32,22 +32,15 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # (loaded as a plugin from its own folder)
+from tests.conftest import busy_ticks  # noqa: E402  the machine's busy ticks, as every pytest run reads them
+
 REPO = Path(__file__).resolve().parents[1]
 TARGETS = {"all": 8 * 60.0, "not integration": 60.0}
 """Seconds: the whole suite from a fresh clone, and `-m "not integration"` (the edit loop)."""
 TINY = ["tests/unit/test_placeholders.py", "tests/unit/test_links.py"]
 BUSY_FILE = "GAEQ_SUITE_BUSY_FILE"
 """Where the plugin below appends each test's busy core-seconds (a JSON line per test)."""
-
-
-def busy_ticks() -> tuple[int, int] | None:
-    """(all, idle) clock ticks of every core since boot, from /proc/stat; None where there is none."""
-    try:
-        with open("/proc/stat") as stat:
-            ticks = [int(t) for t in stat.readline().split()[1:]]
-    except OSError:
-        return None
-    return sum(ticks), ticks[3] + ticks[4]  # idle and iowait
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -10,7 +10,7 @@ REPO = Path(__file__).resolve().parents[1]
 TRAINING_TESTS = (REPO / "tests" / "integration", REPO / "tests" / "notebooks")
 
 
-def _busy_ticks() -> tuple[int, int] | None:
+def busy_ticks() -> tuple[int, int] | None:
     """(all, idle) clock ticks of every core since boot, from /proc/stat (benchmarks/suite_time.py reads them per
     test); None where there is none."""
     try:
@@ -27,7 +27,7 @@ STARTED: list[tuple[int, int] | None] = []
 def pytest_terminal_summary(terminalreporter):
     """Every run ends with the machine's busy core-seconds over it: the suite's work, its budget (README, Tests) —
     measured on a machine doing nothing else."""
-    end = _busy_ticks()
+    end = busy_ticks()
     if STARTED and STARTED[0] is not None and end is not None:
         busy = ((end[0] - STARTED[0][0]) - (end[1] - STARTED[0][1])) / os.sysconf("SC_CLK_TCK")
         terminalreporter.write_line(f"busy core-seconds: {busy:.0f} (the suite's work; README, Tests)")
@@ -38,7 +38,7 @@ def pytest_sessionstart(session):
     torch, DeepSpeed and transformers overlap the collection of the tests. One that will not — its
     paths hold no training test, or its marks leave the integration tests out (the edit loop, `-m "not
     integration"`) — starts none: those imports would take a core from the tests that run."""
-    STARTED.append(_busy_ticks())
+    STARTED.append(busy_ticks())
     config = session.config
     paths = [Path(config.invocation_params.dir, arg.split("::")[0]).resolve() for arg in config.args]
     if not any(p == d or p in d.parents or d in p.parents for p in paths for d in TRAINING_TESTS):
