@@ -11,6 +11,7 @@ from gaeq.registry import TRAINERS
 from gaeq.results.compare import Verdict
 from gaeq.results.reference import MIXED, same_split
 from gaeq.results.report import CellReport, Report
+from gaeq.script.objective import Shape
 
 
 def caught(c: CellReport) -> str:
@@ -33,10 +34,10 @@ def weights_lines(report: Report) -> list[str]:
         for c in report.cells
         if c.weights
         and c.cell.role in (Role.CELL, Role.BASELINE)
-        and (c.weights["shape"] != "unread" or TRAINERS[c.trainer].script)
+        and (c.weights["shape"] != Shape.UNREAD or TRAINERS[c.trainer].script)
     ]
-    means = [c.id for c in said if c.weights["shape"] == "mean"]
-    lines = [f"Weights: {c.id}: {c.weights['line']}" for c in said if c.weights["shape"] != "mean"]
+    means = [c.id for c in said if c.weights["shape"] == Shape.MEAN]
+    lines = [f"Weights: {c.id}: {c.weights['line']}" for c in said if c.weights["shape"] != Shape.MEAN]
     if len(means) > 1:  # one line for the splits that are right, their ids in it
         return [f"Weights: every target weighs 1/N, the step's target mean, in {', '.join(means)}", *lines]
     return [f"Weights: {c.id}: {c.weights['line']}" for c in said if c.id in means] + lines

@@ -136,17 +136,15 @@ def judge(
     cells = []
     weights = {c.id: weighting_of(traces.run_dir, c.id) for c in matrix.cells if c.role in (Role.CELL, Role.BASELINE)}
     for cell in matrix.cells:
-        base_id = matrix.baselines.get(cell.group)
-        judged = dict(base_id=base_id, outcomes=outcomes, traces=traces, tolerance=tolerances[cell.dtype])
-        verdict, reason, comparison = (
-            _judge_alone(cell, outcomes, weights.get(cell.id))
-            if base_id is None
-            else _judge_cell(
-                cell, **judged, tracked=tuple(matrix.spec.track), floor=floors.get(cell.group),
+        base_id, own = matrix.baselines.get(cell.group), weights.get(cell.id)
+        if base_id is None:  # no reference (`baseline: none`): its weights judge it
+            verdict, reason, comparison = _judge_alone(cell, outcomes, own)
+        else:
+            verdict, reason, comparison = _judge_cell(
+                cell, base_id=base_id, outcomes=outcomes, traces=traces, tolerance=tolerances[cell.dtype],
+                tracked=tuple(matrix.spec.track), floor=floors.get(cell.group),
                 twins=matrix.floors.get(cell.group, ()), causes=causes.get(cell.group, ()),
-            )
-        )  # fmt: skip
-        own = weights.get(cell.id)
+            )  # fmt: skip
         if (unmet := unmet_expectation(cell.expectation, comparison)) is not None:
             reason += f" — {unmet}"
         ran = getattr(outcomes.get(cell.id), "ran", None) or {}

@@ -11,7 +11,7 @@ from pathlib import Path
 from gaeq.results.compare import Verdict
 from gaeq.results.trace import cell_dir
 from gaeq.script.contract import TARGETS_FILE
-from gaeq.script.objective import Weighting, weighting
+from gaeq.script.objective import Shape, Weighting, weighting
 from gaeq.script.verdict import read_probe
 
 ALONE = (
@@ -47,9 +47,9 @@ def weighting_of(run_dir: Path, cell_id: str) -> Weighting | None:
 def beside(own: Weighting, reference: Weighting | None) -> Weighting:
     """The cell's weighting, said against its reference's where their shapes differ (a reference that weighs its
     targets unequally on purpose sets what its splits are held to)."""
-    if own.shape == "unread" and reference is not None:
+    if own.shape == Shape.UNREAD and reference is not None:
         return Weighting(shape=own.shape, line=f"{own.line} — the comparison with the reference judges it")
-    if reference is None or reference.shape == "unread" or own.shape == reference.shape:
+    if reference is None or reference.shape == Shape.UNREAD or own.shape == reference.shape:
         return own
     return Weighting(
         shape=own.shape,
@@ -62,7 +62,7 @@ def beside(own: Weighting, reference: Weighting | None) -> Weighting:
 def judged_alone(own: Weighting | None) -> tuple[Verdict, str]:
     """A split with no reference: `match` where its targets weigh 1/N and sum to 1 in every step read, `diverge`
     with the shape its weights have otherwise, `error` where none could be read."""
-    if own is None or own.shape == "unread":
+    if own is None or own.shape == Shape.UNREAD:
         why = own.line.removeprefix("not read: ") if own is not None else "its probe wrote nothing"
         return (
             Verdict.ERROR,

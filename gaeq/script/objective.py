@@ -18,6 +18,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gaeq.names import Name
+
+
+class Shape(Name):
+    """What a run's weights are, in report.json's words."""
+
+    MEAN = "mean"
+    """Every target weighs 1/N, summing to 1: the step's target mean."""
+    MICRO_BATCH_MEANS = "micro_batch_means"
+    RANK_MEANS = "rank_means"
+    SEQUENCE_MEANS = "sequence_means"
+    """One weight per row (a sequence or a pack), inversely to its targets."""
+    SCALED = "scaled"
+    """Every target alike, summing to k ≠ 1."""
+    UNEVEN = "uneven"
+    """Apart in no shape gaeq knows."""
+    UNREAD = "unread"
+
+
 UNITS = 64
 """Units in the last place of the gradients' dtype that weights may differ by and still be the same weight."""
 
@@ -26,8 +45,7 @@ UNITS = 64
 class Weighting:
     """What a run's weights say, over its steps."""
 
-    shape: str
-    """`mean`, `micro_batch_means`, `rank_means`, `sequence_means`, `scaled`, `uneven` or `unread`."""
+    shape: Shape
     line: str
     """In words, with the numbers: what `Weights:` prints."""
     step: int | None = None
@@ -36,19 +54,19 @@ class Weighting:
 
     @property
     def is_mean(self) -> bool:
-        return self.shape == "mean"
+        return self.shape == Shape.MEAN
 
     def summary(self) -> dict:
         return {"shape": self.shape, "line": self.line, "step": self.step, "fix": self.fix}
 
 
 FIXES = {
-    "micro_batch_means": "divide each micro-batch's summed loss by the step's target count (`num_items_in_batch`), "
+    Shape.MICRO_BATCH_MEANS: "divide each micro-batch's summed loss by the step's target count (`num_items_in_batch`), "
     "not by its own",
-    "rank_means": "count the step's targets over every rank (an all-reduce; the Trainer's "
+    Shape.RANK_MEANS: "count the step's targets over every rank (an all-reduce; the Trainer's "
     "`average_tokens_across_devices`) before dividing",
-    "scaled": "divide the step's summed loss by the step's target count once (÷ GA where each micro-batch's mean is "
-    "summed)",
+    Shape.SCALED: "divide the step's summed loss by the step's target count once (÷ GA where each micro-batch's "
+    "mean is summed)",
 }
 
 
@@ -57,7 +75,7 @@ def weighting(steps: list[dict], *, unread: str | None = None) -> Weighting:
     deciding; `unread`: why no weight could be read."""
     read = [s for s in steps if any(row[0] for ranks in s.get("targets") or [] for f in ranks for row in f["rows"])]
     if not read:
-        return Weighting(shape="unread", line=f"not read: {unread or 'the probe read no target weights'}")
+        return Weighting(shape=Shape.UNREAD, line=f"not read: {unread or 'the probe read no target weights'}")
     for s in read:
         found = _step(s)
         if not found.is_mean:
@@ -65,7 +83,7 @@ def weighting(steps: list[dict], *, unread: str | None = None) -> Weighting:
     first = _stats(read[0])
     spread = max(_stats(s)["spread"] for s in read)
     return Weighting(
-        shape="mean",
+        shape=Shape.MEAN,
         line=f"every target weighs 1/N{f' ± {spread:.0e}' if spread else ''} (N = {first['n']} at step "
         f"{read[0]['step']}): the step's target mean, in every step read",
     )
@@ -89,30 +107,30 @@ def _step(step: dict) -> Weighting:
     s, tol, at = step["step"], st["tol"], step["step"]
     if st["spread"] <= tol:
         if abs(st["sum"] - 1) <= tol:
-            return Weighting(shape="mean", line="", step=None)
+            return Weighting(shape=Shape.MEAN, line="", step=None)
         ga = max((len(ranks) for ranks in step["targets"]), default=1)
         times = f" — × GA ({ga})" if abs(st["sum"] - ga) <= tol * ga else ""
         times = f" — ÷ GA ({ga}) twice" if ga > 1 and abs(st["sum"] * ga - 1) <= tol else times
         both = ga * st["world"]
         times = f" — × GA × world ({both})" if st["world"] > 1 and abs(st["sum"] - both) <= tol * both else times
         return Weighting(
-            shape="scaled",
+            shape=Shape.SCALED,
             line=f"every target weighs alike but they sum to {st['sum']:.4g} at step {s}, not 1: the loss × "
             f"{st['sum']:.4g}{times} — {FIXES['scaled']}",
             step=at,
-            fix=FIXES["scaled"],
+            fix=FIXES[Shape.SCALED],
         )
     for shape, groups in (
-        ("rank_means", _groups(st, lambda r, k, i: r)),
-        ("micro_batch_means", _groups(st, lambda r, k, i: (r, k))),
-        ("sequence_means", _groups(st, lambda r, k, i: (r, k, i))),
+        (Shape.RANK_MEANS, _groups(st, lambda r, k, i: r)),
+        (Shape.MICRO_BATCH_MEANS, _groups(st, lambda r, k, i: (r, k))),
+        (Shape.SEQUENCE_MEANS, _groups(st, lambda r, k, i: (r, k, i))),
     ):
         if (said := _each_alike(groups, tol)) is not None:
             weights, counts = said
             if len(set(weights)) > 1 and _alike([w * c for w, c in zip(weights, counts)], tol):
                 return _named(shape, st, weights, counts, at)
     return Weighting(
-        shape="uneven",
+        shape=Shape.UNEVEN,
         line=f"targets weigh from {st['low']:.3g} to {st['high']:.3g} at step {s} (× {st['high'] / st['low']:.3g}), "
         "in no shape gaeq knows (not by micro-batch, rank or sequence)",
         step=at,
@@ -144,19 +162,19 @@ def _alike(values: list[float], tol: float) -> bool:
     return max(values) / min(values) - 1 <= tol * 4
 
 
-def _named(shape: str, st: dict, weights: list[float], counts: list[int], step: int) -> Weighting:
+def _named(shape: Shape, st: dict, weights: list[float], counts: list[int], step: int) -> Weighting:
     world = st["world"]
     low, high = min(weights) / world, max(weights) / world
     summed = f", summing to {st['sum']:.4g}, not 1" if abs(st["sum"] - 1) > st["tol"] else ""
     what = {
-        "micro_batch_means": f"targets weigh 1/(GA · n_k) by micro-batch k ({low:.3g} to {high:.3g} at step {step}, "
-        f"micro-batches of {min(counts)} to {max(counts)} targets): a mean of micro-batch means"
+        Shape.MICRO_BATCH_MEANS: f"targets weigh 1/(GA · n_k) by micro-batch k ({low:.3g} to {high:.3g} at step "
+        f"{step}, micro-batches of {min(counts)} to {max(counts)} targets): a mean of micro-batch means"
         if not summed
         else f"targets weigh 1/n_k by micro-batch k ({low:.3g} to {high:.3g} at step {step}, micro-batches of "
         f"{min(counts)} to {max(counts)} targets{summed}): each micro-batch's own mean, summed — not ÷ GA",
-        "rank_means": f"targets weigh by rank, 1/(world · n_r) ({low:.3g} to {high:.3g} at step {step}, ranks of "
+        Shape.RANK_MEANS: f"targets weigh by rank, 1/(world · n_r) ({low:.3g} to {high:.3g} at step {step}, ranks of "
         f"{min(counts)} to {max(counts)} targets): a mean of rank means",
-        "sequence_means": f"targets weigh by row, inversely to its targets ({low:.3g} to {high:.3g} at step "
+        Shape.SEQUENCE_MEANS: f"targets weigh by row, inversely to its targets ({low:.3g} to {high:.3g} at step "
         f"{step}, rows of {min(counts)} to {max(counts)} targets): a mean of per-row means — every sequence (or "
         "pack) weighs alike (on purpose, if the reference weighs so too)",
     }[shape]
