@@ -255,6 +255,12 @@ def test_the_limit_is_the_worst_splits_whose_own_distance_from_the_baseline_the_
     assert worst.split == "far" and worst.limit == pytest.approx(1e-2 * (loss_tol + 4e-6) / 1e-3)
     assert worst.at_baseline == pytest.approx(alone.limit)
     assert "in far, the worst split" in worst.describe() and "tol + its distance" in worst.describe()
+    # the largest limit, whatever order the splits come in (a run's matched splits are a set: its order varies
+    # from run to run), though farther's is within SAID_APART of far's
+    farther = records([1.0, 0.9, 0.8 - 4.4e-6], [2.0] * 3)
+    for order in (("far", "farther"), ("farther", "far")):
+        given = {"far": far, "farther": farther}
+        assert limit_of(base=base, planted=planted, splits={n: given[n] for n in order}).split == "farther"
 
 
 @pytest.fixture(scope="module")
