@@ -168,8 +168,18 @@ def experiment_corner(
     matrix = tmp_path / f"{name}.yaml"
     matrix.write_text(yaml.safe_dump(spec))
     proc, report, tag = gaeq_run_here(matrix, tmp_path / "run")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, not_ok(proc, report)
     return cells_by_id(report), tag
+
+
+def not_ok(proc: subprocess.CompletedProcess, report: dict) -> str:
+    """Why a run did not exit 0, for an assertion's message: each cell that was not as expected, with its whole
+    reason, then the tail of what the run printed (CI keeps only the end of a failed suite's output, and a
+    report's closing lines can push a cell's reason out of it)."""
+    unexpected = [f"{c['id']}: {c['verdict']} — {c['reason']}" for c in report.get("cells", []) if not c["as_expected"]]
+    return "\n".join(
+        ["not as expected:", *unexpected, "the run's output ends:", proc.stdout[-3000:], proc.stderr[-3000:]]
+    )
 
 
 def cells_by_id(report: dict) -> dict[str, dict]:

@@ -14,14 +14,14 @@ import pytest
 import yaml
 
 from tests.conftest import REPO
-from tests.helpers import cells_by_id, gaeq_run_here
+from tests.helpers import cells_by_id, gaeq_run_here, not_ok
 
 pytestmark = pytest.mark.integration
 
 
 def test_compiled_splits_match_the_eager_baseline_and_a_compiled_only_mistake_is_caught(tmp_path):
     proc, report, _ = gaeq_run_here(REPO / "experiments" / "compile.yaml", tmp_path / "run")
-    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert proc.returncode == 0, not_ok(proc, report)
     cells = cells_by_id(report)
     compiled = [c for c in cells.values() if c["id"].endswith("-compiled")]
     assert {c["trainer"] for c in compiled} == {"torch", "deepspeed"} and {c["world_size"] for c in compiled} == {1, 2}
@@ -59,7 +59,7 @@ def test_a_compiled_script_is_judged_as_its_eager_self(tmp_path):
     }
     (tmp_path / "m.yaml").write_text(yaml.safe_dump(spec))
     proc, report, _ = gaeq_run_here(tmp_path / "m.yaml", tmp_path / "run")
-    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert proc.returncode == 0, not_ok(proc, report)
     cells = cells_by_id(report)
     for cell_id in ("script-w1-mb8-ga4-args_compile", "script-w2-mb8-ga2-args_compile"):
         assert cells[cell_id]["verdict"] == "match", cells[cell_id]["reason"]

@@ -13,7 +13,7 @@ import yaml
 
 from gaeq.matrix.load import matrix_from_dict
 from tests.conftest import REPO
-from tests.helpers import cells_by_id, gaeq_run_here
+from tests.helpers import cells_by_id, gaeq_run_here, not_ok
 
 pytestmark = pytest.mark.integration
 
@@ -39,7 +39,7 @@ def test_libraries_experiment(tmp_path):
     matrix, out = tmp_path / "libraries.yaml", tmp_path / "run"
     matrix.write_text(yaml.safe_dump(spec))
     proc, report, _ = gaeq_run_here(matrix, out)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, not_ok(proc, report)
     cells = cells_by_id(report)
     twins = [c for c in cells.values() if c["bug"] is None and c["expect"] == "match"]
     assert len(twins) == sum(c.bug is None and c.expect == "match" for c in matrix_from_dict(spec).cells)

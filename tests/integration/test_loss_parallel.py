@@ -8,14 +8,14 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import REPO
-from tests.helpers import cells_by_id, gaeq_run_here
+from tests.helpers import cells_by_id, gaeq_run_here, not_ok
 
 pytestmark = pytest.mark.integration
 
 
 def test_vocabulary_parallel_loss_matches_and_a_shard_local_softmax_is_caught(tmp_path):
     proc, report, _ = gaeq_run_here(REPO / "experiments" / "loss_parallel.yaml", tmp_path / "run")
-    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert proc.returncode == 0, not_ok(proc, report)
     cells = cells_by_id(report)
     split = [c for c in cells.values() if c["tensor_parallel"] == 2 and not c["bug"]]
     assert len(split) == 4 and {c["world_size"] for c in split} == {2, 4}

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from tests.conftest import REPO
-from tests.helpers import cells_by_id, gaeq_run_here
+from tests.helpers import cells_by_id, gaeq_run_here, not_ok
 from tests.processes import leftovers
 
 pytestmark = pytest.mark.integration
@@ -59,7 +59,7 @@ def test_moe_balance_over_the_global_batch_matches_and_over_micro_batches_does_n
     matrix, out = tmp_path / "moe.yaml", tmp_path / "run"
     matrix.write_text(yaml.safe_dump(spec))
     proc, report, tag = gaeq_run_here(matrix, out)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, not_ok(proc, report)
     cells = cells_by_id(report)
     for cell_id in ("torch-w2-mb2-ga4@global", "deepspeed-z1-w2-mb2-ga4@global"):
         assert cells[cell_id]["verdict"] == "match" and cells[cell_id]["max_abs_loss_diff"] < 1e-6, cells[cell_id]

@@ -19,7 +19,7 @@ from gaeq.results.outcome import read_outcome
 from gaeq.results.report import judge
 from gaeq.results.trace import TraceStore, cell_dir
 from tests.conftest import REPO
-from tests.helpers import cells_by_id, gaeq_run_here
+from tests.helpers import cells_by_id, gaeq_run_here, not_ok
 from tests.processes import leftovers
 
 pytestmark = pytest.mark.integration
@@ -52,7 +52,7 @@ def million_run(tmp_path_factory):
 
 def test_every_zero_stage_matches_with_clipping_active_and_the_controls_are_caught(million_run):
     proc, report, cells, out, tag = million_run
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, not_ok(proc, report)
     assert leftovers(tag) == []
     splits = [c for c in cells.values() if c["bug"] is None and c["role"] == "cell"]
     assert {c["zero_stage"] for c in splits if c["trainer"] == "deepspeed"} == {0, 1, 2, 3}

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from tests.conftest import REPO
-from tests.helpers import cells_by_id, gaeq_run_here
+from tests.helpers import cells_by_id, gaeq_run_here, not_ok
 
 pytestmark = pytest.mark.integration
 
@@ -53,7 +53,7 @@ def clean(report: dict, dtype: str) -> list[dict]:
 
 def test_a_bf16_autocast_script_matches_in_every_split_labelled_with_what_ran(amp):
     proc, report, _ = amp
-    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert proc.returncode == 0, not_ok(proc, report)
     for cell in clean(report, "bf16"):
         assert cell["verdict"] == "match", cell["reason"]
         assert cell["ran"]["precision"]["autocast"] == "bfloat16" and cell["ran"]["compute_dtype"] == "bfloat16"
@@ -94,7 +94,7 @@ def test_a_mean_of_means_in_every_split_is_caught_by_the_float32_run_and_the_rep
 
 def test_an_fp16_script_whose_first_steps_overflow_matches_with_its_skipped_steps(fp16):
     proc, report, _ = fp16
-    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert proc.returncode == 0, not_ok(proc, report)
     for cell in clean(report, "fp16"):
         assert cell["verdict"] == "match", cell["reason"]
         assert cell["ran"]["precision"]["loss_scaler"] == "GradScaler"
@@ -140,7 +140,7 @@ def test_with_the_default_backoff_a_split_skips_other_steps_and_says_so(tmp_path
 
 def test_an_fsdp2_script_matches_and_its_mistakes_are_caught_where_they_change_the_optimisation(fsdp2):
     proc, report, _ = fsdp2
-    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert proc.returncode == 0, not_ok(proc, report)
     cells = cells_by_id(report)
     for cell in clean(report, "fp32"):  # HSDP (--replicas 2) among them
         assert cell["verdict"] == "match", cell["reason"]
@@ -178,7 +178,7 @@ def test_a_deepspeed_bf16_script_matches_within_its_losses_resolution_and_its_mi
     spec = yaml.safe_load((REPO / "experiments" / "your_deepspeed_bf16_script.yaml").read_text())
     spec["script"]["deepspeed_config"] = str(REPO / "experiments" / spec["script"]["deepspeed_config"])
     proc, report, run_dir = run(tmp_path_factory, "your_deepspeed_bf16_script.yaml", script=spec["script"])
-    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert proc.returncode == 0, not_ok(proc, report)
     for cell in clean(report, "ds_bf16"):
         assert cell["verdict"] == "match" and cell["ran"]["precision"]["deepspeed"] == "bf16"
     for cell in clean(report, "fp32"):

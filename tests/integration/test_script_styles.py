@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from tests.conftest import REPO
-from tests.helpers import cells_by_id, gaeq_run_here
+from tests.helpers import cells_by_id, gaeq_run_here, not_ok
 
 pytestmark = pytest.mark.integration
 
@@ -34,7 +34,7 @@ def run(tmp_path, experiment: str, cells: list[dict], *, args: list[str] = (), n
     spec.pop("axes", None)
     (tmp_path / "mine.yaml").write_text(yaml.safe_dump(spec))
     proc, report, _ = gaeq_run_here(tmp_path / "mine.yaml", tmp_path / "run")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, not_ok(proc, report)
     return cells_by_id(report)
 
 

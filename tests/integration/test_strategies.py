@@ -14,7 +14,7 @@ import yaml
 
 from gaeq.matrix.load import matrix_from_dict
 from tests.conftest import REPO
-from tests.helpers import cells_by_id, gaeq_run_here
+from tests.helpers import cells_by_id, gaeq_run_here, not_ok
 from tests.processes import leftovers
 
 pytestmark = pytest.mark.integration
@@ -88,7 +88,7 @@ def test_tensor_parallel_strategies(tmp_path):
     matrix, out = tmp_path / "strategies.yaml", tmp_path / "run"
     matrix.write_text(yaml.safe_dump(spec))
     proc, report, tag = gaeq_run_here(matrix, out)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, not_ok(proc, report)
     cells = cells_by_id(report)
 
     twins = [c for c in cells.values() if c["expect"] == "match" and c["id"] != report["baseline"]]

@@ -12,7 +12,7 @@ import json
 import pytest
 import yaml
 
-from tests.helpers import REPO_ROOT, gaeq_run_here
+from tests.helpers import REPO_ROOT, gaeq_run_here, not_ok
 
 pytestmark = pytest.mark.integration
 
@@ -86,8 +86,8 @@ def your_config_run(tmp_path_factory):
 
 
 def test_the_run_exits_0_and_says_what_it_overrode(your_config_run):
-    proc, _, _ = your_config_run
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc, report, _ = your_config_run
+    assert proc.returncode == 0, not_ok(proc, report)
     assert "overridden: train_batch_size: the file's 64 → 16 per cell" in proc.stdout
 
 

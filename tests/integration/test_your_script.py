@@ -16,7 +16,7 @@ import pytest
 from gaeq.accelerator import fp16_answer_record
 from gaeq.runtime.dist import free_port
 from tests.conftest import REPO
-from tests.helpers import cells_by_id
+from tests.helpers import cells_by_id, not_ok
 from tests.processes import leftovers, run
 
 pytestmark = pytest.mark.integration
@@ -26,7 +26,7 @@ def test_a_users_script_matches_across_world_sizes_and_its_mistakes_are_caught_w
     your_script_run,
 ):
     proc, report, _, _ = your_script_run
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, not_ok(proc, report)
     cells = cells_by_id(report)
     clean = cells["script-w2-mb4-ga2"]
     assert clean["verdict"] == "match" and 0 < clean["max_abs_loss_diff"] < 1e-5
@@ -70,7 +70,7 @@ def corner(tmp_path, experiment: str, bug: str) -> dict:
     spec["cells"] = [{"world_size": 2, "micro_batch_size": 4, "args": ["--bug", bug], "expect": "diverge"}]
     (tmp_path / "mine.yaml").write_text(yaml.safe_dump(spec))
     proc, report, _ = gaeq_run_here(tmp_path / "mine.yaml", tmp_path / "run")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, not_ok(proc, report)
     return cells_by_id(report)
 
 
@@ -141,7 +141,7 @@ def test_a_scripts_cells_under_deepspeeds_real_launcher_leave_the_forked_traces_
     _, forked = deepspeed_corner
     without_bugs(forked, tmp_path / "m.yaml")
     proc, report, tag = gaeq_run(tmp_path / "m.yaml", tmp_path / "run", extra=["--launcher", "deepspeed"])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, not_ok(proc, report)
     assert leftovers(tag) == []
     launched, reference = training_traces(tmp_path / "run"), training_traces(forked)
     assert sorted(launched) == ["script-w1-mb16-ga1", "script-w2-mb4-ga2"]
@@ -427,7 +427,7 @@ def test_a_mistake_in_every_split_of_your_script_is_caught_and_the_floor_never_r
     spec["cells"] += [{"world_size": w, "micro_batch_size": mb, "args": ["--bug", "none"]} for w, mb in splits]
     (tmp_path / "every.yaml").write_text(yaml.safe_dump(spec))
     proc, report, _ = gaeq_run_here(tmp_path / "every.yaml", tmp_path / "run")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, not_ok(proc, report)
     cells = cells_by_id(report)
     for w, mb in splits:
         ga = 16 // (w * mb)
@@ -464,7 +464,7 @@ def test_a_model_whose_output_depends_on_its_rows_order_gets_no_floor_of_it_and_
     spec["cells"].append({"world_size": 2, "micro_batch_size": 16, "expect": verdict})  # each rank: half the rows
     (tmp_path / "moe.yaml").write_text(yaml.safe_dump(spec))
     proc, report, _ = gaeq_run_here(tmp_path / "moe.yaml", tmp_path / "run")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, not_ok(proc, report)
     splits = [c for c in report["cells"] if c["role"] == "cell" and c["grad_accum_steps"] * c["world_size"] > 1]
     assert [c["verdict"] for c in splits] == [verdict, verdict]
     checks = [c["ran"]["order_check"] for c in report["cells"] if c["role"] == "floor"]
