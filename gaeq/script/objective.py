@@ -76,15 +76,15 @@ def weighting(steps: list[dict], *, unread: str | None = None) -> Weighting:
     read = [s for s in steps if any(row[0] for ranks in s.get("targets") or [] for f in ranks for row in f["rows"])]
     if not read:
         return Weighting(shape=Shape.UNREAD, line=f"not read: {unread or 'the probe read no target weights'}")
-    for s in read:
-        found = _step(s)
+    stats = [_stats(s) for s in read]
+    for s, st in zip(read, stats):
+        found = _step(s, st)
         if not found.is_mean:
             return found
-    first = _stats(read[0])
-    spread = max(_stats(s)["spread"] for s in read)
+    spread = max(st["spread"] for st in stats)
     return Weighting(
         shape=Shape.MEAN,
-        line=f"every target weighs 1/N{f' ± {spread:.0e}' if spread else ''} (N = {first['n']} at step "
+        line=f"every target weighs 1/N{f' ± {spread:.0e}' if spread else ''} (N = {stats[0]['n']} at step "
         f"{read[0]['step']}): the step's target mean, in every step read",
     )
 
@@ -102,9 +102,9 @@ def _stats(step: dict) -> dict:
             "forwards": forwards, "rows": rows, "world": world}  # fmt: skip
 
 
-def _step(step: dict) -> Weighting:
-    st = _stats(step)
-    s, tol, at = step["step"], st["tol"], step["step"]
+def _step(step: dict, st: dict) -> Weighting:
+    """The step's weighting, from its `_stats`."""
+    at, tol = step["step"], st["tol"]
     if st["spread"] <= tol:
         if abs(st["sum"] - 1) <= tol:
             return Weighting(shape=Shape.MEAN, line="", step=None)
@@ -113,12 +113,13 @@ def _step(step: dict) -> Weighting:
         times = f" — ÷ GA ({ga}) twice" if ga > 1 and abs(st["sum"] * ga - 1) <= tol else times
         both = ga * st["world"]
         times = f" — × GA × world ({both})" if st["world"] > 1 and abs(st["sum"] - both) <= tol * both else times
+        fix = FIXES[Shape.SCALED]
         return Weighting(
             shape=Shape.SCALED,
-            line=f"every target weighs alike but they sum to {st['sum']:.4g} at step {s}, not 1: the loss × "
-            f"{st['sum']:.4g}{times} — {FIXES['scaled']}",
+            line=f"every target weighs alike but they sum to {st['sum']:.4g} at step {at}, not 1: the loss × "
+            f"{st['sum']:.4g}{times} — {fix}",
             step=at,
-            fix=FIXES[Shape.SCALED],
+            fix=fix,
         )
     for shape, groups in (
         (Shape.RANK_MEANS, _groups(st, lambda r, k, i: r)),
@@ -131,7 +132,7 @@ def _step(step: dict) -> Weighting:
                 return _named(shape, st, weights, counts, at)
     return Weighting(
         shape=Shape.UNEVEN,
-        line=f"targets weigh from {st['low']:.3g} to {st['high']:.3g} at step {s} (× {st['high'] / st['low']:.3g}), "
+        line=f"targets weigh from {st['low']:.3g} to {st['high']:.3g} at step {at} (× {st['high'] / st['low']:.3g}), "
         "in no shape gaeq knows (not by micro-batch, rank or sequence)",
         step=at,
     )
