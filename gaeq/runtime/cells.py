@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gaeq.accelerator import forced_fp16
-from gaeq.matrix import Cell
+from gaeq.matrix import Cell, Role
 from gaeq.problem.spec import ProblemSpec
 from gaeq.results.outcome import CellOutcome, write_outcome
 from gaeq.results.trace import cell_dir
@@ -98,6 +98,18 @@ def fail_cell(
     if on_event is not None:
         on_event(Event(kind=EventKind.END, world_size=world_size, cell_id=cell_id, outcome=outcome))
     return outcome
+
+
+def reference_blocker(cell: Cell, cells: Iterable[Cell], outcomes: Mapping[str, CellOutcome]) -> str | None:
+    """Why an instrument of a group (a noise-floor twin, the detection limit's cell) is not run (None: it is): its
+    reference, whose split it trains, ran out of memory — it would too."""
+    if cell.role not in (Role.FLOOR, Role.SENSITIVITY):
+        return None
+    base = next((c for c in cells if c.group == cell.group and c.role is Role.BASELINE), None)
+    ended = outcomes.get(base.id) if base is not None else None
+    if ended is None or not ended.out_of_memory:
+        return None
+    return f"not run: the reference {base.id} ran out of memory, and this instrument trains its split"
 
 
 def resume_blocker(cell: Cell, *, source: CellOutcome | None, convert: Callable[[], str | None]) -> str | None:

@@ -28,7 +28,7 @@ from gaeq.registry import TRAINERS
 from gaeq.results.outcome import CellOutcome, write_outcome
 from gaeq.results.trace import cell_dir
 from gaeq.runtime import shm, worker
-from gaeq.runtime.cells import RunOptions, fail_cell, resume_blocker
+from gaeq.runtime.cells import RunOptions, fail_cell, reference_blocker, resume_blocker
 from gaeq.runtime.convert import convert_to_universal
 from gaeq.runtime.crashes import how_it_ended
 from gaeq.runtime.dist import free_port
@@ -79,9 +79,13 @@ def run_cells(cells: Sequence[Cell], opts: RunOptions) -> dict[str, CellOutcome]
     too, each rank then starting the script's (gaeq.script.launched)."""
     outcomes: dict[str, CellOutcome] = {}
     forked = [c for c in cells if TRAINERS[c.trainer].script and opts.launcher == "local"]
-    for cell in forked:  # the user's script, its ranks forked as its launcher would start them
+    for cell in forked:  # the user's script, its ranks forked as its launcher would start them, in matrix order
         from gaeq.script.launch import run_script_cell
 
+        if (why := reference_blocker(cell, cells, outcomes)) is not None:  # (its reference, first, did not fit)
+            outcomes[cell.id] = fail_cell(cell.id, why, run_dir=opts.run_dir, world_size=cell.world_size,
+                                          on_event=opts.on_event)  # fmt: skip
+            continue
         outcomes[cell.id] = run_script_cell(cell, opts.problems[cell.variant], opts)
     groups: dict[object, list[Cell]] = {}
     for cell in (c for c in cells if c not in forked):  # under a real launcher, a script's cells go as any

@@ -59,6 +59,10 @@ def test_a_mistake_in_every_split_is_caught_against_the_reference_that_fits(tmp_
     )
     assert proc.returncode == 1, proc.stdout[-4000:]
     assert report["references"] == {"fp32": "world 2 × micro 8, GA 1"}
+    # the reference's own weights: each of its 2 ranks' means (rows of 23 or 24 tokens), tied to its split
+    tied = "its own targets' weights are tied to its split: a mean of rank means (its `Weights:` line)"
+    assert tied in report["reference_notes"]["fp32"]
+    assert "Reference fp32: world 2 × micro 8, GA 1 — baseline auto:" in proc.stdout and tied in proc.stdout
     for cell in ("script-w1-mb4-ga4", "script-w1-mb8-ga2", "script-w2-mb4-ga2"):
         said = cells_by_id(report)[cell]
         assert said["verdict"] == "diverge" and said["first_divergent_step"] == 0, said
@@ -67,9 +71,14 @@ def test_a_mistake_in_every_split_is_caught_against_the_reference_that_fits(tmp_
 
 
 def test_without_auto_the_reference_is_named_out_of_memory_with_the_command_that_fits(tmp_path):
-    proc, report, _ = check(tmp_path, "default", "--instruments", "none", "--split", "w1:mb8")
+    """Its instruments train its split: not run once it ran out of memory (one failed run, not four)."""
+    proc, report, _ = check(tmp_path, "default", "--split", "w1:mb8")
     assert proc.returncode == 3, proc.stdout[-4000:]
     cells = cells_by_id(report)
+    for twin in ("script-w1-mb16-ga1-floor0", "script-w1-mb16-ga1-floor1", "script-w1-mb16-ga1-weight1e-02"):
+        said = outcome(tmp_path / "default", twin)
+        why = "not run: the reference script-w1-mb16-ga1 ran out of memory, and this instrument trains its split"
+        assert (said["reason"], said["seconds"]) == (why, 0), said
     assert cells["script-w1-mb16-ga1"]["reason"].startswith("out of memory at micro batch 16 (world 1): rank 0 raised")
     assert (
         cells["script-w1-mb8-ga2"]["reason"]
@@ -77,4 +86,4 @@ def test_without_auto_the_reference_is_named_out_of_memory_with_the_command_that
     )
     assert report["fits"] == {"fp32": [2, 8]}
     rerun = next(line for line in proc.stdout.splitlines() if line.startswith("Rerun with a reference that fits: "))
-    assert f"gaeq check {SCRIPT} --batch 16 --steps 3 --split w1:mb8 --instruments none --baseline w2:mb8 --" in rerun
+    assert f"gaeq check {SCRIPT} --batch 16 --steps 3 --split w1:mb8 --baseline w2:mb8 --" in rerun
