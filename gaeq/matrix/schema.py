@@ -28,16 +28,20 @@ ZeroStage = Literal[0, 1, 2, 3]
 Offload = Literal["none", "cpu", "nvme"]
 Tracked = Literal["loss", "grad_norm", "params", "grads"]
 TENSOR_METRICS = ("grads", "params")
-METRICS = ("split", "data", "init", "events", "grads", "params", "skipped", "loss", "grad_norm", "lr", "update")
+METRICS = (
+    *("split", "data", "init", "events", "grads", "params", "skipped", "loss", "grad_norm", "lr", "update"),
+    "weights",
+)
 """What can be compared at every step (gaeq.results.compare), in the order a tie is reported: what a
 script's probe saw first (another split than the cell's, other samples, other initial weights, other
 calls explain every number after them); then tensors, because they localise a divergence to one
-parameter; then an fp16 update skipped on one side only, because it explains the rest. Here, on the
-matrix's floor, because an `expect` names them."""
+parameter; then an fp16 update skipped on one side only, because it explains the rest; the targets'
+weights last (gaeq.results.weighing): they name a weighting the numbers did not show at that step. Here,
+on the matrix's floor, because an `expect` names them."""
 Metric = Literal[METRICS]
 ALWAYS_COMPARED = ("skipped", "lr")
 """Metrics every cell's trace is compared on, whatever the matrix tracks."""
-SCRIPT_METRICS = ("split", "data", "init", "events", "update")
+SCRIPT_METRICS = ("split", "data", "init", "events", "update", "weights")
 """Metrics only a script cell's probe records (gaeq.script.verdict)."""
 VariantName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_]+$")]
 BASE = "base"

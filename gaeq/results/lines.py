@@ -11,7 +11,7 @@ from gaeq.registry import TRAINERS
 from gaeq.results.compare import Verdict
 from gaeq.results.reference import MIXED, same_split
 from gaeq.results.report import CellReport, Report
-from gaeq.script.objective import Shape
+from gaeq.script.shapes import Shape
 
 
 def caught(c: CellReport) -> str:
@@ -78,8 +78,8 @@ def floor_lines(report: Report) -> list[str]:
 def precision_lines(report: Report) -> list[str]:
     """Where a matrix runs the same splits in fp32 and in a mixed precision — a script as it trains beside
     the script made float32, or gaeq's own bf16 cells beside fp32 ones —: each run's verdicts and detection
-    limit side by side (the accumulation is the same arithmetic; only its rounding differs), and the cells
-    one run caught and the other did not."""
+    limit side by side (the accumulation is the same arithmetic; only its rounding differs), the cells
+    one run caught and the other did not, and those only the weights caught as trained."""
     groups: dict[tuple[str, str], list[CellReport]] = {}
     for c in report.cells:
         if c.cell.role is Role.CELL:
@@ -121,4 +121,9 @@ def precision_lines(report: Report) -> list[str]:
                 )
             elif other is not None and c.verdict == Verdict.MATCH and other.verdict == Verdict.DIVERGE:
                 lines.append(f"  {other.id}: diverges as trained in {dtype} ({caught(other)}), not in float32")
+            elif other is not None and other.caught_by == "weights" != c.caught_by and c.verdict == Verdict.DIVERGE:
+                lines.append(
+                    f"  {c.id}: caught by the float32 run ({caught(c)}); as trained in {dtype} by its targets' weights "
+                    f"alone ({other.id}: {caught(other)}, its numbers within tolerance, margin {other.margin:.2f})"
+                )
     return lines

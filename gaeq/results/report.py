@@ -27,7 +27,8 @@ from gaeq.results.outcome import CellOutcome
 from gaeq.results.reference import float32_that_does_not_fit, in_words, what_fits
 from gaeq.results.snapshots import compare_snapshots, read_snapshots
 from gaeq.results.trace import TraceStore, cell_dir
-from gaeq.results.weighing import beside, judged_alone, weighting_of
+from gaeq.results.weighing import agrees, beside, judge_alone, peers_of, reference_note, weighting_of
+from gaeq.results.weighing import check as weights_check
 from gaeq.script.verdict import read_probe, script_checks
 
 VERDICTS = tuple(Verdict)
@@ -134,16 +135,18 @@ def judge(
     tolerances = dict(tolerances or resolve_tolerances(matrix))
     floors, notes, causes = measure_floors(matrix, outcomes, traces, tolerances)
     cells = []
-    weights = {c.id: weighting_of(traces.run_dir, c.id) for c in matrix.cells if c.role in (Role.CELL, Role.BASELINE)}
+    weights = {c.id: weighting_of(traces.run_dir, c) for c in matrix.cells if c.role in (Role.CELL, Role.BASELINE)}
     for cell in matrix.cells:
         base_id, own = matrix.baselines.get(cell.group), weights.get(cell.id)
-        if base_id is None:  # no reference (`baseline: none`): its weights judge it
-            verdict, reason, comparison = _judge_alone(cell, outcomes, own)
+        if base_id is None:  # no reference (`baseline: none`): its weights judge it, beside its peers'
+            peers = [(c, weights.get(c.id)) for c in peers_of(matrix, cell) if _done(outcomes, c.id)]
+            verdict, reason, comparison = judge_alone(cell, outcomes.get(cell.id), own, peers)
         else:
             verdict, reason, comparison = _judge_cell(
                 cell, base_id=base_id, outcomes=outcomes, traces=traces, tolerance=tolerances[cell.dtype],
                 tracked=tuple(matrix.spec.track), floor=floors.get(cell.group),
                 twins=matrix.floors.get(cell.group, ()), causes=causes.get(cell.group, ()),
+                weights=(own, weights.get(base_id)) if cell.role is Role.CELL else None,
             )  # fmt: skip
         if (unmet := unmet_expectation(cell.expectation, comparison)) is not None:
             reason += f" — {unmet}"
@@ -168,19 +171,22 @@ def judge(
     return Report(
         baselines=dict(matrix.baselines), tolerances=tolerances, cells=cells, floors=floors, floor_notes=notes,
         detection_limits=limits, versions=dict(versions or installed_versions()),
-        instruments_off=instruments_off(matrix), **references(matrix, outcomes),
+        instruments_off=instruments_off(matrix), **references(matrix, outcomes, weights),
     )  # fmt: skip
 
 
-def references(matrix: Matrix, outcomes: Mapping[str, CellOutcome]) -> dict[str, dict]:
-    """Each group's reference in words; how `baseline: auto` chose it; where it ran out of memory, what fits."""
+def references(matrix: Matrix, outcomes: Mapping[str, CellOutcome], weights: Mapping | None = None) -> dict[str, dict]:
+    """Each group's reference in words; how `baseline: auto` chose it; where it ran out of memory, what fits; where
+    its own targets' weights are tied to its split, that."""
     words, notes, fits = {}, {}, {}
-    for group in matrix.baselines:
+    for group, base_id in matrix.baselines.items():
         words[group] = in_words(matrix.baseline_cell(group))
         if (chosen := matrix.references.get(group)) is not None:
             notes[group] = f"baseline auto: {chosen.why}"
         if (fit := what_fits(matrix, outcomes, group)) is not None:
             notes[group], fits[group] = fit
+        if (tied := reference_note((weights or {}).get(base_id))) is not None:
+            notes[group] = f"{notes[group]} — {tied}" if group in notes else tied
     for group in matrix.unreferenced:
         words[group] = "no reference (each split judged by its targets' weights alone)"
     return {"references": words, "reference_notes": notes, "fits": {g: f for g, f in fits.items() if f}}
@@ -305,16 +311,6 @@ def installed_versions() -> dict[str, str]:
     return versions
 
 
-def _judge_alone(cell: Cell, outcomes, own):
-    """A split of a group with no reference (`baseline: none`): judged by its targets' weights (results.weighing)."""
-    if cell.skip_reason:
-        return Verdict.SKIPPED, cell.skip_reason, None
-    outcome = outcomes.get(cell.id)
-    if outcome is None or outcome.status != "done":
-        return Verdict.ERROR, "did not run" if outcome is None else outcome.reason, None
-    return (*judged_alone(own), None)
-
-
 def _judge_cell(
     cell: Cell,
     *,
@@ -326,7 +322,9 @@ def _judge_cell(
     floor: NoiseFloor | None,
     twins: tuple[str, ...] = (),
     causes: tuple[str, ...] = (),
+    weights: tuple | None = None,
 ):
+    """`weights`: a split's targets' weights and its reference's (results.weighing), checked beside the numbers."""
     if cell.skip_reason:
         return Verdict.SKIPPED, cell.skip_reason, None
     outcome = outcomes.get(cell.id)
@@ -365,6 +363,9 @@ def _judge_cell(
                 )
         if checks is not None and "grad_norm" in checks.not_checked:  # read at other points of the step
             tracked = tuple(m for m in tracked if m != "grad_norm")
+        first = dict(checks.first) if checks else None
+        if checks is not None and weights is not None:  # the split's targets' weights, beside the numbers
+            first |= weights_check(*weights)
         comparison = compare_traces(
             traces.get(base_id),
             traces.get(cell.id),
@@ -373,7 +374,7 @@ def _judge_cell(
             tensors=tensors,
             first_step=cell.first_step,
             floor=floor,
-            checks=checks.first if checks else None,
+            checks=first,
             not_checked=checks.not_checked if checks else None,
             notes=checks.notes if checks else None,
             remarks=checks.remarks if checks else (),
@@ -381,6 +382,8 @@ def _judge_cell(
     except (OSError, ValueError, TypeError) as exc:
         return Verdict.ERROR, f"unreadable or incomplete results: {exc}", None
     reason = "baseline" if cell.id == base_id else comparison.reason
+    if comparison.verdict == Verdict.DIVERGE and comparison.caught_by != "weights" and weights and agrees(*weights):
+        reason += " — its targets' weights are the reference's, step by step: the difference is not in the weighting"
     if comparison.verdict == Verdict.DIVERGE:
         reason += dropout_note((outcome.ran or {}).get("dropout"), script=TRAINERS[cell.trainer].script)
         reason += order_note(causes, (outcome.ran or {}).get("dropout"))

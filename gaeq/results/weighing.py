@@ -1,17 +1,27 @@
-"""Each script cell's weighting (gaeq.script.objective), read from its probe, beside its comparison: said against
-its reference's where the two differ; and, where a group has no reference (`baseline: none`), the cell's verdict.
+"""Each script cell's weighting (gaeq.script.objective), read from its probe, and what it says of the verdict:
+
+- with a reference, a check beside the numbers (the `weights` metric): a split whose own weights are tied to its
+  split, or that differ from the reference's (gaeq.script.invariance), diverges — even where the numbers agree
+  within their tolerances, and the reason says both; the reference's own weights are judged too (`reference_note`);
+- with none (`baseline: none`), the verdict (`judged_alone`): each split's weights beside those of the other splits
+  of the same script and arguments — the same in every split, or the same as the split that holds the whole batch
+  in one micro-batch, match; one split alone matches where its shape is of the step's rows alone.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+from dataclasses import replace
 from pathlib import Path
 
+from gaeq.matrix import Cell, Matrix, Role
 from gaeq.results.compare import Verdict
 from gaeq.results.trace import cell_dir
 from gaeq.script.contract import TARGETS_FILE
-from gaeq.script.objective import Shape, Weighting, weighting
+from gaeq.script.invariance import Difference, compare
+from gaeq.script.objective import Weighting, weighting
+from gaeq.script.shapes import BRIEF, Kind, Shape
 from gaeq.script.verdict import read_probe
 
 ALONE = (
@@ -20,13 +30,14 @@ ALONE = (
 )
 
 
-def weighting_of(run_dir: Path, cell_id: str) -> Weighting | None:
+def weighting_of(run_dir: Path, cell: Cell) -> Weighting | None:
     """What a cell's targets' weights say: a script's, from its probe; a cell of gaeq's own trainers, from its ranks'
     files (gaeq.script.targets.reading) — unread where any rank could not read them. None where neither was left."""
-    folder = cell_dir(run_dir, cell_id)
+    folder = cell_dir(run_dir, cell.id)
+    ga = cell.grad_accum_steps if cell.divisible else None
     probe = read_probe(folder)
     if probe is not None:
-        return weighting(probe.get("steps") or [], unread=probe.get("targets_unread"))
+        return weighting(probe.get("steps") or [], unread=probe.get("targets_unread"), grad_accum=ga)
     ranks = []
     for rank in itertools.count():
         try:
@@ -41,32 +52,123 @@ def weighting_of(run_dir: Path, cell_id: str) -> Weighting | None:
         {"step": i, "world_size": len(ranks), "targets": list(forwards)}
         for i, forwards in enumerate(zip(*(r["steps"] for r in ranks)))
     ]
-    return weighting(steps)
+    return weighting(steps, grad_accum=ga)
 
 
 def beside(own: Weighting, reference: Weighting | None) -> Weighting:
     """The cell's weighting, said against its reference's where their shapes differ (a reference that weighs its
     targets unequally on purpose sets what its splits are held to)."""
-    if own.shape == Shape.UNREAD and reference is not None:
-        return Weighting(shape=own.shape, line=f"{own.line} — the comparison with the reference judges it")
-    if reference is None or reference.shape == Shape.UNREAD or own.shape == reference.shape:
+    if own.shape in (Shape.UNREAD, Shape.UNRESOLVED) and reference is not None:
+        return replace(own, line=f"{own.line} — the comparison with the reference judges")
+    if reference is None or reference.kind == Kind.UNREAD or own.shape == reference.shape:
         return own
-    return Weighting(
-        shape=own.shape,
-        line=f"{own.line} — where the reference's weights read: {reference.line}",
-        step=own.step,
-        fix=own.fix,
+    return replace(own, line=f"{own.line} — the reference's: {reference.brief}")
+
+
+def check(own: Weighting | None, reference: Weighting | None) -> dict:
+    """The `weights` metric of a split compared with its reference: ``{"weights": (step, why) | None}`` where it was
+    checked — its own weights tied to its split, or apart from the reference's, else None —; ``{}`` where its weights
+    were not read (its `Weights:` line says why), or no row of its is the reference's (packed otherwise: the data
+    check says so)."""
+    if own is None or own.kind == Kind.UNREAD:
+        return {}
+    shares = reference is not None and reference.kind == Kind.SPLIT
+    if own.kind == Kind.SPLIT:
+        also = f" — the reference's too ({reference.brief}): it shares the mistake" if shares else ""
+        return {"weights": (own.step or 0, f"its targets' weights are tied to its split: {own.line}{also}")}
+    if reference is None or reference.kind == Kind.UNREAD:
+        return {}
+    found = compare(own, reference)
+    if isinstance(found, str):  # rows laid out otherwise than the reference's: the data check says how
+        return {}
+    if found is None:
+        return {"weights": None}
+    return {
+        "weights": (
+            found.step,
+            f"its targets' weights differ from the reference's {found.words()}: {own.line} — the reference's: "
+            f"{reference.brief}",
+        )
+    }
+
+
+def agrees(own: Weighting | None, reference: Weighting | None) -> bool:
+    """Whether the split's weights were read and are the reference's, step by step (a divergence is then not in
+    the weighting)."""
+    return own is not None and reference is not None and own.kind != Kind.UNREAD and compare(own, reference) is None
+
+
+def reference_note(reference: Weighting | None) -> str | None:
+    """What the Reference line says of a reference whose own weights are tied to its split."""
+    if reference is None or reference.kind != Kind.SPLIT:
+        return None
+    return (
+        f"its own targets' weights are tied to its split: {BRIEF[reference.shape]} (its `Weights:` line) — a split "
+        "that agrees with it is judged by its own weights too"
     )
 
 
-def judged_alone(own: Weighting | None) -> tuple[Verdict, str]:
-    """A split with no reference: `match` where its targets weigh 1/N and sum to 1 in every step read, `diverge`
-    with the shape its weights have otherwise, `error` where none could be read."""
-    if own is None or own.shape == Shape.UNREAD:
+def peers_of(matrix: Matrix, cell: Cell) -> list[Cell]:
+    """The other splits of a cell's group that run the same script arguments (its `args:`): the same program."""
+    return [
+        c
+        for c in matrix.cells
+        if c.group == cell.group and c.role is Role.CELL and c.id != cell.id and c.script_args == cell.script_args
+    ]
+
+
+def judge_alone(cell: Cell, outcome, own: Weighting | None, peers: list) -> tuple[Verdict, str, None]:
+    """A split of a group with no reference (`baseline: none`), as judged: skipped, an error where it did not run,
+    else by its weights beside its peers' (:func:`judged_alone`)."""
+    if cell.skip_reason:
+        return Verdict.SKIPPED, cell.skip_reason, None
+    if outcome is None or outcome.status != "done":
+        return Verdict.ERROR, "did not run" if outcome is None else outcome.reason, None
+    return (*judged_alone(cell, own, peers), None)
+
+
+def judged_alone(cell: Cell, own: Weighting | None, peers: list[tuple[Cell, Weighting | None]]) -> tuple[Verdict, str]:
+    """A split with no reference, beside the other splits of its script and arguments (`peers`): `diverge` where its
+    weights are tied to its split or differ from theirs; `match` where they are the same, or — alone — of the step's
+    rows alone; `error` where nothing could be read or decide."""
+    if own is None or own.kind == Kind.UNREAD:
         why = own.line.removeprefix("not read: ") if own is not None else "its probe wrote nothing"
-        return (
-            Verdict.ERROR,
-            f"no reference, and its targets' weights were not read ({why}): nothing judges it — "
-            "give it a reference (`--baseline`, `baseline:`)",
+        return Verdict.ERROR, (
+            f"no reference, and its targets' weights were not read ({why}): nothing judges it — give it a reference "
+            "(`--baseline`, `baseline:`)"
         )
-    return (Verdict.MATCH if own.is_mean else Verdict.DIVERGE), f"{ALONE}: {own.line}"
+    if own.kind == Kind.SPLIT:
+        return Verdict.DIVERGE, f"{ALONE}: {own.line}"
+    judged = [(peer, weights) for peer, weights in peers if weights is not None and weights.kind != Kind.UNREAD]
+    found = {peer.id: compare(own, weights) for peer, weights in judged if weights.kind != Kind.SPLIT}
+    same = [i for i, d in found.items() if d is None]
+    differ = {i: d for i, d in found.items() if isinstance(d, Difference)}
+    if not differ and same:
+        return Verdict.MATCH, f"{ALONE}: the same weights as {_ids(same)}, step by step: {own.line}"
+    if differ:
+        whole = [c for c, w in [(cell, own), *judged] if _whole_batch(c) and w.kind != Kind.SPLIT]
+        if whole and (whole[0].id == cell.id or whole[0].id in same):
+            return Verdict.MATCH, (
+                f"{ALONE}: the same weights as {_ids([whole[0].id])} (the whole batch in one micro-batch); "
+                f"{_ids(differ)} differ: {own.line}"
+            )
+        by = whole[0].id if whole and whole[0].id in differ else next(iter(differ))
+        theirs = next(w for c, w in judged if c.id == by)
+        return Verdict.DIVERGE, (
+            f"{ALONE}: its weights differ from {by}'s {differ[by].words()} — the split changes the optimisation: "
+            f"{own.line} — {by}'s: {theirs.brief}"
+        )
+    if own.kind == Kind.STEP:
+        return Verdict.MATCH, f"{ALONE}: {own.line}"
+    return Verdict.ERROR, (
+        f"no reference, and no other split to set its weights beside: {own.line} — a second split decides "
+        "(`--split`), or a reference (`--baseline auto`)"
+    )
+
+
+def _whole_batch(cell: Cell) -> bool:
+    return cell.divisible and cell.data_parallel == 1 and cell.grad_accum_steps == 1
+
+
+def _ids(ids) -> str:
+    return ", ".join(ids)

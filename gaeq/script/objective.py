@@ -1,44 +1,26 @@
-"""What the weights every target got (gaeq.script.targets) say a script optimises, step by step — in words, and
-matched against the weighting mistakes of the pitfall catalogue (docs/pitfalls.md), with their fix.
+"""What the weights every target got (gaeq.script.targets) say a run optimises, step by step: in words, whether
+they depend on the step's rows alone or on the split, and matched against the weighting mistakes of the pitfall
+catalogue (docs/pitfalls.md), with their fix.
 
-A target's weight in the update is its rank's weight ÷ the world size (DDP, FSDP and DeepSpeed average the
-ranks' gradients, as the probe's objective assumes). A step whose targets all weigh 1/N and sum to 1 takes the
-step's target mean. Otherwise the shape is named where the weights show it:
+A target's weight in the update is the weight its rank's loss gave it × what the script multiplied the gradients
+by after the last backward (gaeq.script.weights.AsLeft: Megatron-LM's and fairseq's ÷ the step's token count) ÷
+the world size (DDP, FSDP and DeepSpeed average the ranks' gradients). A clip is no weighting: shapes are read
+before the first clip call; gaeq.script.invariance compares splits after it, as the optimizer receives them.
 
-- one weight per micro-batch, each inversely to its target count: a mean of micro-batch means;
-- one weight per rank, each inversely to the rank's count: a mean of rank means;
-- one weight per row (a sequence, or a pack), each inversely to its targets: a mean of per-row means;
-- every target alike, summing to k ≠ 1: the loss × k (× GA where k is GA);
-- otherwise: how far apart, and that no known shape fits.
-
-A shape is matched to `tol`: `UNITS` units in the last place of the gradient's dtype, summed over the step.
+Each step's shape is gaeq.script.shapes'; the run's is its first step tied to the split, else of no shape known,
+else every step's said once. Where the weights were read coarser than COARSE (a bf16 loss), only a shape tied to the
+split whose difference shows beyond that resolution is named.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from gaeq.names import Name
+from gaeq.script.shapes import BRIEF, ROUNDING, Found, Kind, Row, Shape, StepWeights, classify, of_the_steps
 
-
-class Shape(Name):
-    """What a run's weights are, in report.json's words."""
-
-    MEAN = "mean"
-    """Every target weighs 1/N, summing to 1: the step's target mean."""
-    MICRO_BATCH_MEANS = "micro_batch_means"
-    RANK_MEANS = "rank_means"
-    SEQUENCE_MEANS = "sequence_means"
-    """One weight per row (a sequence or a pack), inversely to its targets."""
-    SCALED = "scaled"
-    """Every target alike, summing to k ≠ 1."""
-    UNEVEN = "uneven"
-    """Apart in no shape gaeq knows."""
-    UNREAD = "unread"
-
-
-UNITS = 64
-"""Units in the last place of the gradients' dtype that weights may differ by and still be the same weight."""
+COARSE = 1e-3
+"""The coarsest resolution (relative, of each weight) a shape or a match is named at: a mean of micro-batch means
+over micro-batches of 1,000 and 1,001 targets is that far from the step's mean."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,138 +28,143 @@ class Weighting:
     """What a run's weights say, over its steps."""
 
     shape: Shape
+    kind: Kind
     line: str
     """In words, with the numbers: what `Weights:` prints."""
     step: int | None = None
-    """The first step where it is not the step's target mean (None: every step is, or nothing was read)."""
+    """The step that decided (the first tied to the split, or unknown); None: every step agreed, or none was read."""
     fix: str | None = None
+    resolution: float | None = None
+    steps: tuple[StepWeights, ...] = field(default=(), compare=False, repr=False)
+    """Each step read: what gaeq.script.invariance compares between splits."""
 
     @property
     def is_mean(self) -> bool:
         return self.shape == Shape.MEAN
 
+    @property
+    def brief(self) -> str:
+        """The shape in a few words (what a line beside another run's says of it)."""
+        return BRIEF[self.shape] + (" (tied to its split)" if self.kind == Kind.SPLIT else "")
+
     def summary(self) -> dict:
-        return {"shape": self.shape, "line": self.line, "step": self.step, "fix": self.fix}
+        return {"shape": self.shape, "kind": self.kind, "line": self.line, "step": self.step, "fix": self.fix,
+                "resolution": self.resolution}  # fmt: skip
 
 
-FIXES = {
-    Shape.MICRO_BATCH_MEANS: "divide each micro-batch's summed loss by the step's target count (`num_items_in_batch`), "
-    "not by its own",
-    Shape.RANK_MEANS: "count the step's targets over every rank (an all-reduce; the Trainer's "
-    "`average_tokens_across_devices`) before dividing",
-    Shape.SCALED: "divide the step's summed loss by the step's target count once (÷ GA where each micro-batch's "
-    "mean is summed)",
-}
-
-
-def weighting(steps: list[dict], *, unread: str | None = None) -> Weighting:
-    """The weighting of a probe's steps (each with its ranks' `targets`), the first step that is not a mean
-    deciding; `unread`: why no weight could be read."""
-    read = [s for s in steps if any(row[0] for ranks in s.get("targets") or [] for f in ranks for row in f["rows"])]
+def weighting(steps: list[dict], *, unread: str | None = None, grad_accum: int | None = None) -> Weighting:
+    """The weighting of a run's steps (probe records, each with its ranks' `targets` and `rescale`); `unread`: why
+    a forward could not be read; `grad_accum`: the split's GA, where a short step may hold fewer micro-batches."""
+    read, why = [], unread
+    for s in steps:
+        if s.get("skipped"):
+            continue
+        found = step_weights(s)
+        if isinstance(found, str):
+            why = why or found
+        else:
+            read.append(found)
     if not read:
-        return Weighting(shape=Shape.UNREAD, line=f"not read: {unread or 'the probe read no target weights'}")
-    stats = [_stats(s) for s in read]
-    for s, st in zip(read, stats):
-        found = _step(s, st)
-        if not found.is_mean:
-            return found
-    spread = max(st["spread"] for st in stats)
-    return Weighting(
-        shape=Shape.MEAN,
-        line=f"every target weighs 1/N{f' ± {spread:.0e}' if spread else ''} (N = {stats[0]['n']} at step "
-        f"{read[0]['step']}): the step's target mean, in every step read",
-    )
+        return Weighting(shape=Shape.UNREAD, kind=Kind.UNREAD, line=f"not read: {why or 'no target weights'}")
+    resolution = max(s.resolution for s in read)
+    said = [classify(s, grad_accum) for s in read]
+    for s, found in zip(read, said):  # the first step tied to the split, else of no shape known, decides
+        if found.kind == Kind.SPLIT:  # (its difference beyond the resolution, however coarse)
+            return _whole(found, s.step, read, resolution)
+    if resolution > COARSE:  # no shape of the step's rows, nor none known, below a coarse resolution
+        return _unresolved(read, resolution)
+    for s, found in zip(read, said):
+        if found.kind == Kind.UNKNOWN:
+            return _whole(found, s.step, read, resolution)
+    return _whole(of_the_steps(read, said), None, read, resolution)
 
 
-def _stats(step: dict) -> dict:
+def step_weights(step: dict) -> StepWeights | str:
+    """A probe step's weights in the update's units, or why they cannot be: a forward not read, the gradients
+    multiplied unevenly after the last backward."""
     world = step["world_size"]
-    forwards = [(r, k, f) for r, ranks in enumerate(step["targets"]) for k, f in enumerate(ranks)]
-    rows = [(r, k, row) for r, k, f in forwards for row in f["rows"] if row[0]]
-    n = sum(row[0] for _, _, row in rows)
-    total = sum(row[1] for _, _, row in rows) / world
-    low = min(row[2] for _, _, row in rows) / world
-    high = max(row[3] for _, _, row in rows) / world
-    eps = max(f.get("eps", 2.0**-23) for _, _, f in forwards)
-    return {"n": n, "sum": total, "low": low, "high": high, "spread": high / low - 1, "tol": UNITS * eps,
-            "forwards": forwards, "rows": rows, "world": world}  # fmt: skip
-
-
-def _step(step: dict, st: dict) -> Weighting:
-    """The step's weighting, from its `_stats`."""
-    at, tol = step["step"], st["tol"]
-    if st["spread"] <= tol:
-        if abs(st["sum"] - 1) <= tol:
-            return Weighting(shape=Shape.MEAN, line="", step=None)
-        ga = max((len(ranks) for ranks in step["targets"]), default=1)
-        times = f" — × GA ({ga})" if abs(st["sum"] - ga) <= tol * ga else ""
-        times = f" — ÷ GA ({ga}) twice" if ga > 1 and abs(st["sum"] * ga - 1) <= tol else times
-        both = ga * st["world"]
-        times = f" — × GA × world ({both})" if st["world"] > 1 and abs(st["sum"] - both) <= tol * both else times
-        fix = FIXES[Shape.SCALED]
-        return Weighting(
-            shape=Shape.SCALED,
-            line=f"every target weighs alike but they sum to {st['sum']:.4g} at step {at}, not 1: the loss × "
-            f"{st['sum']:.4g}{times} — {fix}",
-            step=at,
-            fix=fix,
+    ranks = step.get("targets") or []
+    if not any(f for forwards in ranks for f in forwards):
+        return "no target weights"
+    if any(f is None for forwards in ranks for f in forwards):
+        return f"a forward of step {step['step']} was not read"
+    factors = []
+    for r, phases in enumerate(step.get("rescale") or [[] for _ in ranks]):
+        found = [p.get("before_clip") or p for p in phases if p is not None]  # (before any clip call)
+        if any(p["factor"] is None for p in found) or len({p["factor"] for p in found}) > 1:
+            ranges = [x for p in found for x in p.get("range") or [p["factor"]] if x is not None]
+            return (
+                f"rank {r}'s gradients were multiplied unevenly after the last backward at step {step['step']} "
+                f"(× {min(ranges):.3g} to × {max(ranges):.3g}, parameter by parameter)"
+            )
+        factors.append(found[-1]["factor"] if found else 1.0)
+    factors = factors or [1.0] * len(ranks)
+    if max(factors) - min(factors) > ROUNDING * 2.0**-23 * max(abs(f) for f in factors):
+        return (
+            f"the ranks multiplied their gradients by different factors after the last backward at step "
+            f"{step['step']} (× {min(factors):.4g} to × {max(factors):.4g})"
         )
-    for shape, groups in (
-        (Shape.RANK_MEANS, _groups(st, lambda r, k, i: r)),
-        (Shape.MICRO_BATCH_MEANS, _groups(st, lambda r, k, i: (r, k))),
-        (Shape.SEQUENCE_MEANS, _groups(st, lambda r, k, i: (r, k, i))),
-    ):
-        if (said := _each_alike(groups, tol)) is not None:
-            weights, counts = said
-            if len(set(weights)) > 1 and _alike([w * c for w, c in zip(weights, counts)], tol):
-                return _named(shape, st, weights, counts, at)
-    return Weighting(
-        shape=Shape.UNEVEN,
-        line=f"targets weigh from {st['low']:.3g} to {st['high']:.3g} at step {at} (× {st['high'] / st['low']:.3g}), "
-        "in no shape gaeq knows (not by micro-batch, rank or sequence)",
-        step=at,
+    rows = []
+    for r, forwards in enumerate(ranks):
+        scale = factors[r] / world
+        for k, f in enumerate(forwards):
+            keys = f.get("keys") or [None] * len(f["rows"])
+            for key, (n, total, low, high) in zip(keys, f["rows"]):
+                if n:
+                    low, high = sorted((low * scale, high * scale))
+                    rows.append(Row(key, r, k, n, total * scale, low, high))
+    reads = {f.get("read", "float32 gradients at the model's output") for forwards in ranks for f in forwards}
+    smoothed = [f["label_smoothing"] for forwards in ranks for f in forwards if f.get("label_smoothing")]
+    return StepWeights(
+        step=step["step"],
+        world=world,
+        micro_steps=max(len(forwards) for forwards in ranks),
+        rows=tuple(rows),
+        resolution=max(f.get("resolution", 64 * 2.0**-23) for forwards in ranks for f in forwards),
+        factor=factors[0],
+        read=", ".join(sorted(reads)),
+        smoothing=max(smoothed) if smoothed else None,
     )
 
 
-def _groups(st: dict, key) -> dict:
-    groups: dict = {}
-    for r, k, f in st["forwards"]:
-        for i, row in enumerate(f["rows"]):
-            if row[0]:
-                groups.setdefault(key(r, k, i), []).append(row)
-    return groups
+def _whole(found: Found, step: int | None, read: list[StepWeights], resolution: float) -> Weighting:
+    """The run's weighting: the deciding shape in words, with how finely it was read and any rescale."""
+    rescaled = [s for s in read if abs(s.factor - 1) > s.resolution]
+    said = found.words
+    if rescaled:
+        s = rescaled[0]
+        said += f" — with the gradients {_times(s.factor)} after the last backward (at step {s.step}: a rescale)"
+    if smoothed := [s.smoothing for s in read if s.smoothing]:
+        said += f" — a cross-entropy with label smoothing ε = {smoothed[0]:.3g}"
+    said += f" (read to ±{resolution:.0e} of each weight: {read[0].read})"
+    if found.fix:
+        said += f" — {found.fix}"
+    return Weighting(
+        shape=found.shape,
+        kind=found.kind,
+        line=said,
+        step=step,
+        fix=found.fix,
+        resolution=resolution,
+        steps=tuple(read),
+    )
 
 
-def _each_alike(groups: dict, tol: float) -> tuple[list[float], list[int]] | None:
-    """Where every group's targets share one weight: (each group's weight, its target count)."""
-    weights, counts = [], []
-    for rows in groups.values():
-        low, high = min(r[2] for r in rows), max(r[3] for r in rows)
-        if high / low - 1 > tol:
-            return None
-        weights.append(high)
-        counts.append(sum(r[0] for r in rows))
-    return weights, counts
+def _times(factor: float) -> str:
+    """A factor in words: `÷ 213` where it is one over a whole number, else `× 0.3`."""
+    over = 1 / factor if factor else 0.0
+    return f"÷ {round(over)}" if abs(factor) < 1 and abs(over - round(over)) <= 1e-6 * abs(over) else f"× {factor:.4g}"
 
 
-def _alike(values: list[float], tol: float) -> bool:
-    return max(values) / min(values) - 1 <= tol * 4
-
-
-def _named(shape: Shape, st: dict, weights: list[float], counts: list[int], step: int) -> Weighting:
-    world = st["world"]
-    low, high = min(weights) / world, max(weights) / world
-    summed = f", summing to {st['sum']:.4g}, not 1" if abs(st["sum"] - 1) > st["tol"] else ""
-    what = {
-        Shape.MICRO_BATCH_MEANS: f"targets weigh 1/(GA · n_k) by micro-batch k ({low:.3g} to {high:.3g} at step "
-        f"{step}, micro-batches of {min(counts)} to {max(counts)} targets): a mean of micro-batch means"
-        if not summed
-        else f"targets weigh 1/n_k by micro-batch k ({low:.3g} to {high:.3g} at step {step}, micro-batches of "
-        f"{min(counts)} to {max(counts)} targets{summed}): each micro-batch's own mean, summed — not ÷ GA",
-        Shape.RANK_MEANS: f"targets weigh by rank, 1/(world · n_r) ({low:.3g} to {high:.3g} at step {step}, ranks of "
-        f"{min(counts)} to {max(counts)} targets): a mean of rank means",
-        Shape.SEQUENCE_MEANS: f"targets weigh by row, inversely to its targets ({low:.3g} to {high:.3g} at step "
-        f"{step}, rows of {min(counts)} to {max(counts)} targets): a mean of per-row means — every sequence (or "
-        "pack) weighs alike (on purpose, if the reference weighs so too)",
-    }[shape]
-    fix = FIXES.get(shape)
-    return Weighting(shape=shape, line=what + (f" — {fix}" if fix else ""), step=step, fix=fix)
+def _unresolved(read: list[StepWeights], resolution: float) -> Weighting:
+    low = min(r.low for s in read for r in s.rows)
+    high = max(r.high for s in read for r in s.rows)
+    return Weighting(
+        shape=Shape.UNRESOLVED,
+        kind=Kind.UNREAD,
+        line=f"not read finely enough: each weight is known to ±{resolution:.0%} of itself ({read[0].read}), too "
+        f"coarse to tell the shapes apart (targets weigh {low:.3g} to {high:.3g}) — a loss on the logits cast to "
+        "float32 (`logits.float()`) reads them to ±8e-06, as a float32 run does (`--dtype fp32`)",
+        resolution=resolution,
+        steps=tuple(read),
+    )

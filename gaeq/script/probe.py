@@ -184,7 +184,7 @@ class Probe:
         if isinstance(tensors, torch.Tensor) and tensors.numel() == 1:
             started = time.perf_counter()
             self.seen.losses.append(self.precision.unscaled(tensors))  # on its device: read at the step's end
-            self.targets.scale = self.precision.scale  # (its targets' weights carry it)
+            self.targets.before_backward(tensors, scale=self.precision.scale)  # (its targets' weights carry it)
             if (low := self.precision.loss_dtype(tensors)) is not None:  # the value known to half a unit of it
                 self._resolutions.append(self.seen.losses[-1].abs() * torch.finfo(low).eps / 2)
             self.boundary.spent += time.perf_counter() - started
@@ -203,6 +203,7 @@ class Probe:
         if not self._clipped:  # before it clips: a clip per micro-step reads each one's
             started = time.perf_counter()
             self._clipped = True
+            self._left.at_clip()  # a rescale before the clip (Megatron-LM's ÷ the step's tokens)
             with_grad = [p for p in parameters if p.grad is not None]
             if self._nudge is not None:
                 self._nudge.nudge_grads(with_grad)
@@ -285,6 +286,7 @@ class Probe:
             self._read |= {id(p) for p in fresh}
         read.lr = float(optimizer.param_groups[0]["lr"])
         self.precision.read_fused(optimizer, read)  # GradScaler's scale and skip, handed to a fused optimizer
+        self.seen.rescale.append(self._left.rescale(float(self.targets.scale) / read.scale))  # (less the loss scale)
         read.spent += time.perf_counter() - started
 
     @guarded
@@ -315,7 +317,7 @@ class Probe:
         self._pending.clear()
         seen, read = self.seen, self.boundary
         seen.ended_by_step(name)
-        seen.targets = self.targets.take()
+        seen.targets = self.targets.take(seen.row_keys)
         seen.losses = [float(v) for v in torch.stack(seen.losses).cpu()] if seen.losses else []  # one sync a phase
         seen.resolution = float(sum(self._resolutions)) if self._resolutions else 0.0
         self._resolutions = []

@@ -69,6 +69,9 @@ class MicroBatch:
     they all mark (the fingerprints)."""
     rows: int | None = None
     """Rows as received (the inputs' first dimension): a packed dataset's micro-batch size counts its packs."""
+    row_keys: list[str] = dataclasses.field(default_factory=list)
+    """One per row as received: its samples' fingerprints, joined — the same row in every split that hands the
+    model the same rows (what a row's target weights are matched by, gaeq.script.invariance)."""
 
     @property
     def samples(self) -> int:
@@ -126,8 +129,9 @@ class SampleIdentity:
             spans, exact, layout = self._stripped(data, targets, rows, length)
         ids = next((t for _, t in data if t.ndim == 2 and not t.is_floating_point()), None)
         shifts = [ids is not None and _copies(t, ids, spans) for _, t in targets]
-        fingerprints, keys = [], []
+        fingerprints, keys, row_keys = [], [], []
         for r, row_spans in enumerate(spans):
+            start = len(fingerprints)
             for at in row_spans:
                 pieces = [t[r] if at is None else t[r][at] for _, t in data]
                 pieces += [_targets(t[r], at, shift=shift) for (_, t), shift in zip(targets, shifts)]
@@ -135,11 +139,13 @@ class SampleIdentity:
                     pieces += [t[r] for _, t in by_row]
                 fingerprints.append(_hash(pieces))
                 keys.append(_hash(pieces[:1]))
+            row_keys.append("+".join(fingerprints[start:]))
         names = [n for n, _ in data]
         names += [f"{n} (targets{', shifted' if shift else ''})" for (n, _), shift in zip(targets, shifts)]
         names += [n for n, _ in by_row]
         count = None if count == len(fingerprints) else count
-        return MicroBatch(fingerprints, keys, names, length=length, exact=exact, layout=layout, count=count, rows=rows)
+        laid = {"length": length, "exact": exact, "layout": layout, "count": count, "rows": rows}
+        return MicroBatch(fingerprints, keys, names, **laid, row_keys=row_keys)
 
     def _stripped(self, data, targets, rows: int, length: int):
         """Spans of rows without a mask or packing: each row's positions without the run of known padding

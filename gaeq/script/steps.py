@@ -47,11 +47,19 @@ class Seen:
     """Newton–Schulz orthogonalisations (Muon's) run on this rank."""
     newton_schulz_early: int = 0
     """… of which before a phase's last backward began: on a partial gradient (once per micro-batch)."""
-    targets: list[dict] = field(default_factory=list)
-    """The weights of each training forward's targets, per row (gaeq.script.targets)."""
+    targets: list[dict | None] = field(default_factory=list)
+    """The weights of each training forward's targets, per row (gaeq.script.targets), None where not read."""
+    row_keys: list[list[str] | None] = field(default_factory=list)
+    """Each training forward's rows' keys (gaeq.script.samples.MicroBatch.row_keys), None where no input was read:
+    what its targets' weights are matched by in another split."""
+    rescale: list[dict | None] = field(default_factory=list)
+    """Per optimizer step: what the gradients were multiplied by after the last backward, at the step (`factor`) and
+    at the first clip call (`before_clip`), the loss scale taken out (gaeq.script.weights.AsLeft.factor); None where
+    not read (a DeepSpeed engine)."""
 
     def received(self, batch) -> None:
         """A micro-batch the model received (gaeq.script.samples.MicroBatch; None: no tensor input)."""
+        self.row_keys.append(None if batch is None else batch.row_keys)
         if batch is None:
             return
         self.rows.append(batch.samples)
@@ -73,7 +81,8 @@ class Seen:
 
     def add(self, later: Seen) -> None:
         """A later phase of the same training step."""
-        for name in ("losses", "rows", "packs", "samples", "keys", "lengths", "phases", "targets"):
+        listed = ("losses", "rows", "packs", "samples", "keys", "lengths", "phases", "targets", "row_keys", "rescale")
+        for name in listed:
             getattr(self, name).extend(getattr(later, name))
         self.resolution += later.resolution
         self.inputs = self.inputs or later.inputs
@@ -180,6 +189,7 @@ def record(step: int, ranks: list[dict[str, Any]], read: Boundary, *, sketch: tu
         "newton_schulz": [r["newton_schulz"] for r in ranks],
         "newton_schulz_early": [r["newton_schulz_early"] for r in ranks],
         "targets": [r["targets"] for r in ranks],
+        "rescale": [r["rescale"] for r in ranks],
         "events": ranks[0]["events"],
         "samples": sorted(s for r in ranks for s in r["samples"]),
         "keys": sorted(k for r in ranks for k in r["keys"]),

@@ -63,7 +63,7 @@ def script_checks(
     ran (against the cell `split`, when given), then data, init, events, and the update sketch —
     within `rtol`, or the envelope the run's noise-floor `twins` set (gaeq.results.floor's rules); the lr
     agrees to `lr_rtol`, as the trace comparison asks."""
-    found: dict[str, tuple[int, str] | None] = dict.fromkeys(SCRIPT_METRICS)
+    found: dict[str, tuple[int, str] | None] = dict.fromkeys(m for m in SCRIPT_METRICS if m != "weights")
     not_checked: dict[str, str] = {}
     remarks = []
     if split is not None and cell["steps"] and (why := ran_another_split(split, cell["steps"])):

@@ -95,18 +95,47 @@ def grad_norm(grads: list[torch.Tensor]) -> float:
     return total**0.5
 
 
+FACTOR_PARAMETERS = 64
+"""Parameters whose gradients say what the script multiplied them by after the last backward (evenly spread)."""
+FACTOR_ENTRIES = 4
+"""Entries of each of those read (spread over its block on this rank)."""
+ROUNDING = 8
+"""Units in the last place of the gradients' dtype that entries multiplied by one factor may differ by in ratio
+(each multiplication rounds once)."""
+
+
 class AsLeft:
     """The gradients as the last backward left them: each parameter, its gradient and that gradient's version — to
     tell at the step whether the script changed them in place since, by no call gaeq patches (a clip written by
-    hand). Not for a DeepSpeed engine, whose own norm is read."""
+    hand) — and a few of their entries, to tell by what factor (a division by the step's token count, Megatron-LM's
+    and fairseq's; a clip). Not for a DeepSpeed engine, whose own norm is read."""
 
     def __init__(self) -> None:
         self.left: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        self._entries: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        """Per sampled parameter: it, its gradient as left, the flat positions read in that gradient's block on
+        this rank, and their values then."""
+        self._at: dict[tuple, torch.Tensor] = {}
+        self._at_clip: dict | None = None
+        """What the gradients were multiplied by between the last backward and the first clip call after it."""
 
     def take(self, model: torch.nn.Module | None) -> None:
         engine = callable(getattr(model, "get_global_grad_norm", None))
         params = [] if model is None or engine else model.parameters()
         self.left = [(p, p.grad, _version(p.grad)) for p in params if p.grad is not None]
+        self._entries, self._at_clip = [], None
+        for p, grad, _ in self.left[:: max(1, len(self.left) // FACTOR_PARAMETERS)]:
+            here = dtensors.local(grad.detach()).reshape(-1)
+            if here.numel():
+                at = self._positions(here)
+                self._entries.append((p, grad, at, here[at].double()))
+
+    def _positions(self, here: torch.Tensor) -> torch.Tensor:
+        n = here.numel()
+        if (n, here.device) not in self._at:
+            spread = sorted({(2 * k + 1) * n // (2 * FACTOR_ENTRIES) for k in range(FACTOR_ENTRIES)})
+            self._at[n, here.device] = torch.tensor(spread, device=here.device)
+        return self._at[n, here.device]
 
     def changed(self) -> bool:
         """Whether a gradient was changed in place, or replaced, since (told once; one set to None is no change
@@ -114,6 +143,52 @@ class AsLeft:
         changed = any(p.grad is not None and (p.grad is not g or _version(g) != v) for p, g, v in self.left)
         self.left = [] if changed else self.left
         return changed
+
+    def at_clip(self) -> None:
+        """The first clip call after the last backward is about to clip: what the gradients were multiplied by
+        until now is a rescale (Megatron-LM's ÷ the step's tokens), what follows a clip."""
+        self._at_clip = self.factor()
+
+    def rescale(self, carried: float) -> dict | None:
+        """At an optimizer step: what the gradients it receives were multiplied by since the last backward (`factor`)
+        and until the first clip call (`before_clip`), × `carried` — the loss scale the backward gave them over the
+        one they still carry (GradScaler's unscale_ is no weighting). None where nothing was read."""
+        found = self.factor()
+        if found is None:
+            return None
+
+        def unscaled(said: dict | None) -> dict | None:
+            if said is None:
+                return None
+            if said["factor"] is None:
+                return {"factor": None, "range": [x * carried for x in said["range"]]}
+            return {"factor": said["factor"] * carried}
+
+        return unscaled(found) | {"before_clip": unscaled(self._at_clip)}
+
+    def factor(self) -> dict | None:
+        """What the gradients were multiplied by since the last backward, from the entries read then and now:
+        ``{"factor": f}`` where every entry was multiplied alike (1: untouched), else ``{"factor": None, "range":
+        [least, largest]}``; None where nothing was read (a DeepSpeed engine, no gradient). One host read."""
+        if not self._entries:
+            return None
+        before = torch.cat([values for _, _, _, values in self._entries])
+        now = torch.cat(
+            [dtensors.local(_or(p.grad, g).detach()).reshape(-1)[at] for p, g, at, _ in self._entries]
+        ).double()
+        ratios = (now / before)[before != 0].cpu()
+        if not ratios.numel():
+            return None
+        low, high = float(ratios.min()), float(ratios.max())
+        eps = max(torch.finfo(g.dtype).eps for _, g, _, _ in self._entries)
+        if low == high or (low * high > 0 and max(low / high, high / low) - 1 <= ROUNDING * eps):
+            return {"factor": float(ratios.median())}
+        return {"factor": None, "range": [low, high]}
+
+
+def _or(grad: torch.Tensor | None, left: torch.Tensor) -> torch.Tensor:
+    """A parameter's gradient now, or the one it was left with where the script has set it to None since."""
+    return left if grad is None else grad
 
 
 def _version(grad: torch.Tensor) -> int:

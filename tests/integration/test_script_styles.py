@@ -252,8 +252,8 @@ def test_a_clip_written_by_hand_on_more_ranks_matches_the_clip_call_of_the_refer
     on one it calls clip_grad_norm_ — the same arithmetic, the same update. The probe sees the gradients change in
     place after the last backward by no call it patches, so that split's norm (read after the clip) is not
     compared with the reference's (read before): said, the update and the loss judge — and match. The control, in
-    every split: each tensor clipped by its own norm, caught by the update it makes. (Adam's first update is the
-    gradient's sign whatever its scale: the clip shows from step 1.)"""
+    every split: each tensor clipped by its own norm, caught by the update it makes. (Adam's first update is nearly
+    the gradient's sign whatever its scale: step 0 moves it by about the tolerance, 1e-05, step 1 by far.)"""
     args = ["--clip_by_hand", "beyond_world_1"]
     cells = [{"world_size": 2, "micro_batch_size": 4}]
     cells += [
@@ -265,4 +265,4 @@ def test_a_clip_written_by_hand_on_more_ranks_matches_the_clip_call_of_the_refer
         "from optimizer step 0 this split's gradients changed in place after its last backward by no call gaeq patches"
     )
     assert clean["divergence_steps"]["events"] is None  # a hand clip is a change before the step, as a call is
-    assert planted["verdict"] == "diverge" and planted["caught_by"] == "update" and planted["first_divergent_step"] == 1
+    assert planted["verdict"] == "diverge" and planted["caught_by"] == "update" and planted["first_divergent_step"] <= 1

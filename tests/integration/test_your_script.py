@@ -37,7 +37,7 @@ def test_a_users_script_matches_across_world_sizes_and_its_mistakes_are_caught_w
         "micro_steps": [2],
     }
     assert clean["divergence_steps"] == dict.fromkeys(
-        ("split", "data", "init", "events", "skipped", "loss", "grad_norm", "lr", "update")
+        ("split", "data", "init", "events", "skipped", "loss", "grad_norm", "lr", "update", "weights")
     )
     caught = {c["id"].rsplit("args_bug_", 1)[1]: (c["caught_by"], c["first_divergent_step"]) for c in cells.values()
               if "args_bug_" in c["id"]}  # fmt: skip

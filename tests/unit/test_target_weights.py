@@ -1,6 +1,7 @@
 """The weight every target gets, read from one run of one split (gaeq.script.targets), and what the weights say
-(gaeq.script.objective): each weighting mistake of the catalogue named from its weights alone, with its fix;
-every correct twin the step's target mean; what cannot be read said so."""
+(gaeq.script.objective): each weighting mistake of the catalogue named from its weights alone, with its fix, and
+tied to the split; every correct style of the step's rows alone, with no fix; what cannot be read, or not finely
+enough, said so."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from gaeq.script.objective import weighting
+from gaeq.script.shapes import Kind
 from gaeq.script.targets import TargetWeights
 
 V = 40
@@ -29,8 +31,9 @@ def batches(lengths_per_rank: list[list[list[int]]], seed: int = 0) -> list[list
     return out
 
 
-def step_of(labels, loss_of, *, world: int) -> dict:
-    """One training step: every rank's micro-batches through logits and `loss_of(logits, y, rank, k)`, read."""
+def step_of(labels, loss_of, *, world: int, keys: bool = False) -> dict:
+    """One training step: every rank's micro-batches through logits and `loss_of(logits, y, rank, k)`, read (each
+    row keyed by its rank, micro-batch and place where `keys`)."""
     ranks = []
     for r, micro_batches in enumerate(labels):
         reader = TargetWeights()
@@ -38,12 +41,24 @@ def step_of(labels, loss_of, *, world: int) -> dict:
             logits = torch.randn(*y.shape, V, requires_grad=True)
             reader.watch({"loss": None, "logits": logits})
             loss_of(logits, y, r, k).backward()
-        ranks.append(reader.take())
+        ranks.append(reader.take([[f"{r}.{k}.{i}" for i in range(len(y))] for k, y in enumerate(micro_batches)]))
     return {"step": 0, "world_size": world, "targets": ranks}
 
 
 def ce(logits, y, reduction="sum", **kw):
     return F.cross_entropy(logits.view(-1, V), y.view(-1), ignore_index=-100, reduction=reduction, **kw)
+
+
+def read_one(loss, logits) -> tuple:
+    """A weighting of one forward whose `loss(logits)` is backpropagated; and the reader's `unread`. The logits are
+    made a model's output (no leaf: an op made them), of their dtype."""
+    logits = torch.randn(logits.shape).requires_grad_().to(logits.dtype) * 1
+    reader = TargetWeights()
+    reader.watch(logits)
+    out = loss(logits)
+    reader.before_backward(out)
+    out.backward()
+    return weighting([{"step": 0, "world_size": 1, "targets": [reader.take()]}], unread=reader.unread), reader.unread
 
 
 # micro-batches of different target counts: a mean of means differs from the step's mean
@@ -53,51 +68,111 @@ GA, WORLD = 2, 2
 
 
 @pytest.mark.parametrize(
-    ("name", "loss_of", "shape", "words"),
+    ("name", "loss_of", "shape", "kind", "words"),
     [
-        ("the step's mean", lambda lo, y, r, k: ce(lo, y) / N * WORLD, "mean", "the step's target mean"),
-        ("a mean of micro-batch means", lambda lo, y, r, k: ce(lo, y, "mean") / GA, "micro_batch_means",
-         "a mean of micro-batch means — divide each micro-batch's summed loss by the step's target count"),
-        ("× GA", lambda lo, y, r, k: ce(lo, y) / N * WORLD * GA, "scaled", "× GA (2)"),
+        ("the step's mean", lambda lo, y, r, k: ce(lo, y) / N * WORLD, "mean", "step", "the step's target mean"),
+        ("a mean of micro-batch means", lambda lo, y, r, k: ce(lo, y, "mean") / GA, "micro_batch_means", "split",
+         "a mean of micro-batch means"),
+        ("× GA", lambda lo, y, r, k: ce(lo, y) / N * WORLD * GA, "scaled", "split", "× GA (2)"),
+        ("÷ world", lambda lo, y, r, k: ce(lo, y) / N, "scaled", "split", "÷ world (2)"),
+        ("a summed loss", lambda lo, y, r, k: ce(lo, y) * WORLD, "scaled", "step", "every target weighs 1"),
     ],
 )  # fmt: skip
-def test_a_weighting_is_named_from_one_run_of_one_split(name, loss_of, shape, words):
+def test_a_weighting_is_named_from_one_run_of_one_split_and_said_tied_to_the_split_or_not(
+    name, loss_of, shape, kind, words
+):
     found = weighting([step_of(batches(LENGTHS), loss_of, world=WORLD)])
-    assert found.shape == shape, (name, found)
-    assert words in found.line, found.line
+    assert (found.shape, found.kind) == (shape, kind), (name, found)
+    assert words in found.line
+    assert "(read to ±8e-06 of each weight: float32 gradients at the model's output)" in found.line
+    assert (found.fix is not None) == (kind == Kind.SPLIT), found  # a fix only where the split changes the weights
+    if shape == "micro_batch_means":
+        assert found.fix == "divide each micro-batch's summed loss by the step's target count, not by its own"
 
 
-def test_a_token_count_per_rank_is_a_mean_of_rank_means():
-    """Fabric's per-rank token count, TRL with `average_tokens_across_devices False`: each rank ÷ its own count."""
+def test_a_token_count_per_rank_is_a_mean_of_rank_means_and_one_from_a_micro_batch_is_named():
+    """Fabric's per-rank token count, TRL with `average_tokens_across_devices False`: each rank ÷ its own count; a
+    count estimated as GA × the first micro-batch's (Megatron-LM's style with an estimate): alike, but tied."""
     lengths = [[[3, 8], [5, 6]], [[8, 8], [8, 4]]]  # 22 and 28 targets
     counts = [22, 28]
     found = weighting([step_of(batches(lengths), lambda lo, y, r, k: ce(lo, y) / counts[r], world=2)])
     assert found.shape == "rank_means" and "a mean of rank means" in found.line, found
-    assert "average_tokens_across_devices" in found.fix
+    assert found.fix == "count the step's targets over every rank (an all-reduce) before dividing"  # no Trainer name
+    first = 3 + 8 + 8 + 8  # micro-step 0's targets over both ranks
+    found = weighting([step_of(batches(lengths), lambda lo, y, r, k: ce(lo, y) / (GA * first) * 2, world=2)])
+    assert (found.shape, found.kind) == ("scaled", "split"), found
+    assert f"every target ÷ {GA * first}, micro-step 0's targets × GA (2) — a count from one part" in found.line
 
 
-def test_a_short_window_still_divided_by_ga_sums_to_its_share():
-    """Lightning#19987: the epoch's last window of 3 micro-batches still ÷ GA 4 — its weights sum to 3/4."""
+def test_a_short_window_still_divided_by_ga_is_tied_where_the_split_is_known():
+    """Lightning#19987: the epoch's last window of 3 micro-batches still ÷ GA 4 — its weights sum to 3/4: a factor
+    of the step alone, unless the split says GA 4."""
     lengths = [[[4, 4], [4, 4], [4, 4]]]
-    found = weighting([step_of(batches(lengths), lambda lo, y, r, k: ce(lo, y, "mean") / 4, world=1)])
-    assert found.shape == "scaled" and "sum to 0.75" in found.line, found
+    step = step_of(batches(lengths), lambda lo, y, r, k: ce(lo, y, "mean") / 4, world=1)
+    alone = weighting([step])
+    assert (alone.shape, alone.kind) == ("scaled", "step") and "summing to 0.75" in alone.line, alone
+    tied = weighting([step], grad_accum=4)
+    assert (tied.shape, tied.kind) == ("scaled", "split"), tied
+    assert "sum to 0.75 at step 0, not 1: the loss × 0.75 — a step of 3 micro-batches still ÷ GA (4)" in tied.line
 
 
-def test_a_mean_of_per_sequence_means_is_said_as_one_and_a_loss_that_is_not_read_is_said_why():
-    lengths = [[[3, 8, 5]]]
-    per_sequence = weighting(
-        [step_of(batches(lengths), lambda lo, y, r, k: sum(ce(lo[i], y[i], "mean") for i in range(3)) / 3, world=1)]
-    )
-    assert per_sequence.shape == "sequence_means" and "a mean of per-row means" in per_sequence.line
-    reader = TargetWeights()
-    logits = torch.randn(2, 8, V, requires_grad=True)
-    reader.watch(logits)
-    ce(logits, batches([[[8, 8]]])[0][0], "mean", label_smoothing=0.1).backward()
-    smoothed = weighting([{"step": 0, "world_size": 1, "targets": [reader.take()]}], unread=reader.unread)
-    assert smoothed.shape == "unread" and "label smoothing" in smoothed.line
+def test_per_sequence_means_are_of_the_step_and_their_mistake_by_micro_batch_is_tied():
+    """GRPO's normalisation: each row's mean over its targets, averaged over the step's rows — of the step alone;
+    each micro-batch's own mean of row means ÷ GA, where micro-batches hold 3 and 1 rows — tied."""
+    lengths = [[[3, 8, 5], [6]]]
+
+    def per_row(lo, y):
+        return ce(lo, y, "none").view(y.shape).sum(1) / (y != -100).sum(1)
+
+    right = weighting([step_of(batches(lengths), lambda lo, y, r, k: per_row(lo, y).sum() / 4, world=1)])
+    assert (right.shape, right.kind, right.fix) == ("sequence_means", "step", None), right
+    assert "a mean of per-row means over the step's rows — a per-sequence objective" in right.line
+    wrong = weighting([step_of(batches(lengths), lambda lo, y, r, k: per_row(lo, y).mean() / 2, world=1)])
+    assert (wrong.shape, wrong.kind) == ("row_means_by_group", "split"), wrong
+    assert "per-row means averaged within each micro-batch — a micro-batch of fewer rows weighs each more" in wrong.line
+
+
+def test_label_smoothing_is_read_with_its_epsilon_and_a_z_loss_or_a_regression_is_said_not_read():
+    y = batches([[[8, 5]]])[0][0]
+    smoothed, _ = read_one(lambda lo: ce(lo, y, "sum", label_smoothing=0.1) / 13, torch.randn(2, 8, V).requires_grad_())
+    assert (smoothed.shape, smoothed.kind) == ("mean", "step") and "label smoothing ε = 0.1" in smoothed.line, smoothed
+
+    def z_loss(lo):
+        return ce(lo, y, "sum") / 13 + 1e-4 * lo.logsumexp(-1)[y != -100].square().sum() / 13
+
+    found, why = read_one(z_loss, torch.randn(2, 8, V).requires_grad_())
+    assert found.shape == "unread" and "at the label not: another term on the logits beside it (a z-loss is one" in why
+    found, why = read_one(lambda out: (out - 1).square().mean(), torch.randn(4, 1).requires_grad_())
+    assert found.shape == "unread" and why == "its output has no class dimension (a regression, or another loss)"
     fused = TargetWeights()
     fused.watch(torch.zeros((), requires_grad=True))  # a model that returns its loss alone
     assert weighting([], unread=fused.unread).line.startswith("not read: the model's output holds no logits")
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_bf16_logits_are_read_at_the_float32_cast_the_loss_takes_them_through(autocast):
+    """A bf16 model, its loss in float32 (`logits.float()`, or autocast's cast inside the loss on a view): read at
+    the cast, as sharp as a float32 run — a mean of micro-batch means over micro-batches of 15 and 16 targets is
+    named. Read at the bf16 logits themselves it could not be, and is said so."""
+    y = batches([[[8, 7]]])[0][0]  # 15 targets: each weighs 1/15 = 1/16 × (1 + 7 %)
+    logits = torch.randn(2, 8, V, dtype=torch.bfloat16).requires_grad_()
+    if autocast:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            found, _ = read_one(lambda lo: F.cross_entropy(lo.view(-1, V), y.view(-1), ignore_index=-100) / 2, logits)
+    else:
+        found, _ = read_one(lambda lo: ce(lo.float(), y, "mean") / 2, logits)
+    assert found.kind == "step" and found.resolution == pytest.approx(64 * 2.0**-23), found
+    assert "float32 at the loss's cast" in found.line
+    coarse, _ = read_one(lambda lo: ce(lo, y, "mean") / 2, torch.randn(2, 8, V, dtype=torch.bfloat16).requires_grad_())
+    assert (coarse.shape, coarse.kind) == ("unresolved", "unread") and 1e-3 < coarse.resolution < 0.05, coarse
+    assert coarse.line.startswith("not read finely enough: each weight is known to ±")
+    assert "% of itself (bfloat16 gradients at the model's output)" in coarse.line
+
+    def beside_the_loss(lo):  # a second term on the bf16 logits: the cast's gradient is not all they get
+        return ce(lo.float(), y, "mean") + lo.square().sum() * 1e-3
+
+    other, why = read_one(beside_the_loss, torch.randn(2, 8, V, dtype=torch.bfloat16).requires_grad_())
+    assert other.shape == "unread" and "another term than the float32 loss reaches its logits" in why
 
 
 def test_a_loss_scale_is_taken_out_and_confident_targets_read_exactly():
@@ -114,42 +189,35 @@ def test_a_loss_scale_is_taken_out_and_confident_targets_read_exactly():
     assert found.shape == "mean", found
 
 
-def test_no_reference_is_a_script_matrixs_splits_alone_each_judged_by_its_weights():
-    """`baseline: none` (`gaeq check --baseline none`): no reference cell, no instruments; a split's verdict from its
-    weights — match for the step's mean, diverge with the shape, error where nothing was read; with a reference,
-    the weights stand beside the comparison, said against the reference's where they differ."""
-    from gaeq.matrix import MatrixError, matrix_from_dict
-    from gaeq.matrix.check import check_matrix
-    from gaeq.results.compare import Verdict
-    from gaeq.results.weighing import beside, judged_alone
-    from gaeq.script.objective import Weighting
-    from gaeq.script.spec import Launcher
-    from tests.conftest import REPO
-    from tests.helpers import small_spec
+def test_a_rescale_after_the_last_backward_is_counted_and_a_clip_is_not_a_weighting():
+    """Megatron-LM's calculate_per_token_loss, fairseq's sample_size: the summed loss at backward, every gradient ÷
+    the step's token count after it — the step's mean, the factor said; gradients multiplied unevenly (each tensor
+    clipped by its own norm) are said, not read."""
+    from gaeq.script.weights import AsLeft
 
-    script = REPO / "experiments" / "scripts" / "ddp_manual.py"
-    spec = check_matrix(
-        script, script_args=[], batch=16, splits=[(1, 4), (2, 4)], steps=2, launcher=Launcher.TORCHRUN, baseline="none"
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, V))
+    y = batches([[[8, 5]]])[0][0]
+    reader, left = TargetWeights(), AsLeft()
+    out = model(torch.randn(2, 8, 8))
+    reader.watch(out)
+    ce(out, y).backward()
+    left.take(model)
+    for p in model.parameters():
+        p.grad.div_(13)
+    rescale = [left.factor() | {"before_clip": left.factor()}]
+    assert rescale[0]["factor"] == pytest.approx(1 / 13, rel=1e-6)
+    step = {"step": 0, "world_size": 1, "targets": [reader.take()], "rescale": [rescale]}
+    found = weighting([step])
+    assert found.shape == "mean" and "with the gradients ÷ 13 after the last backward (at step 0: a rescale)" in (
+        found.line
     )
-    m = matrix_from_dict(spec)
-    assert m.baselines == {} and m.unreferenced == ("fp32",)
-    assert [c.id for c in m.cells] == ["script-w1-mb4-ga4", "script-w2-mb4-ga2"]  # the splits alone
-    with pytest.raises(MatrixError, match="baseline: none judges a script's splits"):
-        matrix_from_dict(small_spec() | {"baseline": "none"})
-    with pytest.raises(MatrixError, match="none is no reference"):
-        matrix_from_dict(spec | {"baseline": {"none": True, "world_size": 2}})
-    mean = Weighting(shape="mean", line="every target weighs 1/N")
-    means = Weighting(shape="micro_batch_means", line="a mean of micro-batch means", step=0)
-    assert judged_alone(mean)[0] == Verdict.MATCH and judged_alone(means)[0] == Verdict.DIVERGE
-    unread = judged_alone(Weighting(shape="unread", line="not read: its logits are sharded"))
-    assert unread[0] == Verdict.ERROR and "not read (its logits are sharded): nothing judges it" in unread[1]
-    assert beside(means, mean).line.endswith("where the reference's weights read: every target weighs 1/N")
-    assert beside(mean, mean) == mean
-    per_row = Weighting(shape="sequence_means", line="a mean of per-row means", step=0)
-    assert beside(per_row, per_row) == per_row  # weighed so on purpose, as its reference: not called wrong
-    assert beside(Weighting(shape="unread", line="not read: x"), mean).line.endswith(
-        "the comparison with the reference judges it"
-    )
+    first = next(model.parameters())
+    first.grad.mul_(0.5)  # one tensor scaled apart
+    uneven = left.factor()
+    assert uneven["factor"] is None and uneven["range"] == pytest.approx([1 / 26, 1 / 13], rel=1e-6)
+    step["rescale"] = [[uneven | {"before_clip": None}]]
+    said = weighting([step])
+    assert said.shape == "unread" and "multiplied unevenly after the last backward" in said.line
 
 
 def test_trls_fused_forward_hands_per_token_log_probabilities_whose_gradient_is_the_weight():
