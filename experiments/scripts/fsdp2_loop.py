@@ -45,6 +45,13 @@ parser.add_argument(
     ],
 )
 parser.add_argument("--clip_by_hand", action="store_true", help="the clip written out, as Megatron-style loops do")
+parser.add_argument(
+    "--clip_as",
+    default="torchtitan",
+    choices=["torchtitan", "megatron"],
+    help="--clip_by_hand's style: every shard × min(1, max / norm); or, as Megatron-LM, only where it clips, "
+    "written through .data (its fused kernel moves no version counter)",
+)
 args = parser.parse_args()
 if args.clip_by_hand and args.replicas > 1:
     parser.error("--clip_by_hand sums the norm over every rank: with --replicas each shard would count twice")
@@ -146,7 +153,10 @@ for step in range(args.max_steps):
             dist.all_reduce(squares)  # each rank holds its own shards: the whole model's squared norm is their sum
         coefficient = torch.clamp(args.clip / (squares.sqrt() + 1e-6), max=1.0)
         for g in grads:
-            g.mul_(coefficient)  # in place on the shard: the DTensor's gradient is scaled with it
+            if args.clip_as == "torchtitan":
+                g.mul_(coefficient)  # in place on the shard: the DTensor's gradient is scaled with it
+            elif coefficient < 1.0:
+                g.data.mul_(coefficient)  # Megatron-LM's: only where it clips
     elif args.clip > 0:
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         if args.bug == "clip_norm_of_local_shards":

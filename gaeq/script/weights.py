@@ -138,11 +138,13 @@ class AsLeft:
         return self._at[n, here.device]
 
     def changed(self) -> bool:
-        """Whether a gradient was changed in place, or replaced, since (told once; one set to None is no change
-        a step reads)."""
+        """Whether a gradient was changed in place, or replaced, since — by its version, or by the entries read (an
+        edit through `.data`, or a kernel outside autograd, as Megatron-LM's clip makes, moves no version) — told
+        once; one set to None is no change a step reads."""
         changed = any(p.grad is not None and (p.grad is not g or _version(g) != v) for p, g, v in self.left)
+        changed = changed or (self.left and (found := self.factor()) is not None and found["factor"] != 1.0)
         self.left = [] if changed else self.left
-        return changed
+        return bool(changed)
 
     def at_clip(self) -> None:
         """The first clip call after the last backward is about to clip: what the gradients were multiplied by

@@ -266,3 +266,21 @@ def test_a_clip_written_by_hand_on_more_ranks_matches_the_clip_call_of_the_refer
     )
     assert clean["divergence_steps"]["events"] is None  # a hand clip is a change before the step, as a call is
     assert planted["verdict"] == "diverge" and planted["caught_by"] == "update" and planted["first_divergent_step"] <= 1
+
+
+def test_a_clip_by_hand_that_acts_only_where_it_clips_matches_the_reference_that_calls_clip_grad_norm(tmp_path):
+    """Megatron-LM's clip on FSDP2's shards: the whole model's norm summed over the ranks, the shards scaled only
+    where it clips, through `.data` (its fused kernel moves no version counter). The reference calls
+    `clip_grads_with_norm_` every step; the split clips at step 0 only (its norm ~1.08 against 1.0), so steps 1 and
+    2 show no clip of its: once against none is no divergence of itself — the update and the loss judge, and match.
+    Its control, each rank clipping by its own shards' norm at world 2, is caught by the update it makes."""
+    megatron = ["--clip", "1.0", "--clip_by_hand", "--clip_as", "megatron"]
+    cells = [{"world_size": 1, "micro_batch_size": 4, "args": megatron}]
+    cells += [{"world_size": 2, "micro_batch_size": 4, "args": [*megatron, "--bug", "clip_by_hand_per_shard"],
+               "expect": "diverge"}]  # fmt: skip
+    said = run(tmp_path, "your_fsdp2_script.yaml", cells, args=["--clip", "1.0"])
+    clean = said["script-w1-mb4-ga4-args_clip_1.0_clip_by_hand_clip_as_megatron"]
+    planted = said["script-w2-mb4-ga2-args_clip_1.0_clip_by_hand_clip_as_megatron_bug_clip_by_hand_per_shard"]
+    assert clean["verdict"] == "match" and clean["divergence_steps"]["events"] is None, clean["reason"]
+    assert clean["not_checked"]["grad_norm"].startswith("from optimizer step 0 this split's gradients changed in place")
+    assert (planted["verdict"], planted["caught_by"]) == ("diverge", "update"), planted["reason"]

@@ -237,3 +237,21 @@ def test_trls_fused_forward_hands_per_token_log_probabilities_whose_gradient_is_
 
     assert step(lambda y: n).shape == "mean"
     assert step(lambda y: 2 * int((y != -100).sum())).shape == "micro_batch_means"
+
+
+def test_gradients_changed_through_data_are_seen_as_changed_where_no_version_moves():
+    """Megatron-LM's fused clip and fairseq's `p.grad.data.mul_` move no version counter: the entries read after
+    the last backward still tell the change (and a clip that did not act changed nothing to tell)."""
+    from gaeq.script.weights import AsLeft
+
+    model = torch.nn.Linear(8, 4)
+    model(torch.randn(3, 8)).square().sum().backward()
+    left = AsLeft()
+    left.take(model)
+    for p in model.parameters():
+        p.grad.data.mul_(1.0)  # a clip that did not act
+    assert not left.changed()
+    for p in model.parameters():
+        p.grad.data.mul_(0.5)
+    versions = [p.grad._version for p in model.parameters()]
+    assert left.changed() and versions == [p.grad._version for p in model.parameters()]
