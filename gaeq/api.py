@@ -210,7 +210,8 @@ def run(
     run_dir = _prepare_run_dir(m, out, kept=kept)
     freed = shm.free_orphans()  # what runs that were killed left in /dev/shm
     if freed.segments:
-        on_event(Event(kind=EventKind.SHM_FREED, world_size=0, freed_bytes=freed.bytes, freed_segments=freed.segments))
+        said = {"freed_bytes": freed.bytes, "freed_segments": freed.segments, "freed_from": freed.whose()}
+        on_event(Event(kind=EventKind.SHM_FREED, world_size=0, **said))
     opts = RunOptions(
         problems=m.problems,
         run_dir=run_dir,

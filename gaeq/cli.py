@@ -21,14 +21,13 @@ from rich.markup import escape
 
 from gaeq import api
 from gaeq.audit import deepspeed_configs
-from gaeq.closing import print_result
+from gaeq.closing import print_overlay_command, print_result
 from gaeq.files import atomic_write
 from gaeq.matrix import Matrix, MatrixError
 from gaeq.matrix.check import Instruments, check_command, check_matrix
 from gaeq.progress import RunProgress, plan_line
 from gaeq.results.render import cells_table, problem_line
 from gaeq.results.report import EXIT_BAD_INPUT, EXIT_RUN_FAILED
-from gaeq.results.tensorboard import TB_ANSWER_URL, TB_DIR
 from gaeq.runtime.ops import StaleBuild
 from gaeq.script.spec import Launcher
 
@@ -164,7 +163,7 @@ def run(
     _stop_on_signals()
     _print_overrides(m)  # a user's DeepSpeed config is never overridden silently
     console.print(plan_line(m), highlight=False)  # the cost before it is spent
-    with RunProgress(console, cells=len(m.runnable()), steps=m.problem.steps) as on_event:
+    with RunProgress(console, cells=len(m.runnable()), steps=m.problem.steps, tried=m.candidates) as on_event:
         named = out is None
         try:
             out = out or api.new_run_dir(m.spec.name)  # named here, so that an interruption can say where
@@ -192,12 +191,7 @@ def run(
             raise typer.Exit(130) from None
 
     code = print_result(console, result)
-    console.print(
-        f"Overlay in TensorBoard:  [bold]tensorboard --logdir {result.run_dir / TB_DIR}[/], then open "
-        f"{TB_ANSWER_URL} (each cell's difference from the baseline as log10, beside its tolerance)",
-        highlight=False,
-        soft_wrap=True,
-    )
+    print_overlay_command(console, result)
     raise typer.Exit(code)
 
 

@@ -11,6 +11,7 @@ from gaeq.results.cell_report import INSTRUMENTS
 from gaeq.results.compare import Verdict
 from gaeq.results.lines import floor_lines, reference_lines, versions_line, weights_lines
 from gaeq.results.render import cost_table, verdict_table
+from gaeq.results.tensorboard import TB_ANSWER_URL, TB_DIR
 
 
 def print_result(console: Console, result: RunResult) -> int:
@@ -44,3 +45,18 @@ def print_result(console: Console, result: RunResult) -> int:
         soft_wrap=True,
     )
     return report.exit_code
+
+
+def print_overlay_command(console: Console, result: RunResult) -> None:
+    """The command that overlays every cell in TensorBoard, and what it shows for this run."""
+    shown = (
+        "each cell's difference from its reference as log10, beside its tolerance"
+        if result.report.baselines
+        else "each cell's curves: with no reference, there is no difference to draw"
+    )
+    console.print(
+        f"Overlay in TensorBoard:  [bold]tensorboard --logdir {result.run_dir / TB_DIR}[/], then open "
+        f"{TB_ANSWER_URL} ({shown})",
+        highlight=False,
+        soft_wrap=True,
+    )

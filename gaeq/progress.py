@@ -20,7 +20,13 @@ class RunProgress:
     """`with RunProgress(console, cells=n, steps=s) as on_event:` — the callback `api.run` takes."""
 
     def __init__(
-        self, console: Console, *, cells: int, steps: int, clock: Callable[[], float] = time.monotonic
+        self,
+        console: Console,
+        *,
+        cells: int,
+        steps: int,
+        clock: Callable[[], float] = time.monotonic,
+        tried: frozenset[str] = frozenset(),
     ) -> None:
         self.progress = Progress(
             TextColumn("{task.description}"),
@@ -30,7 +36,8 @@ class RunProgress:
             console=console,
             transient=not console.is_terminal,  # off a terminal (CI logs) only the lines printed stay
         )
-        self.cells, self.steps = cells, steps
+        self.cells, self.steps, self.tried = cells, steps, tried
+        """`tried`: references `baseline: auto` tries first — out of memory there is a step, said as one."""
         self.clock, self.started, self.ended = clock, clock(), 0
         self.rows: dict[int, TaskID] = {}
         """lane → its row (one per group of a world size running side by side)."""
@@ -56,7 +63,8 @@ class RunProgress:
         elif kind == EventKind.SHM_FREED:
             self.say(
                 f"freed {event.freed_bytes / 2**20:.0f} MB of /dev/shm: {event.freed_segments} all-reduce "
-                "buffer(s) left by gaeq runs that were killed"
+                f"buffer{'s' if event.freed_segments != 1 else ''} that {event.freed_from} left, ended without "
+                "freeing them (killed, or crashed)"
             )
         elif kind == EventKind.BUILD and event.waiting_on is not None:
             self.say(f"waiting for {event.op}: another process is building it in {event.waiting_on}")
@@ -79,7 +87,12 @@ class RunProgress:
         elif kind == EventKind.END:
             self.ended += 1
             self.progress.update(self.overall, advance=1, description=self.left())
-            if event.outcome.status == "error":
+            if event.outcome.status == "error" and event.outcome.out_of_memory and event.cell_id in self.tried:
+                self.say(
+                    f"{event.cell_id} ran out of memory: as `baseline: auto` allows, the reference will be GA 1 at the "
+                    "largest micro batch a split ran at"
+                )
+            elif event.outcome.status == "error":
                 self.say(f"[bold red]error[/] {event.cell_id}: {escape(event.outcome.reason.splitlines()[0])}")
 
     def left(self) -> str:
@@ -110,4 +123,4 @@ def plan_line(m: Matrix) -> str:
     runs = sum(count.values()) - count[Role.FLOOR] - count[Role.SENSITIVITY] + twins + limits
     steps = sorted({m.problems[c.variant].steps for c in runnable}) or [m.problem.steps]
     each = f"{steps[0]}" if len(steps) == 1 else f"{steps[0]}–{steps[-1]}"
-    return f"Plan: {runs} runs of {each} steps each — {', '.join(parts)}"
+    return f"Plan: {runs} run{'s' * (runs != 1)} of {each} step{'s' * (each != '1')} each — {', '.join(parts)}"

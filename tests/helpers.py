@@ -14,7 +14,7 @@ import yaml
 
 from gaeq.results.outcome import CellOutcome, write_outcome
 from gaeq.trainers import RunContext
-from tests.processes import CHILDREN_OF, gaeq_command, new_tag, run, start_session_fork_server
+from tests.processes import CHILDREN_OF, gaeq_command, new_tag, running, start_session_fork_server
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -88,6 +88,17 @@ def deepspeed_shm() -> set[str]:
     return {p.name for p in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*")}
 
 
+def shm_left(before: set[str], owners: set[int]) -> list[str]:
+    """The segments new since `before` that a run of `owners` (its gaeq's PIDs) left behind: none a live process
+    still maps, none whose group's marker names another gaeq — a `gaeq run` beside the suite, running or killed,
+    is not the test's (gaeq.runtime.shm)."""
+    from gaeq.runtime import shm
+
+    new = deepspeed_shm() - before
+    mapped = {Path(m).name for m in shm.mapped_segments()} if new else set()
+    return sorted(s for s in new if s not in mapped and shm.owner(shm.port_of(s)) in (None, *owners))
+
+
 def gaeq_run(
     matrix: Path, out: Path, *, timeout: float = 600, extra: list[str] = (), signals=None
 ) -> tuple[subprocess.CompletedProcess, dict, str]:
@@ -99,9 +110,11 @@ def gaeq_run(
     tag = new_tag()
     shm_before = deepspeed_shm()
     cmd = gaeq_command("run", "--matrix", str(matrix), "--out", str(out), *extra)
-    proc = run(cmd, timeout=timeout, tag=tag, signals=signals, env={"COLUMNS": "200"})
+    with running(cmd, tag=tag, signals=signals, env={"COLUMNS": "200"}) as child:
+        stdout, stderr = child.communicate(timeout=timeout)
+    proc = subprocess.CompletedProcess(cmd, child.returncode, stdout, stderr)
     report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else {}
-    assert deepspeed_shm() <= shm_before, f"left in /dev/shm: {sorted(deepspeed_shm() - shm_before)}"
+    assert not (left := shm_left(shm_before, {child.pid})), f"left in /dev/shm: {left}"
     return proc, report, tag
 
 
@@ -137,7 +150,7 @@ def gaeq_here(args: list[str], out: Path) -> tuple[subprocess.CompletedProcess, 
         for s, handler in handlers.items():
             signal.signal(s, handler)
     report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else {}
-    assert deepspeed_shm() <= shm_before, f"left in /dev/shm: {sorted(deepspeed_shm() - shm_before)}"
+    assert not (left := shm_left(shm_before, {os.getpid()})), f"left in /dev/shm: {left}"
     proc = subprocess.CompletedProcess(["gaeq", *args], result.exit_code, result.stdout, result.stderr)
     return proc, report, f"{CHILDREN_OF}{forkserver._forkserver._forkserver_pid}"
 

@@ -350,6 +350,14 @@ class Matrix:
         """Some group's baseline is `auto`: chosen from what runs (`load.with_references`)."""
         return any(baseline_spec(self.spec, v).auto for v in self.problems)
 
+    @property
+    def candidates(self) -> frozenset[str]:
+        """The baselines `auto` tries first (world 1, the whole batch): one running out of memory is a step of the
+        run, not a failure."""
+        return frozenset(
+            b for g, b in self.baselines.items() if baseline_spec(self.spec, self.baseline_cell(g).variant).auto
+        )
+
     def baseline_cell(self, group: str) -> Cell:
         """The cell `group` is judged against."""
         return next(c for c in self.cells if c.id == self.baselines[group])

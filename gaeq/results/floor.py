@@ -243,11 +243,11 @@ class DetectionLimit:
                 "change the loss by more than that are caught"
             )
         per_step = (
-            f"; step by step, an error made up to step s is caught at s for δ from {self.limit:.1e} "
-            + (
-                f"to {weakest[1]:.1e} (step {weakest[0]})"
+            (
+                f"; the smallest δ one step alone catches ranges from {self.limit:.1e} to {weakest[1]:.1e} (step "
+                f"{weakest[0]})"
                 if weakest[1] < 1
-                else f"— at step {weakest[0]}, by none below 1"
+                else f"; at step {weakest[0]} alone, no δ below 1 is caught"
             )
             if weakest is not None and weakest[1] > 1.5 * self.limit
             else ""

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from gaeq.files import replacing
 from gaeq.results.cell_report import INSTRUMENTS
-from gaeq.results.compare import step_diffs
+from gaeq.results.compare import step_diffs, tolerances_at
 from gaeq.results.report import Report
 from gaeq.results.trace import TraceStore
 
@@ -75,17 +75,27 @@ def overlay_figure(report: Report, traces: TraceStore, *, cells: Sequence[str] |
                 gid=cell.id + DIVERGENCE,
             )
             ax_diff.axvline(s, color=color, lw=0.8, ls=":", gid=cell.id + DIVERGENCE)
-    for dtype, tol in report.tolerances.items():
-        ax_diff.axhline(tol.loss_atol, color="grey", lw=1, ls="-.", label=f"{dtype} loss_atol {tol.loss_atol:g}")
+    for group, base_id in report.baselines.items():  # each group's tolerance as applied, step by step
+        base = traces.usable(base_id)
+        dtype = next((c.dtype for c in report.cells if c.id == base_id), None)
+        if base is None or dtype not in report.tolerances:
+            continue
+        allowed = [tolerances_at(report.tolerances[dtype], b, report.floors.get(group))[0].value for b in base]
+        said = f"{allowed[0]:.1g}" if min(allowed) == max(allowed) else f"{min(allowed):.1g} to {max(allowed):.1g}"
+        ax_diff.step([b.step for b in base], allowed, where="mid", color="grey", lw=1, ls="-.",
+                     label=f"{group} loss tolerance, as applied: {said}")  # fmt: skip
     ax_loss.set_ylabel("loss (global-batch mean)")
     ax_loss.set_title(
         f"{len(drawn)} cells overlaid — wide black: baseline, dashed: expected to diverge, X: first divergence",
         fontsize=10,
     )
     ax_diff.set_yscale("log")
-    ax_diff.set_ylabel("|Δloss| vs baseline (exact zeros not drawn)")
+    ax_diff.set_ylabel(
+        "|Δloss| vs baseline (exact zeros not drawn)" if report.baselines else "no reference: no difference to draw"
+    )
     ax_diff.set_xlabel("optimizer step")
-    ax_diff.legend(loc="upper left", fontsize=8)
+    if ax_diff.get_legend_handles_labels()[0]:
+        ax_diff.legend(loc="upper left", fontsize=8)
     if ax_loss.get_legend_handles_labels()[0]:  # a run whose cells all failed draws no curve
         ax_loss.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, ncol=columns, frameon=False)
     for ax in (ax_loss, ax_diff):

@@ -75,6 +75,19 @@ def pipeline_said(c: Cell | CellReport) -> str:
     return f"{c.pipeline_parallel} {c.pipeline_schedule}" if c.pipeline_parallel > 1 else "1"
 
 
+def _expect(c: CellReport) -> str:
+    """What a cell expects; an instrument measures, and expects nothing (its found words are its verdict)."""
+    return "-" if c.cell.role in INSTRUMENTS else str(c.expectation)
+
+
+def _verdict(c: CellReport) -> str:
+    """The verdict; an instrument's in its own words: the detection limit's cell saw its planted δ or did not."""
+    if c.cell.role is not Role.SENSITIVITY or c.verdict not in (Verdict.MATCH, Verdict.DIVERGE):
+        return c.verdict
+    planted = f"δ = {c.weight_error:g}"
+    return f"{planted} seen" if c.verdict == Verdict.DIVERGE else f"{planted} not seen: below this run's limit"
+
+
 def _zero(c: CellReport) -> str:
     return "-" if c.zero_stage is None else str(c.zero_stage) + (f"+{c.offload}" if c.offload != "none" else "")
 
@@ -90,8 +103,8 @@ COLUMNS = (
     Column("ZeRO", _zero, "both", right=True),
     Column("dtype", lambda c: c.dtype),
     Column("ran", _ran),
-    Column("expect", lambda c: str(c.expectation)),
-    Column("verdict", lambda c: c.verdict),
+    Column("expect", _expect),
+    Column("verdict", _verdict),
     Column("max |Δloss|", lambda c: _sci(c.max_abs_loss_diff)),
     Column(
         "max rel Δ‖g‖", lambda c: "-" if "grad_norm" in (c.not_checked or {}) else _differs(c.max_rel_grad_norm_diff, c)
@@ -195,7 +208,7 @@ def verdict_table(report: Report) -> Table:
     table.add_column("ok")
 
     def row(c: CellReport) -> list:
-        said = [Text(c.verdict, style=_STYLE[c.verdict]) if col.name == "verdict" else col.get(c) for col in cols]
+        said = [Text(col.get(c), style=_STYLE[c.verdict]) if col.name == "verdict" else col.get(c) for col in cols]
         return [*said, Text("✓", style="green") if c.as_expected else Text("✗", style="bold red")]
 
     return _rows(table, report, row)

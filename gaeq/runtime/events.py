@@ -44,6 +44,8 @@ class Event:
     """shm_freed: bytes of /dev/shm freed."""
     freed_segments: int = 0
     """shm_freed: how many segments."""
+    freed_from: str = ""
+    """shm_freed: whose they were (gaeq.runtime.shm.Freed.whose)."""
     op: str | None = None
     """build: the op being built (gaeq.runtime.ops)."""
     seconds: float | None = None

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,22 +64,32 @@ def group_on(port: int) -> Iterator[None]:
 class Freed:
     segments: int
     bytes: int
+    owners: tuple[tuple[int, float], ...] = ()
+    """Whose they were: each gone `gaeq`'s PID, and when it started the group (its marker's time)."""
+
+    def whose(self) -> str:
+        """`gaeq 48213 (its group started 07:32:05)`, each owner once."""
+        return ", ".join(
+            f"gaeq {pid} (its group started {time.strftime('%H:%M:%S', time.localtime(at))})" for pid, at in self.owners
+        )
 
 
 def free_orphans() -> Freed:
     """Remove the segments of groups whose `gaeq` is gone and that no live process maps."""
     mapped: set[str] | None = None
     count = size = 0
+    owners = []
     for marker in sorted(SHM_DIR.glob(f"gaeq_group_{os.getuid()}_*")):
         try:
             pid, started = marker.read_text().split()
+            at = marker.stat().st_mtime
         except (OSError, ValueError):
             continue
         if _start_time(int(pid)) == started:
             continue  # its gaeq is alive: a running group
         port = marker.name.rsplit("_", 1)[1]
         left = segments(port=port)
-        mapped = _mapped_segments() if mapped is None and left else mapped
+        mapped = mapped_segments() if mapped is None and left else mapped
         for path in left:
             if str(path) in (mapped or set()):
                 continue  # a rank of the killed run still lives (and is about to die): next time
@@ -86,9 +97,23 @@ def free_orphans() -> Freed:
                 bytes_ = path.stat().st_size
                 path.unlink()
                 count, size = count + 1, size + bytes_
+                owners += [(int(pid), at)] if (int(pid), at) not in owners else []
         if not segments(port=port):
             marker.unlink(missing_ok=True)
-    return Freed(segments=count, bytes=size)
+    return Freed(segments=count, bytes=size, owners=tuple(owners))
+
+
+def owner(port: int | str) -> int | None:
+    """The PID of the `gaeq` that runs (or ran, and was killed) the group on `port`, from its marker (None: none)."""
+    try:
+        return int(_marker(port).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def port_of(segment: str) -> str:
+    """The group port in a segment's name (`deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>`)."""
+    return segment.rsplit("_", 2)[1]
 
 
 def _start_time(pid: int) -> str | None:
@@ -100,7 +125,7 @@ def _start_time(pid: int) -> str | None:
     return stat.rsplit(")", 1)[1].split()[19]  # field 22; the name in parentheses may hold spaces
 
 
-def _mapped_segments() -> set[str]:
+def mapped_segments() -> set[str]:
     """Every /dev/shm DeepSpeed segment some live process maps."""
     mapped = set()
     for maps in Path("/proc").glob("[0-9]*/maps"):

@@ -41,6 +41,8 @@ def test_a_script_that_does_not_fit_the_whole_batch_gets_verdicts_against_a_refe
         "out of memory at micro batch 16 (world 1): rank 0 raised RuntimeError: [enforce fail at alloc_cpu.cpp"
     )
     assert "DefaultCPUAllocator: can't allocate memory" in tried["reason"] and "(at ddp_manual.py:" in tried["reason"]
+    said = "script-w1-mb16-ga1 ran out of memory: as `baseline: auto` allows, the reference will be GA 1 at the"
+    assert said in proc.stdout and "error script-w1-mb16-ga1" not in proc.stdout  # a step of the run, said as one
     assert "world 1 × micro 16, GA 1 ran out of memory; micro 8 is the largest" in report["reference_notes"]["fp32"]
     # the instruments measured that reference: its twins and its detection limit
     assert report["noise_floors"]["fp32"]["twins"] == ["script-w2-mb8-ga1-floor0", "script-w2-mb8-ga1-floor1"]

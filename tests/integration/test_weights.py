@@ -89,6 +89,7 @@ def test_every_style_that_weighs_on_purpose_matches_in_every_split_with_no_refer
     world 1 and 2, GA 1 to 8, each split's weights are the other splits' — match, the shape said, no fix offered."""
     proc, report = unreferenced
     assert proc.returncode == 0, not_ok(proc, report)
+    assert "(each cell's curves: with no reference, there is no difference to draw)" in proc.stdout
     cells = cells_by_id(report)
     for style, shape in SHAPES.items():
         mine = [c for i, c in cells.items() if i.endswith(f"args_loss_{style}")]

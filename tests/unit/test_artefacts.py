@@ -151,6 +151,13 @@ def test_overlay_figure_has_one_curve_per_cell_and_marks_divergence(judged):
     assert [line.get_gid() for line in ax_loss.lines if line.get_gid().endswith(DIVERGENCE)] == [CELLS[3] + DIVERGENCE]
     assert ax_diff.get_yscale() == "log"
     assert sorted(line.get_gid() for line in ax_diff.lines if line.get_gid() in CELLS) == sorted(CELLS[1:])
+    # the loss tolerance as it was applied at each step (the constant widened by the floor), labelled so
+    from gaeq.results.compare import tolerances_at
+
+    base = traces.get(CELLS[0])
+    applied = [tolerances_at(report.tolerances["fp32"], b, report.floors.get("fp32"))[0].value for b in base]
+    (line,) = [line for line in ax_diff.lines if "loss tolerance, as applied" in line.get_label()]
+    assert list(line.get_ydata()) == applied and line.get_label().startswith("fp32 loss tolerance, as applied: ")
     from matplotlib.image import imread
 
     pixels = imread(path)
@@ -219,6 +226,15 @@ def test_the_tables_set_gaeqs_instruments_apart_from_the_splits_and_say_what_the
     said = out.getvalue()
     assert "torch-w1-mb16-ga1-weight1e-02 (diverge)" not in said  # the limit's line says what it measured
     assert "torch-w1-mb4-ga4-bug_no_loss_division (diverge)" in said  # a split's reason is still said
+    # an instrument's row says what it found in its own words, never an expectation beside a verdict
+    limit = next(c for c in instruments if c.id == INSTRUMENTS[-1])
+    row = next(line for line in said.splitlines() if INSTRUMENTS[-1] in line and "│ fp32" in line)  # (verdicts)
+    found = "δ = 0.01 seen" if limit.verdict == "diverge" else "δ = 0.01 not seen: below this run's limit"
+    assert found in row and "diverge" not in row and "match" not in row, row
+    from dataclasses import replace
+
+    hidden = replace(report, cells=[replace(c, verdict="match") if c.id == limit.id else c for c in report.cells])
+    assert "δ = 0.01 not seen: below this run's limit" in render_markdown(hidden)
 
 
 def test_a_grad_norm_with_nothing_to_compare_reads_skipped_not_nan():

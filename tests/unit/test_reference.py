@@ -91,6 +91,11 @@ def test_the_plan_says_the_runs_before_any_and_the_time_left_after_the_first():
     auto = plan_line(matrix_from_dict(check(auto=True, instruments=Instruments.NONE)))
     assert auto.startswith("Plan: 4 runs of 3 steps each — 3 splits, 1 reference (auto: world 1 with the whole batch")
     assert auto.endswith("0 noise-floor twins, 0 detection limits")
+    one = check_matrix(SCRIPT, script_args=[], batch=16, splits=[(1, 16)], steps=1, launcher=Launcher.TORCHRUN,
+                       baseline="none")  # fmt: skip
+    assert plan_line(matrix_from_dict(one)) == (
+        "Plan: 1 run of 1 step each — 1 split, 0 references, 0 noise-floor twins, 0 detection limits"
+    )
 
     now = [0.0]
     bar = RunProgress(Console(file=open("/dev/null", "w")), cells=4, steps=3, clock=lambda: now[0])  # noqa: SIM115
