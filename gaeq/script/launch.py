@@ -267,22 +267,24 @@ def precision_mismatch(label: str, precision: dict, *, deepspeed_config: bool) -
 
 
 def _wait(procs: list, *, timeout_s: float, grace_s: float = PEERS_GRACE_S) -> tuple[int, int | None]:
-    """The rank that ended the cell and its exit code: the first to fail — of ranks that ended at
-    once, one killed by a signal before one that exited with an error, which its peer's death in a
-    collective explains —, else (0, 0) when every rank finished; (0, None) when they ran past
-    `timeout_s`. A rank that fails leaves its peers blocked in a collective: they get `grace_s` to
-    fail of it too (their errors in their logs, rank 0's record saved), then are stopped."""
+    """The rank that ended the cell and its exit code: the first to fail — but a rank killed by a signal
+    before one that exited with an error, which its peer's death in a collective explains, whichever of
+    the two the parent saw end first (a crash report takes a moment to write) —, else (0, 0) when every
+    rank finished; (0, None) when they ran past `timeout_s`. A rank that fails leaves its peers blocked
+    in a collective: they get `grace_s` to fail of it too (their errors in their logs, rank 0's record
+    saved), then are stopped."""
     deadline = time.monotonic() + timeout_s
-    running = list(range(len(procs)))
+    running, ended = list(range(len(procs))), []
     while running and (left := deadline - time.monotonic()) > 0:
         now = _ended(procs, running, timeout_s=left)
-        running = [r for r in running if r not in now]
-        if failed := [r for r in now if procs[r].exitcode]:
-            cause = min(failed, key=lambda r: procs[r].exitcode > 0)
+        running, ended = [r for r in running if r not in now], ended + now
+        if any(procs[r].exitcode for r in now):
             peers = time.monotonic() + grace_s
             while running and (left := peers - time.monotonic()) > 0:
                 now = _ended(procs, running, timeout_s=left)
-                running = [r for r in running if r not in now]
+                running, ended = [r for r in running if r not in now], ended + now
+            failed = [r for r in ended if procs[r].exitcode]
+            cause = min(failed, key=lambda r: (procs[r].exitcode > 0, ended.index(r)))
             return cause, procs[cause].exitcode
     return (0, None) if running else (0, 0)
 

@@ -387,6 +387,8 @@ def test_a_failing_rank_stops_its_peers_and_a_silent_one_times_out():
         while any(p.exitcode is None for p in procs):  # both ended before they are looked at
             time.sleep(0.05)
         assert _wait(procs, timeout_s=30) == (1, -signal.SIGSEGV)
+        procs = ranks((1, 0), (-signal.SIGSEGV, 0.5))  # the crash seen after its peer's error (a loaded machine)
+        assert _wait(procs, timeout_s=30, grace_s=10) == (1, -signal.SIGSEGV)
     finally:
         for p in procs:
             _stop(p)
