@@ -277,12 +277,16 @@ def _split(given: str, *, option: str) -> tuple[int, int]:
 
 
 def _print_overrides(m: Matrix) -> None:
-    """What each cell changes in a user's DeepSpeed config, one line per key."""
-    from gaeq.audit import overrides_of  # (no torch: the parent starts the ranks' fork server first)
+    """What each cell changes in a user's DeepSpeed config, one line per key; and what it trains with (the lr its
+    scheduler gives, where that is not what the file seems to say)."""
+    # (the overrides need no torch; what a config's schedule trains with imports DeepSpeed's scheduler, once)
+    from gaeq.audit import overrides_of, trains_with
 
     for where, config, cells in deepspeed_configs(m):
         for line in overrides_of(config, cells):
             console.print(f"deepspeed_config of {where}, overridden: {line}", highlight=False, soft_wrap=True)
+        for finding in trains_with(config):
+            console.print(f"deepspeed_config of {where}, trains with: {finding.line}", highlight=False, soft_wrap=True)
 
 
 @app.command()

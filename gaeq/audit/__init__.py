@@ -9,32 +9,28 @@ cell exists and is expected to show what the finding says.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
-from gaeq.problem.dsconfig import BATCH_KEYS, ConfigError, Mirror, mirror, split_config
+from gaeq.audit.checks import (
+    batch_keys,
+    clipping,
+    communication,
+    grad_accum_dtype,
+    loss_scale,
+    optimizer,
+    unmirrorable,
+    untested_optimizer,
+    zero,
+)
+from gaeq.audit.finding import Finding
+from gaeq.audit.training import optimizer_settings, precision, schedule
+from gaeq.problem.dsconfig import ConfigError, Mirror, mirror, split_config
 
 if TYPE_CHECKING:
     from gaeq.matrix import Matrix
 
-Effect = Literal["breaks", "risk", "fine"]
-LOW = ("bf16", "bfloat16", "fp16", "float16", "half")
-
-
-@dataclass(frozen=True, kw_only=True)
-class Finding:
-    key: str
-    value: str
-    effect: Effect
-    why: str
-    evidence: str | None = None
-    """experiment file: cell id — where the lab shows it (required for breaks and risk)."""
-
-    @property
-    def line(self) -> str:
-        shown = f" (shown by {self.evidence})" if self.evidence else ""
-        return f"{self.key} = {self.value}: {self.effect} — {self.why}{shown}"
+__all__ = ["CHECKS", "Finding", "audit", "deepspeed_configs", "exit_code", "overrides_of", "trains_with"]
 
 
 def audit(config: dict[str, Any]) -> list[Finding]:
@@ -45,212 +41,19 @@ def audit(config: dict[str, Any]) -> list[Finding]:
     try:
         m, findings = mirror(config), []
     except ConfigError as exc:
-        m, findings = None, [_unmirrorable(exc)]
+        m, findings = None, [unmirrorable(exc)]
     for check in CHECKS:
         findings += check(config, m)
     return findings
-
-
-def _unmirrorable(exc: ConfigError) -> Finding:
-    key, _, why = str(exc).partition(": ")
-    return Finding(
-        key=key.removeprefix("deepspeed_config."),
-        value="as written",
-        effect="risk",
-        why=f"gaeq cannot mirror it on the torch side, so a matrix with this config is bad input ({why})",
-    )
-
-
-def clipping(config: dict[str, Any], m: Mirror | None) -> Iterator[Finding]:
-    from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
-
-    clip = config.get("gradient_clipping")
-    if clip is not None:
-        yield Finding(
-            key="gradient_clipping", value=repr(clip), effect="fine", why="written out, mirrored on the torch side"
-        )
-        return
-    yield Finding(
-        key="gradient_clipping",
-        value=f"absent → DeepSpeed clips at {GRADIENT_CLIPPING_DEFAULT}",
-        effect="risk",
-        why="every step whose global grad norm exceeds it is clipped: a PyTorch run without clipping is another "
-        "optimisation (gaeq's torch side mirrors the default)",
-        evidence="experiments/your_config.yaml: torch-w1-mb4-ga4-bug_unmirrored_default_clipping@clipped",
-    )
-
-
-def batch_keys(config: dict[str, Any], m: Mirror | None) -> Iterator[Finding]:
-    for key in BATCH_KEYS:
-        if key == "gradient_accumulation_steps" and config.get(key) == 1:
-            yield Finding(
-                key=key,
-                value="1",
-                effect="risk",
-                why="a loop that accumulates by hand (several engine.backward per engine.step) makes every backward "
-                "the engine's boundary: at ZeRO-1/2 only the last micro-batch reaches the step (open-instruct#1498, "
-                "DeepSpeed 0.19.8) — write the real GA, or call engine.set_gradient_accumulation_boundary, or set "
-                "managed_gradient_accumulation: false",
-                evidence="experiments/pitfalls.yaml: deepspeed-z1-acc_manual-w2-mb4-ga4",
-            )
-        elif key in config:
-            why = f"overridden in every cell by the matrix's split ({key} is what a split changes)"
-            yield Finding(key=key, value=repr(config[key]), effect="fine", why=why)
-
-
-def optimizer(config: dict[str, Any], m: Mirror | None) -> Iterator[Finding]:
-    opt = config.get("optimizer") or {}
-    params = opt.get("params") or {}
-    if m is None or not m.optimizer.adam:
-        return
-    if str(opt.get("type")).lower() == "adam" and params.get("adam_w_mode", True):
-        yield Finding(
-            key="optimizer.type",
-            value="Adam",
-            effect="fine",
-            why="DeepSpeed's Adam is AdamW (decoupled weight decay) unless adam_w_mode: false — mirrored as such",
-        )
-    if "weight_decay" not in params and not params.get("torch_adam"):
-        yield Finding(
-            key="optimizer.params.weight_decay",
-            value="absent → DeepSpeed's FusedAdam uses 0",
-            effect="fine",
-            why="torch.optim.AdamW would use 0.01; gaeq mirrors DeepSpeed's default",
-        )
-    if not params.get("torch_adam"):
-        yield Finding(
-            key="optimizer.params.torch_adam",
-            value="absent → FusedAdam (CPU Adam under offload)",
-            effect="fine",
-            why="the same Adam update as torch.optim.AdamW up to float rounding: the config's cells match the torch "
-            "mirror",
-            evidence="experiments/your_config.yaml: deepspeed-z2-w2-mb2-ga4",
-        )
-
-
-def scheduler(config: dict[str, Any], m: Mirror | None) -> Iterator[Finding]:
-    sched = config.get("scheduler") or {}
-    if sched.get("type") in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"):
-        yield Finding(
-            key="scheduler.type",
-            value=sched["type"],
-            effect="fine",
-            why="DeepSpeed steps it after each optimizer step from iteration −1, so steps 0 and 1 both run at the "
-            "warmup's first lr; mirrored step for step",
-        )
-
-
-def loss_scale(config: dict[str, Any], m: Mirror | None) -> Iterator[Finding]:
-    fp16 = config.get("fp16") or {}
-    if fp16.get("enabled") is True and fp16.get("loss_scale", 0) == 0:
-        yield Finding(
-            key="fp16.loss_scale",
-            value="0 (dynamic)",
-            effect="risk",
-            why="a step whose scaled gradients overflow is skipped and the scale lowered: compared runs must skip the "
-            "same steps (gaeq reports which side skipped which)",
-            evidence="experiments/fp16.yaml: deepspeed-z1-w2-mb2-ga4-ds_fp16@ds",
-        )
-
-
-BF16_ACCUMULATION = "experiments/pitfalls.yaml: deepspeed-z1-w1-mb2-ga16-ds_bf16-bug_grad_accum_bf16@bf16_accum"
-
-
-def grad_accum_dtype(config: dict[str, Any], m: Mirror | None) -> Iterator[Finding]:
-    accum = (config.get("data_types") or {}).get("grad_accum_dtype")
-    bf16 = (config.get("bf16") or config.get("bfloat16") or {}).get("enabled") is True
-    if accum in LOW:
-        yield Finding(
-            key="data_types.grad_accum_dtype",
-            value=repr(accum),
-            effect="risk",
-            why="micro-step gradients pile up in 16 bits and every addition rounds: measured |Δloss| 1.7e-4 at GA 16 "
-            "against fp32 accumulation's 1.1e-4 — within bf16's own noise at this scale, and it grows with GA",
-            evidence=BF16_ACCUMULATION,
-        )
-    elif bf16 and accum is None:
-        yield Finding(
-            key="data_types.grad_accum_dtype",
-            value="absent (bf16 enabled)",
-            effect="risk",
-            why="DeepSpeed then picks where bf16 gradients accumulate; below fp32 they drift as GA grows — write fp32",
-            evidence=BF16_ACCUMULATION,
-        )
-
-
-def communication(config: dict[str, Any], m: Mirror | None) -> Iterator[Finding]:
-    """How gradients are reduced over ranks: their dtype, and where the mean's division happens."""
-    comm = config.get("communication_data_type")
-    if comm in LOW:
-        yield Finding(
-            key="communication_data_type",
-            value=repr(comm),
-            effect="breaks",
-            why="gradients are all-reduced in 16 bits: every reduction rounds them (rel 1e-4 on the first step's "
-            "grad norm at world 2, above fp32's tolerance)",
-            evidence="experiments/your_config.yaml: deepspeed-z2-w2-mb2-ga4@comm_bf16",
-        )
-    if config.get("prescale_gradients") is True:
-        yield Finding(
-            key="prescale_gradients",
-            value="true",
-            effect="risk",
-            why="divides by the world size before the all-reduce instead of after: the same mean up to rounding at "
-            "ZeRO-0 (measured: it matches), but DeepSpeed refuses it at ZeRO-2/3 with reduce_scatter (an "
-            "assertion at start-up)",
-            evidence="experiments/your_config.yaml: deepspeed-z0-w2-mb2-ga4@prescale",
-        )
-    factor = config.get("gradient_predivide_factor", 1.0)
-    if factor != 1.0:
-        yield Finding(
-            key="gradient_predivide_factor",
-            value=repr(factor),
-            effect="risk",
-            why="the same mean up to rounding at ZeRO-0 (measured: it matches), but DeepSpeed refuses it at "
-            "ZeRO-2/3 with reduce_scatter (an assertion at start-up)",
-            evidence="experiments/your_config.yaml: deepspeed-z0-w2-mb2-ga4@predivide",
-        )
-
-
-def untested_optimizer(config: dict[str, Any], m: Mirror | None) -> Iterator[Finding]:
-    if config.get("zero_allow_untested_optimizer") is True and m is not None:
-        yield Finding(
-            key="zero_allow_untested_optimizer",
-            value="true",
-            effect="fine",
-            why="the optimizers gaeq mirrors (Adam, AdamW, SGD) are elementwise: ZeRO's partitioning leaves their "
-            "update exact",
-        )
-
-
-ZERO_TUNING = ("overlap_comm", "contiguous_gradients", "reduce_scatter", "reduce_bucket_size", "allgather_bucket_size")
-"""ZeRO's communication scheduling and buffer sizes: where and when, not what, it sums."""
-
-
-def zero(config: dict[str, Any], m: Mirror | None) -> Iterator[Finding]:
-    section = config.get("zero_optimization") or {}
-    if tuning := [k for k in ZERO_TUNING if k in section]:
-        yield Finding(
-            key="zero_optimization." + "/".join(tuning),
-            value="as written",
-            effect="fine",
-            why="communication scheduling and buffer sizes: the same sums in another order (the config's cells match)",
-            evidence="experiments/your_config.yaml: deepspeed-z2-w2-mb2-ga4",
-        )
-    if m is not None:
-        yield Finding(
-            key="zero_optimization.stage",
-            value=str(m.zero_stage),
-            effect="fine",
-            why="the cells' stage unless the matrix has a zero_stage axis (then overridden, and said)",
-        )
 
 
 CHECKS: tuple[Callable[[dict[str, Any], Mirror | None], Iterable[Finding]], ...] = (
     clipping,
     batch_keys,
     optimizer,
-    scheduler,
+    optimizer_settings,
+    schedule,
+    precision,
     loss_scale,
     grad_accum_dtype,
     communication,
@@ -262,18 +65,45 @@ with the experiment cell that shows it (tests/unit/test_audit.py checks the cell
 
 
 def overrides_of(config: dict[str, Any], cells) -> list[str]:
-    """One line per file value that gaeq replaces in some of `cells` (the split, ZeRO stage, offload)."""
-    seen: dict[str, set] = {}
+    """One line per file value that gaeq replaces in some of `cells` (the split, ZeRO stage, offload): the values
+    the splits run, then the reference's (its instruments run the reference's split)."""
+    from gaeq.matrix import Role
+
+    seen: dict[tuple, tuple[set, set, list]] = {}
+    n_splits = 0
     for cell in cells:
-        if cell.trainer != "deepspeed" or cell.skip_reason:
+        if cell.trainer != "deepspeed" or cell.skip_reason or cell.role not in (Role.CELL, Role.BASELINE):
             continue
+        n_splits += cell.role is Role.CELL
         _, changed = split_config(config, cell)
         for o in changed:
-            seen.setdefault((o.key, repr(o.file_value), o.why), set()).add(o.cell_value)
-    return [
-        f"{key}: the file's {value} → {', '.join(map(str, sorted(values, key=str)))} per cell ({why})"
-        for (key, value, why), values in seen.items()
-    ]
+            splits, reference, ids = seen.setdefault((o.key, repr(o.file_value), o.why), (set(), set(), []))
+            (splits if cell.role is Role.CELL else reference).add(o.cell_value)
+            ids += [cell.id] if cell.role is Role.CELL else []
+    lines = []
+    for (key, value, why), (splits, reference, ids) in seen.items():
+        some = f"{len(ids)} of the {n_splits} splits (the others keep {value})" if len(ids) < n_splits else "the splits"
+        said = [f"{_values(splits)} in {some}"] if splits else []
+        said += [f"{_values(reference)} in the reference"] if reference else []
+        lines.append(f"{key}: the file's {value} → {'; '.join(said)} ({why})")
+    return lines
+
+
+def _values(values: set) -> str:
+    return ", ".join(map(str, sorted(values, key=lambda v: (isinstance(v, str), v))))
+
+
+def trains_with(config: dict[str, Any]) -> list[Finding]:
+    """What a config trains with that it does not seem to say: its schedule's and precision's risks (a run says
+    them before it starts)."""
+    from gaeq.runtime.dist import set_accelerator_env
+
+    set_accelerator_env()  # before DeepSpeed's first import
+    try:
+        m = mirror(config)
+    except ConfigError:
+        m = None
+    return [f for check in (schedule, precision) for f in check(config, m) if f.effect != "fine"]
 
 
 def exit_code(findings: list[Finding]) -> int:

@@ -214,7 +214,8 @@ def cell_config(
         where[key] = value
 
     split = "the split is what the matrix varies"
-    put(out, "train_batch_size", train_batch_size, path="train_batch_size", why=split)
+    fixed = "the matrix's train_batch_size, what every split holds fixed"
+    put(out, "train_batch_size", train_batch_size, path="train_batch_size", why=fixed)
     put(out, "train_micro_batch_size_per_gpu", micro_batch_size, path="train_micro_batch_size_per_gpu", why=split)
     put(out, "gradient_accumulation_steps", grad_accum_steps, path="gradient_accumulation_steps", why=split)
     zero = out.setdefault("zero_optimization", {})

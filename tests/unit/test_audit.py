@@ -37,10 +37,16 @@ TABLE = [
     ),
     (ADAMW | {"zero_allow_untested_optimizer": True}, {"zero_allow_untested_optimizer": "fine"}),
     ({"optimizer": {"type": "Lamb"}}, {"optimizer.type": "risk"}),
-    (
+    (  # WarmupLR's log warmup from warmup_min_lr 0: its first two steps train at lr 0
         ADAMW | {"scheduler": {"type": "WarmupLR"}, "zero_optimization": {"stage": 3, "overlap_comm": True}},
-        {"scheduler.type": "fine", "zero_optimization.stage": "fine", "zero_optimization.overlap_comm": "fine"},
+        {"scheduler": "risk", "zero_optimization.stage": "fine", "zero_optimization.overlap_comm": "fine"},
     ),
+    (
+        ADAMW | {"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-4, "warmup_num_steps": 4}}},
+        {"scheduler": "fine"},
+    ),
+    (ADAMW | {"bf16": {"enabled": True}}, {"bf16.enabled": "fine", "communication_data_type": "risk"}),
+    (ADAMW | {"bf16": {"enabled": True}, "communication_data_type": "fp32"}, {"communication_data_type": "fine"}),
 ]
 
 
@@ -51,6 +57,7 @@ def test_audit_lines_for_a_table_of_configs(config, expected):
     assert "data_types.grad_accum_dtype" not in found or "bf16" in json.dumps(
         config
     )  # no finding about what is not there
+    assert "communication_data_type" not in found or "bf16" in json.dumps(config) or "fp16" in json.dumps(config)
 
 
 def test_every_breaks_or_risk_is_shown_by_an_experiment_cell_that_exists_and_expects_it():
@@ -80,3 +87,70 @@ def test_gaeq_audit_exit_codes(tmp_path):
     (tmp_path / "junk.json").write_text("{not json")
     result = runner.invoke(app, ["audit", str(tmp_path / "junk.json")])
     assert result.exit_code == 2 and "not valid JSON" in result.output and "Traceback" not in result.output
+
+
+TEAM = json.loads((REPO_ROOT / "experiments" / "ds_config_team.json").read_text())
+
+
+def test_a_teams_config_is_said_to_train_at_the_lr_deepspeed_gives_it_not_the_optimizers():
+    """ZeRO-2, bf16, AdamW at 3e-4, WarmupDecayLR with no warmup_max_lr (#75): DeepSpeed's own scheduler object
+    trains it at up to 1e-3 on a log warmup whose first two steps run at lr 0 — a risk, said with the default that
+    sets it; its gradients reduced in bf16; nothing said of a torch side it has none of, nor a split it changes."""
+    found = {f.key: f for f in audit(TEAM)}
+    schedule = found["scheduler"]
+    assert (schedule.value, schedule.effect) == ("WarmupDecayLR", "risk")
+    assert schedule.why.startswith(
+        "your lr 0.0003 is not used: WarmupDecayLR's warmup_max_lr defaults to 0.001 — it trains at up to 0.001 (step "
+        "11); steps 0, 1 train at lr 0: no update — DeepSpeed's own WarmupDecayLR"
+    ), schedule.why
+    assert "warmup_type 'log'" in schedule.why
+    assert found["optimizer.params"].value == (
+        "AdamW: lr 0.0003, betas [0.9, 0.95], eps 1e-08 (DeepSpeed's default), weight_decay 0.1"
+    )
+    assert found["communication_data_type"].effect == "risk" and found["bf16.enabled"].effect == "fine"
+    assert found["train_batch_size"].why.startswith("what every split holds fixed")
+    assert found["gradient_accumulation_steps"].why.startswith("what a split changes")
+    assert not any("mirrored on the torch side" in f.why for f in found.values())
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "defaults"),
+    [
+        ("WarmupLR", {}, {"warmup_min_lr": 0.0, "warmup_max_lr": None, "warmup_num_steps": 1000, "warmup_type": "log"}),
+        ("WarmupDecayLR", {"total_num_steps": 40},
+         {"warmup_min_lr": 0.0, "warmup_max_lr": 0.001, "warmup_num_steps": 1000, "warmup_type": "log"}),
+        ("WarmupCosineLR", {"total_num_steps": 40},
+         {"warmup_min_ratio": 0.0, "warmup_num_steps": 1000, "cos_min_ratio": 0.0001, "warmup_type": "log"}),
+        ("OneCycle", {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3},
+         {"decay_lr_rate": 0.0, "cycle_first_step_size": 2000, "cycle_momentum": True, "cycle_min_mom": 0.8,
+          "cycle_max_mom": 0.9}),
+    ],
+)  # fmt: skip
+def test_the_defaults_the_audit_says_are_deepspeeds_own_and_its_curve_is_its_schedulers(name, params, defaults):
+    """Each scheduler's defaults as the audit says them, against DeepSpeed's scheduler objects: a DeepSpeed upgrade
+    that changes one fails here (and the audit's words must follow). The three gaeq mirrors on the torch side
+    (gaeq.problem.mirror.DeepSpeedSchedule) give the lr DeepSpeed's own object does, step by step."""
+    import torch
+
+    from gaeq.problem.mirror import DeepSpeedSchedule
+    from gaeq.problem.schedule import lr_curve
+
+    config = ADAMW | {"scheduler": {"type": name, "params": params}}
+    curve = lr_curve(config, steps=60)
+    assert {k: curve.defaults[k] for k in defaults} == defaults
+    from deepspeed.runtime import lr_schedules
+
+    weight = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.AdamW([weight], lr=1e-3)
+    own = getattr(lr_schedules, name)(optimizer, **params)
+    lrs = []
+    for _ in range(60):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        own.step()
+    assert list(curve.lrs) == lrs
+    if name != "OneCycle":
+        mirrored = DeepSpeedSchedule(torch.optim.AdamW([weight], lr=1e-3), name, params)
+        assert [mirrored.lr_at(s - 1) for s in range(60)] == pytest.approx(lrs, rel=1e-12, abs=0)
+    else:  # OneCycle moves Adam's beta1 too: the audit says it
+        finding = next(f for f in audit(config) if f.key == "scheduler")
+        assert finding.effect == "risk" and "it moves the momentum (Adam's beta1) from 0.8" in finding.why
