@@ -227,6 +227,11 @@ class DetectionLimit:
         )  # fmt: skip
 
     @property
+    def first_caught(self) -> int | None:
+        """The first step where the planted δ itself was caught (the table's `caught` for its cell)."""
+        return next((s for s, v in zip(self.steps, self.per_step) if v <= self.delta), None)
+
+    @property
     def weakest(self) -> tuple[int, float] | None:
         """(step, limit) of the step where the error shows least — where a mistake made up to that step
         must be largest to be caught there — among steps it moved at all."""
@@ -258,9 +263,13 @@ class DetectionLimit:
             if self.split
             else ""
         )
+        first = self.first_caught
+        caught = (
+            f" (the step that shows it most; first caught at step {first})" if first not in (None, self.step) else ""
+        )
         return (
             f"detects rows reweighed 1 ± δ (the batch's total weight unchanged) for δ ≥ {self.limit:.1e}{bound}{split}"
-            f" — measured on {self.cell}: δ = {self.delta:g} moved {self.metric} at step {self.step} by "
+            f" — measured on {self.cell}: δ = {self.delta:g} moved {self.metric} at step {self.step}{caught} by "
             f"{self.effect:.1e}, {'tol + its distance' if self.split else 'tol'} {self.allowed:.1e}{per_step}"
         )
 

@@ -60,6 +60,12 @@ def floor_lines(report: Report) -> list[str]:
     lines = []
     for group, floor in report.floors.items():
         f = floor.summary()
+        if f["max_abs_loss_diff"] == 0 and f["max_rel_grad_norm_diff"] == 0:  # nothing measured, said as such
+            lines.append(
+                f"Noise floor {group}: its {len(f['twins'])} twin(s) did not move (0 in every step): no floor was "
+                "measured — the tolerances are the dtype's constants"
+            )
+            continue
         lines.append(
             f"Noise floor {group}: {len(f['twins'])} nudged twin(s) of the baseline drifted max |Δloss| "
             f"{f['max_abs_loss_diff']:.1e}, max rel Δ‖g‖ {f['max_rel_grad_norm_diff']:.1e} by rounding alone; "
@@ -72,7 +78,7 @@ def floor_lines(report: Report) -> list[str]:
     ]
     lines += [f"Detection limit {group}: {limit.describe()}" for group, limit in report.detection_limits.items()]
     lines += [f"{instrument.capitalize()}: {why}" for instrument, why in report.instruments_off.items()]
-    return lines + precision_lines(report)
+    return lines + report.untested + precision_lines(report)
 
 
 def precision_lines(report: Report) -> list[str]:

@@ -27,6 +27,7 @@ from gaeq.results.outcome import CellOutcome
 from gaeq.results.reference import float32_that_does_not_fit, in_words, what_fits
 from gaeq.results.snapshots import compare_snapshots, read_snapshots
 from gaeq.results.trace import TraceStore, cell_dir
+from gaeq.results.untested import untested
 from gaeq.results.weighing import agrees, beside, judge_alone, peers_of, reference_note, weighting_of
 from gaeq.results.weighing import check as weights_check
 from gaeq.script.verdict import read_probe, script_checks
@@ -58,6 +59,8 @@ class Report:
     """group → how `baseline: auto` chose its reference, or — where it ran out of memory — what would fit."""
     fits: dict[str, tuple[int, int]] = field(default_factory=dict)
     """group → (world, micro) of the reference at GA 1 that fits, where its own ran out of memory."""
+    untested: list[str] = field(default_factory=list)
+    """What the run did not test, in lines (gaeq.results.untested): a clip that never acted, steps at lr 0."""
     instruments_off: dict[str, str] = field(default_factory=dict)
     """instrument (noise floor, detection limit) → what the verdicts cannot claim without it (the matrix turned it
     off: `noise_floor: false`, `detection_limit: false`, `gaeq check --instruments`)."""
@@ -109,6 +112,7 @@ class Report:
             "reference_notes": self.reference_notes,
             "fits": self.fits,
             "instruments_off": self.instruments_off,
+            "untested": self.untested,
         }
 
 
@@ -171,7 +175,8 @@ def judge(
     return Report(
         baselines=dict(matrix.baselines), tolerances=tolerances, cells=cells, floors=floors, floor_notes=notes,
         detection_limits=limits, versions=dict(versions or installed_versions()),
-        instruments_off=instruments_off(matrix), **references(matrix, outcomes, weights),
+        instruments_off=instruments_off(matrix), untested=untested(matrix, outcomes, traces),
+        **references(matrix, outcomes, weights),
     )  # fmt: skip
 
 

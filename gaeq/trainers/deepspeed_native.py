@@ -104,6 +104,9 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
             optimizer="muon",
         )
     start = load_deepspeed(engine, run_dir=ctx.run_dir, resume=cell.resume) if cell.resume else 0
+    if cell.resume:  # what the engine loaded, read back from it (its config's checkpoint.load_universal)
+        ran.facts["resumed"] = {"from": cell.resume.source, "at_step": start,
+                                "universal": bool(engine.load_universal_checkpoint())}  # fmt: skip
 
     for step in range(start, problem.steps):
         inject_fault(cell, rank=ctx.rank, step=step)

@@ -95,6 +95,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         sharded_parameters=all(isinstance(p, DTensor) for p in model.parameters()),
         hsdp_replicas=_replicas(model),
         update_rule=type(optimizer).__name__,
+        gradient_clipping=None if max_norm == math.inf else max_norm,  # (what clip_grad_norm_ is given)
     )
 
     for step in range(problem.steps):

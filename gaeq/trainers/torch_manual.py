@@ -109,6 +109,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
         tensor_parallel=tensor_parallel.tensor_parallel_of(model),
         grad_scaler=scaler.is_enabled(),
         update_rule=type(optimizer).__name__,
+        gradient_clipping=None if max_norm == math.inf else max_norm,  # (what clip_grad_norm_ is given)
         sequence_parallel=sp.size if sp is not None else 1,
         ulysses_attention=ulysses,
         loss_parallel=tp is not None and tp.loss_parallel,
@@ -121,6 +122,8 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
     if problem.optimizer.name in muon.MUONS:  # its Newton–Schulz calls in the first step
         muon.watch(ran, matrices=muon.matrices(optimizer), optimizer=problem.optimizer.name)
     start = load_torch(model, optimizer, scheduler, run_dir=ctx.run_dir, resume=cell.resume) if cell.resume else 0
+    if cell.resume:  # what it loaded: torch's own state dicts (a universal checkpoint is DeepSpeed's)
+        ran.facts["resumed"] = {"from": cell.resume.source, "at_step": start, "universal": False}
 
     for step in range(start, problem.steps):
         inject_fault(cell, rank=ctx.rank, step=step)

@@ -35,6 +35,9 @@ def test_universal_experiment(universal_run):
         assert cells[cell_id]["verdict"] == "match", cells[cell_id]
         assert 0 < cells[cell_id]["max_abs_loss_diff"] < 1e-6
         assert [r.step for r in read_trace(out / "cells" / cell_id)] == list(range(10, 30))
+        universal = cell_id.endswith("_universal")  # the resume in the cell's `ran`, as its engine loaded it
+        resumed = cells[cell_id]["ran"]["resumed"]
+        assert (resumed["at_step"], resumed["universal"]) == (10, universal) and resumed["from"] in cells, resumed
     restarted = cells["deepspeed-z2-w1-mb4-ga4-from_s10_universal-drop_schedule"]
     assert restarted["verdict"] == "diverge" and restarted["caught_by"] == "lr"
     no_optimizer = cells["deepspeed-z2-w2-mb4-ga2-from_s10_plain-drop_optimizer"]

@@ -88,7 +88,8 @@ def your_config_run(tmp_path_factory):
 def test_the_run_exits_0_and_says_what_it_overrode(your_config_run):
     proc, report, _ = your_config_run
     assert proc.returncode == 0, not_ok(proc, report)
-    assert "overridden: train_batch_size: the file's 64 → 16 per cell" in proc.stdout
+    said = "overridden: train_batch_size: the file's 64 → 16 in the splits (the matrix's train_batch_size, what every "
+    assert said in proc.stdout
 
 
 def test_every_cell_gets_its_verdict(your_config_run):
@@ -161,3 +162,29 @@ def test_dropout_from_the_global_rng_sets_no_floor_and_the_report_says_why(your_
     twins = [c for i, c in cells.items() if c["role"] == "floor" and i.endswith("@gpt2_dropout")]
     assert len(twins) == 2 and all(c["max_abs_loss_diff"] > 1e-3 for c in twins), twins
     assert "Noise floor fp32@gpt2_dropout: none — its twins" in proc.stdout and "judged by the constants" in proc.stdout
+
+
+def test_a_teams_config_run_says_what_it_trains_with_and_what_it_did_not_test(tmp_path):
+    """experiments/your_team_config.yaml (#75) at world 1 and 2: before it starts, the run says the lr its
+    WarmupDecayLR trains at (up to 1e-3, not the optimizer's 3e-4; steps 0 and 1 at lr 0) and its bf16 reduction,
+    and what it overrides — the splits' values apart from the reference's; after, what it did not test: a clip
+    (1.0) that never acted, the steps its reference trained at lr 0. (torch_adam, as above: no FusedAdam build.)"""
+    spec = yaml.safe_load((REPO_ROOT / "experiments" / "your_team_config.yaml").read_text())
+    config = json.loads((REPO_ROOT / "experiments" / "ds_config_team.json").read_text())
+    config["optimizer"]["params"]["torch_adam"] = True
+    spec["problem"] |= {"deepspeed_config": config, "steps": 6}
+    spec["axes"] |= {"world_size": [2], "micro_batch_size": [4]}
+    (tmp_path / "team.yaml").write_text(yaml.safe_dump(spec))
+    proc, report, _ = gaeq_run_here(tmp_path / "team.yaml", tmp_path / "run")
+    assert proc.returncode == 0, not_ok(proc, report)
+    out = proc.stdout.replace("\n", " ")
+    assert (
+        "trains with: scheduler = WarmupDecayLR: risk — your lr 0.0003 is not used: WarmupDecayLR's warmup_max_lr"
+        in out
+    )
+    assert "trains with: communication_data_type = absent → bf16 (bf16 is enabled): risk" in out
+    assert "overridden: train_micro_batch_size_per_gpu: the file's 4 → 32 in the reference" in out
+    assert "Clipping ds_bf16: gradient_clipping 1 never acted — grad norms" in out
+    assert "Schedule ds_bf16: the reference trains at lr 0 at steps 0, 1: no weight moves there" in out
+    split = next(c for c in report["cells"] if c["id"] == "deepspeed-z2-w2-mb4-ga4-ds_bf16")
+    assert split["verdict"] == "match" and split["ran"]["communication_dtype"] == "bfloat16", split["ran"]

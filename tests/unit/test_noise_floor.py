@@ -203,3 +203,21 @@ def _model(matrix):
     from gaeq.problem.build import build_problem
 
     return build_problem(matrix.problem).model
+
+
+def test_twins_that_did_not_move_are_said_so_never_as_a_floor_of_zero():
+    """A floor of exactly 0 over every step (the twins trained the baseline's very numbers) measured nothing: the
+    line says so, and that the constants judge; a twin that moved is a floor, said with its drift."""
+    from gaeq.results.lines import floor_lines
+    from gaeq.results.report import Report
+
+    base = trace([1.0, 0.9, 0.8, 0.7])
+    still = NoiseFloor.measure(base, {"floor0": trace([1.0, 0.9, 0.8, 0.7])})
+    (line,) = floor_lines(Report(baselines={}, tolerances={}, cells=[], floors={"fp32": still}))
+    assert line == (
+        "Noise floor fp32: its 1 twin(s) did not move (0 in every step): no floor was measured — the tolerances are "
+        "the dtype's constants"
+    )
+    moved = NoiseFloor.measure(base, {"floor0": trace([1.0, 0.9 + 1e-7, 0.8, 0.7])})
+    (line,) = floor_lines(Report(baselines={}, tolerances={}, cells=[], floors={"fp32": moved}))
+    assert line.startswith("Noise floor fp32: 1 nudged twin(s) of the baseline drifted max |Δloss| 1.0e-07")
