@@ -188,10 +188,15 @@ class Expander:
         chosen = {}
         if (reference := self.references.get(key)) is not None:
             micro, chosen = reference.micro_batch_size, {"world_size": reference.world_size}
-        baseline = dataclasses.replace(
-            self.cell(self.split_of(b, micro_batch_size=micro, dtype=dtype, variant=variant, **chosen)),
-            role=Role.BASELINE,
-        )
+        split = self.split_of(b, micro_batch_size=micro, dtype=dtype, variant=variant, **chosen)
+        try:
+            baseline = dataclasses.replace(self.cell(split), role=Role.BASELINE)
+        except MatrixError as exc:  # the group's reference at fault, not its splits: said, with the way out
+            raise MatrixError(
+                f"the baseline of group {key} ({split.trainer}, world {split.world_size} × micro "
+                f"{split.micro_batch_size}): {exc} — give the group a baseline that can run it, e.g. `baseline: "
+                "{trainer: deepspeed, zero_stage: 1}` (a variant's own: variants.<name>.baseline)"
+            ) from None
         if not baseline.divisible:  # (a baseline skipped for want of fp16 skips its group with it)
             raise MatrixError(f"the baseline of {key} cannot run: {baseline.skip_reason}")
         self.baselines[key] = baseline.id

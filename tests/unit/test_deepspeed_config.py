@@ -202,6 +202,12 @@ def test_the_optimisation_comes_from_the_file_alone_and_the_dtype_from_its_preci
         matrix_from_dict(
             with_config(dtype=["ds_bf16"], zero_stage=[1]) | {"baseline": {"trainer": "deepspeed", "zero_stage": 1}}
         )
+    # a bf16 config's DeepSpeed cells beside gaeq's default reference (torch): the baseline at fault, named with its fix
+    team = with_config(bf16, trainer=["deepspeed"], dtype=["ds_bf16"], zero_stage=[2])
+    with pytest.raises(MatrixError, match=r"^the baseline of group .*\(torch, world 1 × micro 16\): .*ds_bf16.* give "
+                       r"the group a baseline that can run it, e.g. `baseline: \{trainer: deepspeed"):  # fmt: skip
+        matrix_from_dict(team)
+    assert matrix_from_dict(team | {"baseline": {"trainer": "deepspeed", "zero_stage": 2}}).baselines
     with pytest.raises(
         MatrixError, match="bug 'unmirrored_default_clipping' exists only in a problem with a deepspeed_config"
     ):
