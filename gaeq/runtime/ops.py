@@ -59,8 +59,8 @@ class StaleBuild(RuntimeError):
 def needed(cells: Iterable[Cell], problems: Mapping[str, ProblemSpec]) -> list[Op]:
     """The ops the cells' ranks would build on first use: on a machine without CUDA, the comm op for any
     cell DeepSpeed runs (gaeq's DeepSpeed trainers, a script given a DeepSpeed config or launcher); async-I/O
-    for nvme offload; and
-    DeepSpeed's own Adam where a user's config asks for it (gaeq's own configs ask torch's: torch_adam)."""
+    for nvme offload; and DeepSpeed's own Adam where a user's config asks for it, a matrix's or a script's (gaeq's own configs ask
+    torch's: torch_adam)."""
     ops: list[Op] = []
     on_cpu = not has_cuda()  # (the comm op is the CPU accelerator's; on CUDA, NCCL's collectives)
     for cell in cells:
@@ -74,6 +74,8 @@ def needed(cells: Iterable[Cell], problems: Mapping[str, ProblemSpec]) -> list[O
         if cell.offload == "nvme":
             ops.append(ASYNC_IO)
         config = (problem.deepspeed_config or {}) if cell.trainer in DEEPSPEED_TRAINERS else {}
+        if script is not None and script.deepspeed_config is not None:  # a script's engine builds its Adam too
+            config = script.deepspeed_config
         optimizer = config.get("optimizer") or {}
         if optimizer.get("type", "").lower() in ("adam", "adamw") and not optimizer.get("params", {}).get("torch_adam"):
             ops.append(CPU_ADAM if cell.offload != "none" else FUSED_ADAM)
@@ -172,6 +174,10 @@ def _processes() -> list[tuple[str, Path]]:
 
 
 def _main(builder_name: str) -> int:
+    known = [op.builder for op in (COMM, ASYNC_IO, FUSED_ADAM, CPU_ADAM)]
+    if builder_name not in known:  # (DeepSpeed answers any other name with a builder that builds nothing)
+        sys.stderr.write(f"usage: python -m gaeq.runtime.ops BUILDER, one of {', '.join(known)}\n")
+        return 2
     from gaeq.runtime import lifeline
     from gaeq.runtime.dist import set_accelerator_env
 
@@ -205,4 +211,4 @@ def _main(builder_name: str) -> int:
 
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
-    sys.exit(_main(sys.argv[1]))
+    sys.exit(_main(sys.argv[1] if len(sys.argv) > 1 else ""))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -41,6 +42,23 @@ def test_the_ops_a_matrix_needs(tmp_path, monkeypatch):
     matrix = load_matrix(tmp_path / "a.yaml")
     # DeepSpeed's own Adam, as configured: fused, and its CPU Adam where the optimizer is offloaded
     assert needed(matrix.runnable(), matrix.problems) == [COMM, FUSED_ADAM, CPU_ADAM]
+
+
+def test_a_scripts_own_config_that_asks_deepspeeds_adam_builds_it_before_any_cell(tmp_path):
+    """A script's deepspeed_config is built into its engine as it is: its Adam without torch_adam is FusedAdam,
+    a first-use build (#75) said and done before any cell starts, not inside a cell's deadline."""
+    from tests.helpers import REPO_ROOT
+
+    source = REPO_ROOT / "experiments"
+    spec = yaml.safe_load((source / "your_deepspeed_script.yaml").read_text())
+    config = json.loads((source / "scripts" / "ds_config.json").read_text())
+    spec["script"]["path"] = str(source / "scripts" / "deepspeed_engine.py")
+    for torch_adam, expected in ((True, [COMM]), (False, [COMM, FUSED_ADAM])):
+        config["optimizer"]["params"]["torch_adam"] = torch_adam
+        spec["script"]["deepspeed_config"] = config
+        (tmp_path / "s.yaml").write_text(yaml.safe_dump(spec))
+        matrix = load_matrix(tmp_path / "s.yaml")
+        assert needed(matrix.runnable(), matrix.problems) == expected
 
 
 def test_a_lock_is_a_dead_builds_only_when_old_alone_and_no_process_builds_there(tmp_path):
