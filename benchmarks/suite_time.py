@@ -72,7 +72,13 @@ def outcome(report: ET.Element) -> str:
     suite = next(report.iter("testsuite"))
     count = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
     failed = count["failures"] + count["errors"]
-    return f"{count['tests'] - failed - count['skipped']} passed, {count['skipped']} skipped, {failed} failed"
+    said = f"{count['tests'] - failed - count['skipped']} passed, {count['skipped']} skipped, {failed} failed"
+    for case in report.iter("testcase"):  # which, and its first line: a failure is found again without a rerun
+        for bad in (*case.iter("failure"), *case.iter("error")):
+            name = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
+            first = (bad.get("message") or "").strip().splitlines() or [""]
+            said += f"\n  failed: {name} — {first[0][:300]}"
+    return said
 
 
 def by_folder(cases: list[tuple[str, float]], busy: dict[str, float]) -> dict[str, tuple[int, float, float]]:
