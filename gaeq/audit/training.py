@@ -50,9 +50,9 @@ def schedule(config: dict[str, Any], m: Mirror | None) -> Iterator[Finding]:
         return
     try:
         curve = lr_curve(config)
-    except ValueError as exc:
-        yield Finding(key="scheduler", value=repr(section.get("type")), effect="risk", why=str(exc),
-                      evidence=TEAM_CELL)  # fmt: skip
+    except ValueError as exc:  # DeepSpeed's own scheduler refused it: so would its engine (no cell to show it)
+        yield Finding(key="scheduler", value=repr(section.get("type")), effect="breaks",
+                      why=f"DeepSpeed refuses it, as its engine would: {exc}")  # fmt: skip
         return
     risks = [*_lr_not_used(curve), *_at_zero(curve), *_momentum(curve)]
     left = ", ".join(f"{k} {v!r}" for k, v in curve.defaults.items()) or "nothing"

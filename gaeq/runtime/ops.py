@@ -59,8 +59,8 @@ class StaleBuild(RuntimeError):
 def needed(cells: Iterable[Cell], problems: Mapping[str, ProblemSpec]) -> list[Op]:
     """The ops the cells' ranks would build on first use: on a machine without CUDA, the comm op for any
     cell DeepSpeed runs (gaeq's DeepSpeed trainers, a script given a DeepSpeed config or launcher); async-I/O
-    for nvme offload; and DeepSpeed's own Adam where a user's config asks for it, a matrix's or a script's (gaeq's own configs ask
-    torch's: torch_adam)."""
+    for nvme offload; and DeepSpeed's own Adam where a user's config asks for it, a matrix's or a script's
+    (gaeq's own configs ask torch's: torch_adam)."""
     ops: list[Op] = []
     on_cpu = not has_cuda()  # (the comm op is the CPU accelerator's; on CUDA, NCCL's collectives)
     for cell in cells:

@@ -45,6 +45,8 @@ TABLE = [
         ADAMW | {"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-4, "warmup_num_steps": 4}}},
         {"scheduler": "fine"},
     ),
+    (ADAMW | {"scheduler": {"type": "Nope"}}, {"scheduler.type": "risk", "scheduler": "breaks"}),
+    (ADAMW | {"scheduler": {"type": "OneCycle", "params": {"bogus": 1}}}, {"scheduler": "breaks"}),
     (ADAMW | {"bf16": {"enabled": True}}, {"bf16.enabled": "fine", "communication_data_type": "risk"}),
     (ADAMW | {"bf16": {"enabled": True}, "communication_data_type": "fp32"}, {"communication_data_type": "fine"}),
 ]
@@ -61,7 +63,9 @@ def test_audit_lines_for_a_table_of_configs(config, expected):
 
 
 def test_every_breaks_or_risk_is_shown_by_an_experiment_cell_that_exists_and_expects_it():
-    findings = [f for config, _ in TABLE for f in audit(config) if f.effect != "fine" and "cannot mirror" not in f.why]
+    refused = ("cannot mirror", "DeepSpeed refuses it")  # gaeq's or DeepSpeed's own refusal, said: no run to show
+    findings = [f for config, _ in TABLE for f in audit(config) if f.effect != "fine"]
+    findings = [f for f in findings if not any(r in f.why for r in refused)]
     assert {f.effect for f in findings} == {"breaks", "risk"}
     assert all(f.evidence for f in findings), "a breaks/risk finding without its evidence"
     matrices = {}
