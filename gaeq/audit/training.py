@@ -55,10 +55,11 @@ def schedule(config: dict[str, Any], m: Mirror | None) -> Iterator[Finding]:
                       why=f"DeepSpeed refuses it, as its engine would: {exc}")  # fmt: skip
         return
     risks = [*_lr_not_used(curve), *_at_zero(curve), *_momentum(curve)]
-    left = ", ".join(f"{k} {v!r}" for k, v in curve.defaults.items()) or "nothing"
+    left = ", ".join(f"{k} {v!r}" for k, v in curve.defaults.items())
+    left = f"left to DeepSpeed's defaults: {left}" if left else "every parameter given"
     why = (
         f"{'; '.join(risks) + ' — ' if risks else ''}DeepSpeed's own {curve.schedule}, stepped after every optimizer "
-        f"step: it {said(curve)} (left to DeepSpeed's defaults: {left})"
+        f"step: it {said(curve)} ({left})"
     )
     yield Finding(
         key="scheduler",
