@@ -35,16 +35,21 @@ __all__ = ["CHECKS", "Finding", "audit", "deepspeed_configs", "exit_code", "over
 
 def audit(config: dict[str, Any]) -> list[Finding]:
     """The findings for one DeepSpeed config (a mapping, as read from its file), in CHECKS' order."""
+    m, findings = _mirrored(config)
+    for check in CHECKS:
+        findings += check(config, m)
+    return findings
+
+
+def _mirrored(config: dict[str, Any]) -> tuple[Mirror | None, list[Finding]]:
+    """The config's torch mirror, or None and the finding that says why there is none."""
     from gaeq.runtime.dist import set_accelerator_env
 
     set_accelerator_env()  # before DeepSpeed's first import: say cpu rather than let it guess (and warn)
     try:
-        m, findings = mirror(config), []
+        return mirror(config), []
     except ConfigError as exc:
-        m, findings = None, [unmirrorable(exc)]
-    for check in CHECKS:
-        findings += check(config, m)
-    return findings
+        return None, [unmirrorable(exc)]
 
 
 CHECKS: tuple[Callable[[dict[str, Any], Mirror | None], Iterable[Finding]], ...] = (
@@ -96,13 +101,7 @@ def _values(values: set) -> str:
 def trains_with(config: dict[str, Any]) -> list[Finding]:
     """What a config trains with that it does not seem to say: its schedule's and precision's risks (a run says
     them before it starts)."""
-    from gaeq.runtime.dist import set_accelerator_env
-
-    set_accelerator_env()  # before DeepSpeed's first import
-    try:
-        m = mirror(config)
-    except ConfigError:
-        m = None
+    m, _ = _mirrored(config)
     return [f for check in (schedule, precision) for f in check(config, m) if f.effect != "fine"]
 
 

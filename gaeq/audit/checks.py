@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from gaeq.audit.finding import LOW, Finding
+from gaeq.audit.finding import LOW, Finding, enabled
 from gaeq.problem.dsconfig import BATCH_KEYS, ConfigError, Mirror
 
 
@@ -111,7 +111,7 @@ BF16_ACCUMULATION = "experiments/pitfalls.yaml: deepspeed-z1-w1-mb2-ga16-ds_bf16
 
 def grad_accum_dtype(config: dict[str, Any], m: Mirror | None) -> Iterator[Finding]:
     accum = (config.get("data_types") or {}).get("grad_accum_dtype")
-    bf16 = (config.get("bf16") or config.get("bfloat16") or {}).get("enabled") is True
+    bf16 = enabled(config, "bf16")
     if accum in LOW:
         yield Finding(
             key="data_types.grad_accum_dtype",

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 Effect = Literal["breaks", "risk", "fine"]
 LOW = ("bf16", "bfloat16", "fp16", "float16", "half")
+
+
+def enabled(config: dict[str, Any], name: str) -> bool:
+    """Whether the config enables its `name` section ("bf16", read under its alias "bfloat16" too, or "fp16")."""
+    aliases = {"bf16": ("bf16", "bfloat16"), "fp16": ("fp16",)}[name]
+    return any((config.get(a) or {}).get("enabled") is True for a in aliases)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -5,12 +5,11 @@ rules), never copied; every `risk` names the experiment cell that shows it."""
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Iterator
 from typing import Any
 
-from gaeq.audit.finding import LOW, Finding
+from gaeq.audit.finding import LOW, Finding, enabled
 from gaeq.problem.dsconfig import Mirror
 from gaeq.problem.schedule import LrCurve, lr_curve, said
 
@@ -23,12 +22,11 @@ def optimizer_settings(config: dict[str, Any], m: Mirror | None) -> Iterator[Fin
     """The optimizer's settings as DeepSpeed builds it: the file's, DeepSpeed's FusedAdam defaults for the rest."""
     if m is None or not m.optimizer.adam:
         return
-    from deepspeed.ops.adam import FusedAdam
+    from gaeq.problem.mirror import ADAM_SETTINGS, fused_adam_defaults
 
-    defaults = {k: v.default for k, v in inspect.signature(FusedAdam).parameters.items() if k in FUSED_SETTINGS}
-    given = m.optimizer.params
+    defaults, given = fused_adam_defaults(), m.optimizer.params
     shown = ", ".join(
-        f"{k} {given[k]!r}" if k in given else f"{k} {defaults[k]!r} (DeepSpeed's default)" for k in FUSED_SETTINGS
+        f"{k} {given[k]!r}" if k in given else f"{k} {defaults[k]!r} (DeepSpeed's default)" for k in ADAM_SETTINGS
     )
     yield Finding(
         key="optimizer.params",
@@ -37,9 +35,6 @@ def optimizer_settings(config: dict[str, Any], m: Mirror | None) -> Iterator[Fin
         why="what DeepSpeed's Adam is built with (the file's, its own defaults for the rest); gaeq's torch cells "
         "build torch.optim.AdamW with the same",
     )
-
-
-FUSED_SETTINGS = ("lr", "betas", "eps", "weight_decay")
 
 
 def schedule(config: dict[str, Any], m: Mirror | None) -> Iterator[Finding]:
@@ -99,7 +94,7 @@ def _momentum(curve: LrCurve) -> Iterator[str]:
 def precision(config: dict[str, Any], m: Mirror | None) -> Iterator[Finding]:
     """The gradients' dtype, and the dtype they are reduced over ranks in where the file does not say it: the
     engine's own rule (communication_data_type, else fp16 or bf16 where enabled, else fp32)."""
-    low = next((name for name in ("fp16", "bf16") if _enabled(config, name)), None)
+    low = next((name for name in ("fp16", "bf16") if enabled(config, name)), None)
     if low is None:
         return
     yield Finding(
@@ -126,8 +121,3 @@ def precision(config: dict[str, Any], m: Mirror | None) -> Iterator[Finding]:
             "the more ranks — write fp32 to reduce them exactly",
             evidence="experiments/your_config.yaml: deepspeed-z2-w2-mb2-ga4@comm_bf16",
         )
-
-
-def _enabled(config: dict[str, Any], name: str) -> bool:
-    aliases = {"bf16": ("bf16", "bfloat16"), "fp16": ("fp16",)}[name]
-    return any((config.get(a) or {}).get("enabled") is True for a in aliases)

@@ -18,12 +18,22 @@ import torch
 
 from gaeq.problem.dsconfig import OptimizerMirror
 
+ADAM_SETTINGS = ("lr", "betas", "eps", "weight_decay")
+"""What DeepSpeed's FusedAdam (and CPU Adam, whose defaults are the same) takes from a config's optimizer.params."""
+
+
+def fused_adam_defaults() -> dict[str, Any]:
+    """FusedAdam's own defaults for ADAM_SETTINGS, read from its signature: what DeepSpeed fills in where the file
+    is silent (weight_decay 0, not torch AdamW's 0.01)."""
+    from deepspeed.ops.adam import FusedAdam
+
+    return {k: v.default for k, v in inspect.signature(FusedAdam).parameters.items() if k in ADAM_SETTINGS}
+
 
 def mirrored_optimizer(params: Iterable[torch.nn.Parameter], spec: OptimizerMirror) -> torch.optim.Optimizer:
     """torch.optim's counterpart of the optimizer DeepSpeed's engine builds from `spec`."""
     if not spec.adam:  # DeepSpeed looks other names up in torch.optim and passes the params as given
         return getattr(torch.optim, spec.type)(params, **spec.params)
-    from deepspeed.ops.adam import FusedAdam
     from deepspeed.runtime.config import ADAM_W_MODE_DEFAULT
 
     given = dict(spec.params)
@@ -34,14 +44,7 @@ def mirrored_optimizer(params: Iterable[torch.nn.Parameter], spec: OptimizerMirr
     cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
     if torch_adam:  # DeepSpeed builds this very class with the file's params: torch's defaults apply
         return cls(params, **given, foreach=False)
-    # FusedAdam (and, under offload, DeepSpeedCPUAdam, whose defaults are the same): its defaults
-    # fill what the file leaves out — weight_decay 0, not torch AdamW's 0.01.
-    defaults = {
-        k: v.default
-        for k, v in inspect.signature(FusedAdam).parameters.items()
-        if k in ("lr", "betas", "eps", "weight_decay")
-    }
-    return cls(params, **(defaults | given), foreach=False)
+    return cls(params, **(fused_adam_defaults() | given), foreach=False)
 
 
 class DeepSpeedSchedule:

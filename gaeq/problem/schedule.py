@@ -108,9 +108,9 @@ def _stand_in(section: dict[str, Any]) -> torch.optim.Optimizer:
     params = section.get("params") or {}
     weight = [torch.nn.Parameter(torch.zeros(1))]
     if str(section.get("type", "adam")).lower() in ADAM:
-        from deepspeed.ops.adam import FusedAdam
+        from gaeq.problem.mirror import fused_adam_defaults
 
-        default = {k: v.default for k, v in inspect.signature(FusedAdam).parameters.items() if k in ("lr", "betas")}
+        default = fused_adam_defaults()
         return torch.optim.AdamW(
             weight, lr=params.get("lr", default["lr"]), betas=params.get("betas", default["betas"])
         )
