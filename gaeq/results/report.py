@@ -28,7 +28,7 @@ from gaeq.results.reference import float32_that_does_not_fit, in_words, what_fit
 from gaeq.results.snapshots import compare_snapshots, read_snapshots
 from gaeq.results.trace import TraceStore, cell_dir
 from gaeq.results.untested import untested
-from gaeq.results.weighing import agrees, beside, judge_alone, peers_of, reference_note, weighting_of
+from gaeq.results.weighing import beside, beside_divergence, judge_alone, peers_of, reference_note, weighting_of
 from gaeq.results.weighing import check as weights_check
 from gaeq.script.verdict import read_probe, script_checks
 
@@ -387,8 +387,8 @@ def _judge_cell(
     except (OSError, ValueError, TypeError) as exc:
         return Verdict.ERROR, f"unreadable or incomplete results: {exc}", None
     reason = "baseline" if cell.id == base_id else comparison.reason
-    if comparison.verdict == Verdict.DIVERGE and comparison.caught_by != "weights" and weights and agrees(*weights):
-        reason += " — its targets' weights are the reference's, step by step: the difference is not in the weighting"
+    if comparison.verdict == Verdict.DIVERGE and comparison.caught_by != "weights" and weights:
+        reason += beside_divergence(*weights)  # the weights' shape and its fix, or not in the weighting
     if comparison.verdict == Verdict.DIVERGE:
         reason += dropout_note((outcome.ran or {}).get("dropout"), script=TRAINERS[cell.trainer].script)
         reason += order_note(causes, (outcome.ran or {}).get("dropout"))

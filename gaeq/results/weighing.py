@@ -92,10 +92,27 @@ def check(own: Weighting | None, reference: Weighting | None) -> dict:
     }
 
 
-def agrees(own: Weighting | None, reference: Weighting | None) -> bool:
-    """Whether the split's weights were read and are the reference's, step by step (a divergence is then not in
-    the weighting)."""
-    return own is not None and reference is not None and own.kind != Kind.UNREAD and compare(own, reference) is None
+def beside_divergence(own: Weighting | None, reference: Weighting | None) -> str:
+    """What a split's weights say of a divergence the numbers caught, in the reason's words: their shape and its fix
+    where they are tied to the split, where they part from the reference's; that the difference is not in the
+    weighting where they are the reference's; nothing where they were not read."""
+    if own is None or own.kind == Kind.UNREAD:
+        return ""
+    if own.kind == Kind.SPLIT:
+        fix = f" — {own.fix}" if own.fix else ""
+        return f" — its targets' weights are tied to its split: {BRIEF[own.shape]}{_at(own.step)}{fix}"
+    if reference is None or reference.kind == Kind.UNREAD:
+        return ""
+    found = compare(own, reference)
+    if found is None:
+        return " — its targets' weights are the reference's, step by step: the difference is not in the weighting"
+    if isinstance(found, Difference):
+        return f" — its targets' weights differ from the reference's {found.words()}: {own.brief}"
+    return ""
+
+
+def _at(step: int | None) -> str:
+    return "" if step is None else f" (from step {step})"
 
 
 def reference_note(reference: Weighting | None) -> str | None:
@@ -148,10 +165,12 @@ def judged_alone(cell: Cell, own: Weighting | None, peers: list[tuple[Cell, Weig
     if differ:
         whole = [c for c, w in [(cell, own), *judged] if _whole_batch(c) and w.kind != Kind.SPLIT]
         if whole and (whole[0].id == cell.id or whole[0].id in same):
-            return Verdict.MATCH, (
-                f"{ALONE}: the same weights as {_ids([whole[0].id])} (the whole batch in one micro-batch); "
-                f"{_ids(differ)} differ: {own.line}"
+            held = (
+                "it holds the whole batch in one micro-batch"
+                if whole[0].id == cell.id
+                else f"the same weights as {_ids([whole[0].id])} (the whole batch in one micro-batch)"
             )
+            return Verdict.MATCH, f"{ALONE}: {held}; {_ids(differ)} differ: {own.line}"
         by = whole[0].id if whole and whole[0].id in differ else next(iter(differ))
         theirs = next(w for c, w in judged if c.id == by)
         return Verdict.DIVERGE, (

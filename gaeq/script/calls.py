@@ -1,7 +1,8 @@
 """The torch functions a training loop calls that the probe (gaeq.script.probe) counts or reads at: autograd's
 backward (``loss.backward()`` ends there; DeepSpeed's and accelerate's ``backward`` too), gradient
 clipping (``clip_grad_norm_``, and torchtitan's ``get_total_norm`` + ``clip_grads_with_norm_``),
-``zero_grad``, the LR schedulers' ``step`` — a library wrapper's repeats of one call counted once — and
+``zero_grad``, the LR schedulers' ``step`` — a library wrapper's repeats of one call counted once —,
+``torch.distributed.all_reduce`` on a gradient (the ranks' gradients combined by hand: summed or averaged) and
 ``pad_sequence`` (the collation's padding value). Each is replaced by a function that tells the probe,
 then calls the original."""
 
@@ -69,6 +70,9 @@ def patch(probe) -> None:
 
     torch.optim.lr_scheduler.LRScheduler.step = probed_scheduler_step
 
+    if torch.distributed.is_available():
+        _patch_all_reduce(probe)
+
     pad_sequence = torch.nn.utils.rnn.pad_sequence
 
     @functools.wraps(pad_sequence)
@@ -100,3 +104,24 @@ class Schedulers:
         self._wrapper_call = caller
         self.probe.events[f"wrapper:{type(owner).__module__}.{type(owner).__qualname__}"] = 1
         return True
+
+
+def _patch_all_reduce(probe) -> None:
+    """`all_reduce` on a gradient as the last backward left it: the script combines the ranks' gradients by hand
+    (torchtune's and hand-written loops: SUM, then a division — or AVG). DDP's and FSDP's own reductions run inside
+    the backward, not through this function; a DeepSpeed engine's gradients are not read."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    all_reduce = distributed_c10d.all_reduce
+    ops = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "mean"}
+
+    @functools.wraps(all_reduce)
+    def probed_all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        held = probe._all_reduce(tensor)
+        done = all_reduce(tensor, op, group, async_op)
+        if held:  # (one left running is combined when it is waited on: not read)
+            probe._all_reduce(tensor, None if async_op else ops.get(op), done=True)
+        return done
+
+    dist.all_reduce = distributed_c10d.all_reduce = probed_all_reduce

@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gaeq.script.objective import Weighting
-from gaeq.script.shapes import ROUNDING, Kind, StepWeights
+from gaeq.script.shapes import FIXES, ROUNDING, Kind, Shape, StepWeights, alike
+from gaeq.script.shapes import times as times_words
 
 
 @dataclass(frozen=True)
@@ -26,10 +27,15 @@ class Difference:
     tol: float
     scale: bool = False
     """The total differs, the shares agree: every target × another factor."""
+    window: str | None = None
+    """What the first run's weights are the second's times, where that names a window: a factor per micro-batch or
+    per rank (a normaliser counted over it), or one factor for the step (÷ GA once more)."""
+    fix: str | None = None
 
     def words(self) -> str:
         what = "in their total (every target × another factor)" if self.scale else "of a weight"
-        return f"by {self.by:.1e} {what} at step {self.step} (the two read to ±{self.tol:.0e} of a weight)"
+        said = f"by {self.by:.1e} {what} at step {self.step} (the two read to ±{self.tol:.0e} of a weight)"
+        return said + (f": {self.window} — {self.fix}" if self.window else "")
 
 
 def compare(a: Weighting, b: Weighting) -> Difference | str | None:
@@ -52,11 +58,42 @@ def compare(a: Weighting, b: Weighting) -> Difference | str | None:
         size_a, size_b = (sum(abs(rows[k][1]) for k in common) for rows in (rows_a, rows_b))
         shares = max(_apart(x / size_a, y / size_b) for k in common for x, y in zip(rows_a[k][1:], rows_b[k][1:]))
         if shares > tol:
-            return Difference(step=mine.step, by=shares, tol=tol)
+            return Difference(step=mine.step, by=shares, tol=tol, **_window(mine, rows_a, rows_b, common, tol))
         untouched = abs(mine.factor - 1) <= tol and abs(other.factor - 1) <= tol
         if untouched and (apart := _apart(size_a, size_b)) > tol:
-            return Difference(step=mine.step, by=apart, tol=tol, scale=True)
+            return Difference(
+                step=mine.step, by=apart, tol=tol, scale=True, **_window(mine, rows_a, rows_b, common, tol)
+            )
     return None if compared else "no row is in both (rows packed or laid out otherwise)"
+
+
+def _window(mine: StepWeights, rows_a: dict, rows_b: dict, common: list, tol: float) -> dict:
+    """Each common row's weight in `mine` over its weight in the other run: one ratio for the step, one per
+    micro-batch or one per rank of `mine` names the window its normaliser was counted over, with the fix —
+    of any weights, a policy gradient's signed ones too."""
+    ratio = {k: rows_a[k][1] / rows_b[k][1] for k in common if rows_b[k][1] != 0 and rows_a[k][1] != 0}
+    if not ratio:
+        return {}
+    place = {r.key: (r.rank, r.forward) for r in mine.rows if r.key in ratio}
+    if alike(list(ratio.values()), 2 * tol):
+        times = next(iter(ratio.values()))
+        ga = mine.micro_steps
+        if ga > 1 and abs(times * ga - 1) <= 2 * tol:
+            return {"window": f"every target ÷ GA ({ga}) once more", "fix": FIXES[Shape.SCALED]}
+        return {"window": f"every target {times_words(times)}", "fix": FIXES[Shape.SCALED]}
+    for by, shape, key in (("rank", Shape.RANK_MEANS, lambda k: place[k][0]), ("micro-batch",
+                           Shape.MICRO_BATCH_MEANS, lambda k: place[k])):  # fmt: skip
+        groups: dict = {}
+        for k, value in ratio.items():
+            groups.setdefault(key(k), []).append(value)
+        if len(groups) > 1 and all(alike(g, 2 * tol) for g in groups.values()):
+            low, high = min(min(g) for g in groups.values()), max(max(g) for g in groups.values())
+            return {
+                "window": f"one factor per {by} ({times_words(low)} to {times_words(high)}): its normaliser counted "
+                f"over each {by}",
+                "fix": FIXES[shape],
+            }
+    return {}
 
 
 def _by_key(s: StepWeights) -> dict[str, list[float]]:

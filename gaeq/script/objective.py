@@ -15,8 +15,9 @@ split whose difference shows beyond that resolution is named.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
-from gaeq.script.shapes import BRIEF, ROUNDING, Found, Kind, Row, Shape, StepWeights, classify, of_the_steps
+from gaeq.script.shapes import BRIEF, Found, Kind, Row, Shape, StepWeights, classify, of_the_steps, times
 
 COARSE = 1e-3
 """The coarsest resolution (relative, of each weight) a shape or a match is named at: a mean of micro-batch means
@@ -79,15 +80,42 @@ def weighting(steps: list[dict], *, unread: str | None = None, grad_accum: int |
     return _whole(of_the_steps(read, said), None, read, resolution)
 
 
+def combining(combined: list[str | None], world: int) -> int:
+    """What the ranks' gradients are divided by when they are combined: the world size where they are averaged
+    (DDP, FSDP, a DeepSpeed engine, an all-reduce by hand and then ÷ world or AVG), 1 where every rank summed
+    them by hand (SUM, no division: that is in the factor after it)."""
+    return 1 if combined and all(c == "sum" for c in combined) else world
+
+
+def rescaled(phases: list[dict | None] | None) -> float | None:
+    """What a rank's gradients were multiplied by after the last backward and before any clip call (a clip is no
+    weighting), at its training step's last optimizer step; 1 where nothing was read, None where unevenly."""
+    found = [p.get("before_clip") or p for p in phases or () if p is not None]
+    return found[-1]["factor"] if found else 1.0
+
+
+def objective_factor(ranks: list[dict[str, Any]]) -> float:
+    """What the ranks' summed losses are multiplied by to be the objective the optimizer receives: ÷ the ranks'
+    combination, × what rank 0's gradients were multiplied by after the last backward (a rescale, torchtune's × world
+    ÷ the step's tokens; where ranks differ, rank 0's — the weights say so) — a missing ÷ GA shows as × GA even where
+    the logged loss looks right."""
+    factor = rescaled(ranks[0].get("rescale")) if ranks else 1.0
+    return (1.0 if factor is None else factor) / combining([r.get("combined") for r in ranks], len(ranks))
+
+
 def step_weights(step: dict) -> StepWeights | str:
     """A probe step's weights in the update's units, or why they cannot be: a forward not read, the gradients
-    multiplied unevenly after the last backward."""
-    world = step["world_size"]
+    multiplied unevenly after the last backward, or combined by hand in a way not read."""
     ranks = step.get("targets") or []
     if not any(f for forwards in ranks for f in forwards):
         return "no target weights"
     if any(f is None for forwards in ranks for f in forwards):
         return f"a forward of step {step['step']} was not read"
+    if "unread" in (combined := step.get("combined") or []):
+        return (
+            f"the ranks' gradients were all-reduced by hand at step {step['step']} by an op other than SUM or AVG, "
+            "or left running (async_op)"
+        )
     factors = []
     for r, phases in enumerate(step.get("rescale") or [[] for _ in ranks]):
         found = [p.get("before_clip") or p for p in phases if p is not None]  # (before any clip call)
@@ -97,16 +125,11 @@ def step_weights(step: dict) -> StepWeights | str:
                 f"rank {r}'s gradients were multiplied unevenly after the last backward at step {step['step']} "
                 f"(× {min(ranges):.3g} to × {max(ranges):.3g}, parameter by parameter)"
             )
-        factors.append(found[-1]["factor"] if found else 1.0)
+        factors.append(rescaled(phases))
     factors = factors or [1.0] * len(ranks)
-    if max(factors) - min(factors) > ROUNDING * 2.0**-23 * max(abs(f) for f in factors):
-        return (
-            f"the ranks multiplied their gradients by different factors after the last backward at step "
-            f"{step['step']} (× {min(factors):.4g} to × {max(factors):.4g})"
-        )
+    scale = factors[0] / combining(combined, step["world_size"])  # what rank 0's optimizer receives
     rows = []
     for r, forwards in enumerate(ranks):
-        scale = factors[r] / world
         for k, f in enumerate(forwards):
             keys = f.get("keys") or [None] * len(f["rows"])
             for key, (n, total, low, high) in zip(keys, f["rows"]):
@@ -117,13 +140,14 @@ def step_weights(step: dict) -> StepWeights | str:
     smoothed = [f["label_smoothing"] for forwards in ranks for f in forwards if f.get("label_smoothing")]
     return StepWeights(
         step=step["step"],
-        world=world,
+        world=step["world_size"],
         micro_steps=max(len(forwards) for forwards in ranks),
         rows=tuple(rows),
         resolution=max(f.get("resolution", 64 * 2.0**-23) for forwards in ranks for f in forwards),
         factor=factors[0],
         read=", ".join(sorted(reads)),
         smoothing=max(smoothed) if smoothed else None,
+        factors=tuple(factors),
     )
 
 
@@ -133,7 +157,7 @@ def _whole(found: Found, step: int | None, read: list[StepWeights], resolution: 
     said = found.words
     if rescaled:
         s = rescaled[0]
-        said += f" — with the gradients {_times(s.factor)} after the last backward (at step {s.step}: a rescale)"
+        said += f" — with the gradients {times(s.factor)} after the last backward (at step {s.step}: a rescale)"
     if smoothed := [s.smoothing for s in read if s.smoothing]:
         said += f" — a cross-entropy with label smoothing ε = {smoothed[0]:.3g}"
     said += f" (read to ±{resolution:.0e} of each weight: {read[0].read})"
@@ -148,12 +172,6 @@ def _whole(found: Found, step: int | None, read: list[StepWeights], resolution: 
         resolution=resolution,
         steps=tuple(read),
     )
-
-
-def _times(factor: float) -> str:
-    """A factor in words: `÷ 213` where it is one over a whole number, else `× 0.3`."""
-    over = 1 / factor if factor else 0.0
-    return f"÷ {round(over)}" if abs(factor) < 1 and abs(over - round(over)) <= 1e-6 * abs(over) else f"× {factor:.4g}"
 
 
 def _unresolved(read: list[StepWeights], resolution: float) -> Weighting:

@@ -2,36 +2,30 @@
 the script runs (gaeq.script.attach), it hooks the calls every PyTorch training loop makes and
 writes, per optimizer step, what was really optimised and on which data.
 
-- **the objective**: the value of every scalar handed to autograd's backward (``loss.backward()``,
-  DeepSpeed's and accelerate's ``backward``, which end there: DeepSpeed's ÷ GA included), summed over
-  the step's micro-steps and averaged over ranks as DDP averages gradients — a missing ÷ GA shows
-  as × GA even when the logged loss looks right;
+- **the objective**: every scalar handed to autograd's backward (DeepSpeed's and accelerate's ``backward``
+  end there), summed over the step's micro-steps and ranks as the optimizer receives them
+  (gaeq.script.objective.objective_factor);
 - **the grad norm at the boundary, before clipping**, in float64: at the first ``clip_grad_norm_``
   after the step's last backward (whatever the script clipped before it), or at the optimizer step
   when nothing clips after it — over every optimizer of the training step, each gradient read once
   (gaeq.script.steps) — or a DeepSpeed engine's own (``get_global_grad_norm``: it clips inside
   its step, and ZeRO ≥ 1 keeps no ``.grad``);
 - **events**: the calls the script makes per optimizer step — backward, clip, zero_grad, scheduler,
-  optimizer step; a library wrapper that steps the scheduler it wraps several times (accelerate's
-  prepared scheduler, once per process) is one call, and how far the schedule advanced is recorded
-  beside it;
+  optimizer step (a library wrapper's repeats of one call, one call: gaeq.script.calls);
 - **the data**: each row the model being trained receives — the first module called with gradients
-  on that has trainable parameters (a loss module has none), or the one ``gaeq.probe(model=…)`` names
-  — fingerprinted without its padding (gaeq.script.samples), gathered over ranks: each step's
-  multiset of samples;
+  on that has trainable parameters, or the one ``gaeq.probe(model=…)`` names — fingerprinted without
+  its padding (gaeq.script.samples), gathered over ranks: each step's multiset of samples;
 - **the cost**: rank 0's peak memory and its wrapper's collective bytes per step (gaeq.trainers.cost);
 - **the weights**: the initial parameters' fingerprint and, after each step, an update sketch — DTensors
   (FSDP2's) read where they live; and **each target's weight** in the step (gaeq.script.targets);
 - **the precision**: the arithmetic that ran (gaeq.script.precision) — in a cell labelled fp32, the script
   made float32; a loss scaler's skipped update is a training step recorded ``skipped``.
 
-A failure of the probe's own code stops the script with it and is written down as gaeq's
-(``contract.FAILURE_FILE``): the cell's reason never blames the script.
+A failure of the probe's own code stops the script and is written down as gaeq's (``contract.FAILURE_FILE``).
 
-A record is a training step — what consumes the accumulated gradients, one optimizer's step or several
-(gaeq.script.steps) — and ``step(closure)`` is read after its closure ran. Rank 0 writes the trace
-(``trace.jsonl``, as gaeq's own trainers do, the objective as its loss) and ``probe.json``; after the
-asked number of steps every rank leaves (the script is stopped).
+A record is a training step — one optimizer's step or several (gaeq.script.steps); ``step(closure)`` is read
+after its closure ran. Rank 0 writes the trace (``trace.jsonl``, the objective as its loss) and ``probe.json``;
+after the asked number of steps every rank leaves (the script is stopped).
 """
 
 from __future__ import annotations
@@ -198,6 +192,11 @@ class Probe:
         self._left.take(self.model)
 
     @guarded
+    def _all_reduce(self, tensor, op: str | None = None, *, done: bool = False) -> bool:
+        """Before a script's all-reduce: whether `tensor` is a gradient as left; after it, read (AsLeft)."""
+        return self._left.all_reduced(tensor, op) if done else self._left.holds(tensor)
+
+    @guarded
     def _before_clip(self, parameters: list[torch.Tensor]) -> None:
         self.events["clip"] += 1
         if not self._clipped:  # before it clips: a clip per micro-step reads each one's
@@ -287,6 +286,7 @@ class Probe:
         read.lr = float(optimizer.param_groups[0]["lr"])
         self.precision.read_fused(optimizer, read)  # GradScaler's scale and skip, handed to a fused optimizer
         self.seen.rescale.append(self._left.rescale(float(self.targets.scale) / read.scale))  # (less the loss scale)
+        self.seen.combined = self.seen.combined or self._left.combined
         read.spent += time.perf_counter() - started
 
     @guarded

@@ -12,7 +12,9 @@ Shapes tied to the split (`Kind.SPLIT`), each with its fix:
 - per-row means averaged within each micro-batch (or rank) of another number of rows;
 - every target alike, the sum × GA, ÷ GA, × or ÷ the world size, a count from one micro-batch or one rank, or a
   step of fewer micro-batches still ÷ GA.
-Anything else is no shape gaeq knows (`Kind.UNKNOWN`).
+Weights of both signs (a policy gradient's) are `Shape.SIGNED`, of no shape one run tells (`Kind.UNKNOWN`): the
+other splits decide (gaeq.script.invariance names the window a split's normaliser took). Anything else is no shape
+gaeq knows (`Kind.UNKNOWN`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,11 @@ class Shape(Name):
     """Per-row means averaged within each micro-batch (or rank): a row weighs by its group's row count."""
     MICRO_BATCH_MEANS = "micro_batch_means"
     RANK_MEANS = "rank_means"
+    RANK_RESCALE = "rank_rescale"
+    """The ranks multiplied their gradients by different factors after the last backward: a count from one rank."""
+    SIGNED = "signed"
+    """Weights of both signs (a policy gradient's −A log π, A an advantage): no shape of one run's rows alone — the
+    other splits, or a reference, decide (gaeq.script.invariance)."""
     UNEVEN = "uneven"
     """Apart in no shape gaeq knows."""
     UNRESOLVED = "unresolved"
@@ -87,6 +94,8 @@ class StepWeights:
     """Where: `float32 at the loss's cast`, `float32 gradients at the model's output`, …"""
     smoothing: float | None = None
     """The label smoothing ε the gradients were read with (None: none)."""
+    factors: tuple[float, ...] = ()
+    """Each rank's `factor` (the weights are rank 0's: what its optimizer receives)."""
 
     @property
     def n(self) -> int:
@@ -104,6 +113,8 @@ BRIEF = {
     Shape.ROW_MEANS_BY_GROUP: "per-row means averaged by micro-batch or rank",
     Shape.MICRO_BATCH_MEANS: "a mean of micro-batch means",
     Shape.RANK_MEANS: "a mean of rank means",
+    Shape.RANK_RESCALE: "a rescale that differs by rank",
+    Shape.SIGNED: "signed weights (a policy gradient's)",
     Shape.UNEVEN: "no shape gaeq knows",
     Shape.UNRESOLVED: "not read finely enough",
     Shape.UNREAD: "not read",
@@ -116,6 +127,8 @@ FIXES = {
     Shape.SCALED: "divide the step's summed loss by the step's target count once (÷ GA where each micro-batch's "
     "mean is summed)",
     Shape.SEQUENCE_MEANS: "divide the step's summed row means by the step's row count over every rank, once",
+    Shape.RANK_RESCALE: "count what the gradients are divided by over every rank (an all-reduce of the count) before "
+    "rescaling them",
 }
 COUNT_FIX = "count the step's targets over all its micro-batches and ranks before dividing"
 
@@ -132,33 +145,74 @@ class Found:
     """Every target's weight, where they are alike."""
 
 
-def _alike(values: list[float], tol: float) -> bool:
+def alike(values: list[float], tol: float) -> bool:
+    """Every value of one sign, within `tol` of each other (relatively)."""
     low, high = min(values), max(values)
     return low * high > 0 and max(high / low, low / high) - 1 <= tol
 
 
 def classify(s: StepWeights, grad_accum: int | None) -> Found:
     tol = s.resolution
-    if _alike([r.low for r in s.rows] + [r.high for r in s.rows], tol):
+    if (apart := _rank_rescale(s)) is not None:
+        return apart
+    if alike([r.low for r in s.rows] + [r.high for r in s.rows], tol):
         return _scaled(s, s.rows[0].high, grad_accum)
     ranks, forwards = _grouped(s.rows, lambda r: r.rank), _grouped(s.rows, lambda r: (r.rank, r.forward))
     for shape, groups in ((Shape.RANK_MEANS, ranks), (Shape.MICRO_BATCH_MEANS, forwards)):
         if len(groups) > 1 and any(len(g) > 1 for g in groups.values()) and _group_means(groups, tol):
             return _group_shape(shape, s, groups, one_each=len(ranks) == len(forwards))
-    if all(_alike([r.low, r.high], tol) for r in s.rows) and len(s.rows) > 1:
-        if _alike([r.high * r.n for r in s.rows], tol * 4):
+    if all(alike([r.low, r.high], tol) for r in s.rows) and len(s.rows) > 1:
+        if alike([r.high * r.n for r in s.rows], tol * 4):
             return _row_means(s, grad_accum)
         for key in (lambda r: r.rank, lambda r: (r.rank, r.forward)):
             groups = _grouped(s.rows, key)
-            if len(groups) > 1 and all(_alike([r.high * r.n for r in g], tol * 4) for g in groups.values()):
+            if len(groups) > 1 and all(alike([r.high * r.n for r in g], tol * 4) for g in groups.values()):
                 return _row_means_by_group(s, groups)
     low, high = min(r.low for r in s.rows), max(r.high for r in s.rows)
+    if low < 0 < high:
+        rows = sum(alike([r.low, r.high], tol) for r in s.rows if r.low * r.high > 0)
+        within = (
+            "one weight per row"
+            if rows == len(s.rows)
+            else f"one weight per row in {rows} of {len(s.rows)} rows, "
+            "the others varying along the row (a term beside the advantage's, as a KL's per-token coefficient)"
+        )
+        return Found(
+            Shape.SIGNED,
+            Kind.UNKNOWN,
+            f"targets weigh from {low:.3g} to {high:.3g} at step {s.step}, of both signs (a policy gradient's "
+            f"advantages), {within}: one run's weights do not tell its normaliser — the other splits decide, row by "
+            "row",
+        )
     return Found(
         Shape.UNEVEN,
         Kind.UNKNOWN,
         f"targets weigh from {low:.3g} to {high:.3g} at step {s.step}, in no shape gaeq knows (not alike, nor by "
         "micro-batch, rank or row)",
     )
+
+
+def _rank_rescale(s: StepWeights) -> Found | None:
+    """The ranks multiplied their gradients by different factors after the last backward (a step's count taken on
+    each rank from its own micro-batches): each rank's optimizer receives another update — tied to the split."""
+    factors = s.factors
+    if len(factors) < 2 or max(factors) - min(factors) <= ROUNDING * 2.0**-23 * max(abs(f) for f in factors):
+        return None
+    said = ", ".join(f"rank {r} {times(f)}" for r, f in enumerate(factors))
+    return Found(
+        Shape.RANK_RESCALE,
+        Kind.SPLIT,
+        f"the ranks multiplied their gradients by different factors after the last backward at step {s.step} "
+        f"({said}): each rank's optimizer received another update — a count taken on each rank from its own "
+        "micro-batches",
+        FIXES[Shape.RANK_RESCALE],
+    )
+
+
+def times(factor: float) -> str:
+    """A factor in words: `÷ 213` where it is one over a whole number, else `× 0.3`."""
+    over = 1 / factor if factor else 0.0
+    return f"÷ {round(over)}" if abs(factor) < 1 and abs(over - round(over)) <= 1e-6 * abs(over) else f"× {factor:.4g}"
 
 
 def _grouped(rows, key) -> dict:
@@ -172,10 +226,10 @@ def _group_means(groups: dict, tol: float) -> bool:
     """Every group's targets alike, each group's weight inversely to its target count (and not all alike)."""
     weights = []
     for rows in groups.values():
-        if not _alike([r.low for r in rows] + [r.high for r in rows], tol):
+        if not alike([r.low for r in rows] + [r.high for r in rows], tol):
             return False
         weights.append((rows[0].high, sum(r.n for r in rows)))
-    return not _alike([w for w, _ in weights], tol) and _alike([w * n for w, n in weights], tol * 4)
+    return not alike([w for w, _ in weights], tol) and alike([w * n for w, n in weights], tol * 4)
 
 
 def _group_shape(shape: Shape, s: StepWeights, groups: dict, *, one_each: bool) -> Found:
@@ -310,7 +364,7 @@ def of_the_steps(read: list[StepWeights], said: list[Found]) -> Found:
         return next(f for f in said if f.shape == Shape.SEQUENCE_MEANS)
     weights = [f.weight for f in said]
     ones = all(w is not None and abs(w - 1) <= first.resolution for w in weights)
-    if ones or (len(read) > 1 and None not in weights and _alike(weights, max(s.resolution for s in read))):
+    if ones or (len(read) > 1 and None not in weights and alike(weights, max(s.resolution for s in read))):
         summed = "a summed loss" if ones else f"a summed loss × {weights[0]:.4g}"
         return Found(
             Shape.SCALED,

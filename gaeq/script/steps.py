@@ -18,6 +18,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from gaeq.script.objective import objective_factor
+
 
 @dataclass
 class Seen:
@@ -52,6 +54,9 @@ class Seen:
     row_keys: list[list[str] | None] = field(default_factory=list)
     """Each training forward's rows' keys (gaeq.script.samples.MicroBatch.row_keys), None where no input was read:
     what its targets' weights are matched by in another split."""
+    combined: str | None = None
+    """How the ranks' gradients were combined by hand after the last backward (gaeq.script.weights.AsLeft.combined):
+    "sum", "mean", "unread"; None: not by hand (DDP's, FSDP's or DeepSpeed's mean, or one rank)."""
     rescale: list[dict | None] = field(default_factory=list)
     """Per optimizer step: what the gradients were multiplied by after the last backward, at the step (`factor`) and
     at the first clip call (`before_clip`), the loss scale taken out (gaeq.script.weights.AsLeft.factor); None where
@@ -85,6 +90,7 @@ class Seen:
         for name in listed:
             getattr(self, name).extend(getattr(later, name))
         self.resolution += later.resolution
+        self.combined = self.combined or later.combined
         self.inputs = self.inputs or later.inputs
         self.exact &= later.exact
         self.layouts += [layout for layout in later.layouts if layout not in self.layouts]
@@ -173,10 +179,12 @@ class TrainingSteps:
 def record(step: int, ranks: list[dict[str, Any]], read: Boundary, *, sketch: tuple[float, float]) -> dict[str, Any]:
     """A training step's record in probe.json: every rank's :meth:`Seen.shared`, rank 0's readings."""
     world = len(ranks)
+    times = objective_factor(ranks)
     return {
         "step": step,
-        "objective": sum(sum(r["losses"]) for r in ranks) / world,  # DDP averages the ranks' gradients
-        "objective_resolution": sum(r["resolution"] for r in ranks) / world,
+        "objective": sum(sum(r["losses"]) for r in ranks) * times,
+        "objective_resolution": sum(r["resolution"] for r in ranks) * abs(times),
+        "objective_factor": times,
         "grad_norm": read.grad_norm,
         "lr": read.lr,
         "sketch": sketch[0],
@@ -190,6 +198,7 @@ def record(step: int, ranks: list[dict[str, Any]], read: Boundary, *, sketch: tu
         "newton_schulz_early": [r["newton_schulz_early"] for r in ranks],
         "targets": [r["targets"] for r in ranks],
         "rescale": [r["rescale"] for r in ranks],
+        "combined": [r.get("combined") for r in ranks],
         "events": ranks[0]["events"],
         "samples": sorted(s for r in ranks for s in r["samples"]),
         "keys": sorted(k for r in ranks for k in r["keys"]),

@@ -40,7 +40,8 @@ CHUNK = 1 << 22
 SAMPLE = 256
 """Targets of a forward whose gradients' shape is checked in full: spread over it."""
 FIT = 32
-"""Of those, the first whose label smoothing is fitted and checked (one ε for the loss: a few positions tell it)."""
+"""Of those, the first whose label smoothing is fitted (one ε for the loss: a few positions tell it); the fit is checked
+on them all."""
 UNITS = 64
 """How many units in the last place of the gradient's dtype the gradient may stray from a cross-entropy's (rounding
 of the softmax and the subtraction, summed) and still be read as one."""
@@ -153,8 +154,9 @@ class TargetWeights:
             off = float(min(plain_fit, smooth_fit))
             return self._said(
                 f,
-                "the gradient at the model's output is not a cross-entropy's over logits, with or without label "
-                f"smoothing (off by {off:.1e}): a regression, a distillation or another loss",
+                "the gradient at the model's output is not a weighted cross-entropy's over logits (a weighted "
+                f"log-probability's, of either sign), with or without label smoothing (off by {off:.1e}): a "
+                "regression, a distillation, a KL over the whole distribution, an entropy bonus or another loss",
             )
         stats = zip(n.tolist(), *(t.tolist() for t in rows))
         said["resolution"] = max(FINEST, 2 * fit)  # as far as the gradient strays from the loss it is read as
@@ -196,7 +198,7 @@ class TargetWeights:
         step = max(1, CHUNK // classes)
         for i in range(0, z.shape[0], step):
             zi, gi = z[i : i + step].float(), g[i : i + step]
-            label = gi.argmin(dim=-1, keepdim=True)  # (a weight below zero is not read: no cross-entropy's then)
+            label = _labels(gi)
             # off the label: Σ g over Σ p (and Σ p − (V − 1) ε/V) — Σ p as exp(logsumexp of the others − of all),
             # no cancellation where p[y] nears 1
             others = (zi.scatter(-1, label, -torch.inf).logsumexp(dim=-1) - zi.logsumexp(dim=-1)).double().exp()
@@ -240,6 +242,14 @@ def _abs_sums(grad: torch.Tensor) -> torch.Tensor:
     return grad.reshape(-1, grad.shape[-1]).abs().sum(dim=-1, dtype=torch.float64)
 
 
+def _labels(g: torch.Tensor) -> torch.Tensor:
+    """Each position's label, [positions, 1]: the entry of w (p − e_y) whose sign is not the weight's. Its size is the
+    others' sum, so it is the largest: the least entry where w > 0, the largest where w < 0 (a policy gradient's
+    negative advantage) — the least where they tie (two classes: w's sign cannot be told, a positive weight read)."""
+    low, high = g.argmin(dim=-1, keepdim=True), g.argmax(dim=-1, keepdim=True)
+    return torch.where(g.gather(-1, low).abs() >= g.gather(-1, high).abs(), low, high)
+
+
 def _fits(z: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """On SAMPLE positions spread over the forward, in float64: how far the gradient strays from a plain
     cross-entropy's w (p − e_y) off the label (relative to w·max p, as the weights are read there) and then at the
@@ -249,7 +259,7 @@ def _fits(z: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, ...]:
     chosen = torch.arange(0, z.shape[0], max(1, z.shape[0] // SAMPLE), device=z.device)[:SAMPLE]
     g, p = g[chosen].double(), torch.softmax(z[chosen].double(), dim=-1)
     classes = p.shape[-1]
-    label = g.argmin(dim=-1, keepdim=True)
+    label = _labels(g)
     g_y, p_y = g.gather(-1, label)[:, 0], p.gather(-1, label)[:, 0]
     pushed, others = g.sum(dim=-1) - g_y, p.sum(dim=-1) - p_y
     target = pushed != 0
@@ -257,11 +267,11 @@ def _fits(z: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, ...]:
     strayed = (g - w[:, None] * p).scatter_(-1, label, 0.0)
     off_label = strayed.abs().amax(dim=-1) / (w.abs() * p.amax(dim=-1)).clamp_min(1e-300)
     plain = torch.maximum(off_label, (g_y - w * (p_y - 1)).abs() / w.abs().clamp_min(1e-300))
-    # label smoothing: off the label g = w (p − c), one c = ε/V for the loss — fitted position by position
-    g, p, label, pushed, others = g[:FIT], p[:FIT], label[:FIT], pushed[:FIT], others[:FIT]
-    mean_p, mean_g = others / (classes - 1), pushed / (classes - 1)
-    dp = (p - mean_p[:, None]).scatter_(-1, label, 0.0)
-    slope = (dp * (g - mean_g[:, None])).sum(dim=-1) / (dp * dp).sum(dim=-1)
+    # label smoothing: off the label g = w (p − c), one c = ε/V for the loss — fitted position by position on the
+    # first FIT, then checked on every sampled position (a fit is said only where it fits them all)
+    mean_p, mean_g = others[:FIT] / (classes - 1), pushed[:FIT] / (classes - 1)
+    dp = (p[:FIT] - mean_p[:, None]).scatter_(-1, label[:FIT], 0.0)
+    slope = (dp * (g[:FIT] - mean_g[:, None])).sum(dim=-1) / (dp * dp).sum(dim=-1)
     c = torch.nan_to_num(torch.nanmedian(torch.where(target[:FIT], mean_p - mean_g / slope, torch.nan)), nan=0.0)
     w1 = pushed / (others - (classes - 1) * c)
     off = (g - w1[:, None] * (p - c)).scatter_add_(-1, label, (w1 * (1 - classes * c))[:, None])
@@ -270,7 +280,7 @@ def _fits(z: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, ...]:
     def worst(x, among):
         return torch.where(among, torch.nan_to_num(x, nan=torch.inf), 0.0).amax()
 
-    return worst(off_label, target), worst(plain, target), worst(smooth, target[:FIT]), c
+    return worst(off_label, target), worst(plain, target), worst(smooth, target), c
 
 
 @contextlib.contextmanager

@@ -118,12 +118,18 @@ class AsLeft:
         self._at: dict[tuple, torch.Tensor] = {}
         self._at_clip: dict | None = None
         """What the gradients were multiplied by between the last backward and the first clip call after it."""
+        self.combined: str | None = None
+        """How the script combined the ranks' gradients by hand after the last backward (`torch.distributed.all_reduce`
+        on them): "sum" or "mean" (ReduceOp.AVG), "unread" (another op, or one left running) — None: not by hand (DDP,
+        FSDP or a DeepSpeed engine averages them inside the backward; or one rank)."""
+        self._prior = 1.0
+        """What the gradients had been multiplied by before that all-reduce."""
 
     def take(self, model: torch.nn.Module | None) -> None:
         engine = callable(getattr(model, "get_global_grad_norm", None))
         params = [] if model is None or engine else model.parameters()
         self.left = [(p, p.grad, _version(p.grad)) for p in params if p.grad is not None]
-        self._entries, self._at_clip = [], None
+        self._entries, self._at_clip, self.combined, self._prior = [], None, None, 1.0
         for p, grad, _ in self.left[:: max(1, len(self.left) // FACTOR_PARAMETERS)]:
             here = dtensors.local(grad.detach()).reshape(-1)
             if here.numel():
@@ -136,6 +142,28 @@ class AsLeft:
             spread = sorted({(2 * k + 1) * n // (2 * FACTOR_ENTRIES) for k in range(FACTOR_ENTRIES)})
             self._at[n, here.device] = torch.tensor(spread, device=here.device)
         return self._at[n, here.device]
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` is a gradient as the last backward left it (what a hand all-reduce combines): before
+        the first such all-reduce, what the gradients had been multiplied by until then is kept."""
+        if not any(g is tensor for _, g, _ in self.left):
+            return False
+        if self.combined is None:
+            before = self.factor()
+            self._prior = before["factor"] if before is not None and before["factor"] is not None else 1.0
+        return True
+
+    def all_reduced(self, tensor: torch.Tensor, op: str | None) -> None:
+        """The script all-reduced `tensor`, a gradient as left (:meth:`holds`), over the ranks (`op`: "sum", "mean",
+        or None for another op or one left running): the ranks' gradients were combined by hand. From here on a
+        factor is relative to the combined gradient, times what the gradients had been multiplied by before; the
+        all-reduce itself is no change in place."""
+        self.combined = op if self.combined in (None, op) and op is not None else "unread"
+        self.left = [(p, g, _version(g)) if g is tensor else (p, g, v) for p, g, v in self.left]
+        self._entries = [
+            (p, g, at, dtensors.local(g.detach()).reshape(-1)[at].double() / self._prior if g is tensor else values)
+            for p, g, at, values in self._entries
+        ]
 
     def changed(self) -> bool:
         """Whether a gradient was changed in place, or replaced, since — by its version, or by the entries read (an
