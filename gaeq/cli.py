@@ -1,6 +1,7 @@
 """The terminal: parse, call, print, exit code. Library code never prints; this module does.
 
-Exit codes: 0 every verdict as expected, 1 a verdict differs, 2 bad input, 3 a run failed.
+Exit codes: 0 every verdict as expected, 1 a verdict differs, 2 bad input, 3 a run failed, 4 every run finished
+but a split nothing could judge (`unjudged`).
 """
 
 from __future__ import annotations

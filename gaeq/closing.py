@@ -35,10 +35,17 @@ def print_result(console: Console, result: RunResult) -> int:
     for line in [*weights_lines(report), *reference_lines(report), *floor_lines(report), versions_line(report)]:
         console.print(escape(line), highlight=False, soft_wrap=True)  # ([fp32, bf16] is text, not markup)
     s = report.summary
-    status = "[bold green]OK[/]" if report.ok else "[bold red]NOT OK[/]"
+    status = (
+        "[bold green]OK[/]"
+        if report.ok
+        else "[bold magenta]NOT JUDGED[/]"
+        if report.unjudged
+        else "[bold red]NOT OK[/]"
+    )
     baselines = "".join(f", baseline {b} {v}" for b, v in report.baselines_not_matching.items())
     console.print(
-        f"{status}: {s['match']} match, {s['diverge']} diverge, {s['error']} error, {s['skipped']} skipped "
+        f"{status}: {s['match']} match, {s['diverge']} diverge, {s['error']} error, {s['skipped']} skipped"
+        f"{f', {u} unjudged' if (u := s['unjudged']) else ''} "
         f"{'split' if sum(s.values()) == 1 else 'splits'}{baselines}, relative to {report.relative_to} "
         f"— report: {result.run_dir / 'report.md'}",
         highlight=False,

@@ -31,6 +31,9 @@ class Verdict(Name):
     """It did not run to the end, or its results cannot be read: nothing to compare."""
     SKIPPED = "skipped"
     """It cannot run here (its reason says why)."""
+    UNJUDGED = "unjudged"
+    """It ran to the end, but nothing could judge it: no reference, and its targets' weights were not read or no
+    other split decides (its reason says which, and what would judge it)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -147,7 +147,13 @@ COLUMNS = (
     Column("theory", lambda c: _fmt(c.bubble_theory, "{:.2f}"), "pp_cost", right=True),
     Column("s", lambda c: _fmt(c.seconds, "{:.1f}"), right=True),
 )
-_STYLE = {Verdict.MATCH: "green", Verdict.DIVERGE: "yellow", Verdict.ERROR: "bold red", Verdict.SKIPPED: "dim"}
+_STYLE = {
+    Verdict.MATCH: "green",
+    Verdict.DIVERGE: "yellow",
+    Verdict.ERROR: "bold red",
+    Verdict.SKIPPED: "dim",
+    Verdict.UNJUDGED: "magenta",
+}
 
 
 def columns(report: Report, *, tables: tuple[str, ...] = ("both", "verdict", "tensors", "cost")) -> list[Column]:
@@ -228,7 +234,7 @@ def render_markdown(report: Report, *, figure: str | None = None) -> str:
     lines = [
         "# gaeq report",
         "",
-        f"**{'OK' if report.ok else 'NOT OK'}** — "
+        f"**{'OK' if report.ok else 'NOT JUDGED' if report.unjudged else 'NOT OK'}** — "
         + ", ".join(f"{n} {v}" for v, n in s.items())
         + f"; baseline{'s' if len(report.baselines) > 1 else ''}: "
         + ", ".join(f"`{b}` ({d})" for d, b in report.baselines.items()),

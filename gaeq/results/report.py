@@ -30,10 +30,10 @@ from gaeq.results.trace import TraceStore, cell_dir
 from gaeq.results.untested import untested
 from gaeq.results.weighing import beside, beside_divergence, judge_alone, peers_of, reference_note, weighting_of
 from gaeq.results.weighing import check as weights_check
-from gaeq.script.verdict import read_probe, script_checks
+from gaeq.script.verdict import as_handed, read_probe, script_checks
 
 VERDICTS = tuple(Verdict)
-EXIT_OK, EXIT_VERDICT, EXIT_BAD_INPUT, EXIT_RUN_FAILED = 0, 1, 2, 3
+EXIT_OK, EXIT_VERDICT, EXIT_BAD_INPUT, EXIT_RUN_FAILED, EXIT_UNJUDGED = 0, 1, 2, 3, 4
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,9 +82,17 @@ class Report:
         return {c.id: c.verdict for c in self.cells if c.cell.role is Role.BASELINE and c.verdict != Verdict.MATCH}
 
     @property
+    def unjudged(self) -> bool:
+        """Every cell as expected but some that ran and nothing could judge (`Verdict.UNJUDGED`)."""
+        short = [c for c in self.cells if not c.as_expected]
+        return bool(short) and all(c.verdict == Verdict.UNJUDGED for c in short)
+
+    @property
     def exit_code(self) -> int:
         if any(c.verdict == Verdict.ERROR for c in self.cells):
             return EXIT_RUN_FAILED
+        if self.unjudged:
+            return EXIT_UNJUDGED
         return EXIT_OK if self.ok else EXIT_VERDICT
 
     @property
@@ -371,9 +379,12 @@ def _judge_cell(
         first = dict(checks.first) if checks else None
         if checks is not None and weights is not None:  # the split's targets' weights, beside the numbers
             first |= weights_check(*weights)
+        base_trace, cell_trace = traces.get(base_id), traces.get(cell.id)
+        if checks is not None and checks.loss_as_handed:  # a change in place that may be a clip: no rescale
+            base_trace, cell_trace = as_handed(base_trace, base_probe), as_handed(cell_trace, probe)
         comparison = compare_traces(
-            traces.get(base_id),
-            traces.get(cell.id),
+            base_trace,
+            cell_trace,
             tolerance,
             tracked=tracked,
             tensors=tensors,

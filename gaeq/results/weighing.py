@@ -147,10 +147,10 @@ def judge_alone(cell: Cell, outcome, own: Weighting | None, peers: list) -> tupl
 def judged_alone(cell: Cell, own: Weighting | None, peers: list[tuple[Cell, Weighting | None]]) -> tuple[Verdict, str]:
     """A split with no reference, beside the other splits of its script and arguments (`peers`): `diverge` where its
     weights are tied to its split or differ from theirs; `match` where they are the same, or — alone — of the step's
-    rows alone; `error` where nothing could be read or decide."""
+    rows alone; `unjudged` where nothing could be read or decide."""
     if own is None or own.kind == Kind.UNREAD:
         why = own.line.removeprefix("not read: ") if own is not None else "its probe wrote nothing"
-        return Verdict.ERROR, (
+        return Verdict.UNJUDGED, (
             f"no reference, and its targets' weights were not read ({why}): nothing judges it — give it a reference "
             "(`--baseline`, `baseline:`)"
         )
@@ -179,7 +179,7 @@ def judged_alone(cell: Cell, own: Weighting | None, peers: list[tuple[Cell, Weig
         )
     if own.kind == Kind.STEP:
         return Verdict.MATCH, f"{ALONE}: {own.line}"
-    return Verdict.ERROR, (
+    return Verdict.UNJUDGED, (
         f"no reference, and no other split to set its weights beside: {own.line} — a second split decides "
         "(`--split`), or a reference (`--baseline auto`)"
     )

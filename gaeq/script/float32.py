@@ -3,9 +3,10 @@
 Its autocast is switched off, its ``GradScaler`` disabled (``enabled=False``: its ``scale`` returns the loss
 as it is, its ``step`` steps) and FSDP2's mixed precision left out (``fully_shard`` without its
 ``mp_policy``). A DeepSpeed config's bf16/fp16 section gaeq writes is switched off by the launch
-(gaeq.script.launch). A cast the script writes itself (``model.to(torch.bfloat16)``) cannot be undone: its
-parameters' dtype says so, and the label check (gaeq.script.precision) says why. `switched_off` names what
-was switched off, for the report.
+(gaeq.script.launch). A cast the script writes itself is kept float32: a module's ``.to(torch.bfloat16)``,
+``.bfloat16()`` and ``.half()`` (a tensor's cast is left as it is), and ``torch.set_default_dtype`` to a half
+precision, which transformers' ``from_pretrained``/``from_config`` call with their ``dtype``/``torch_dtype``.
+`switched_off` names what was switched off, for the report.
 """
 
 from __future__ import annotations
@@ -56,6 +57,43 @@ class Float32:
 
         torch.amp.GradScaler.__init__ = float32_scaler_init
         self._without_fsdp_mixed_precision()
+        self._without_module_casts()
+
+    def _without_module_casts(self) -> None:
+        """A module's casts to a half precision, and a half-precision default dtype, left float32 (a device move
+        in the same call still moves it)."""
+        module, float32 = torch.nn.Module, self
+        to = module.to
+
+        @functools.wraps(to)
+        def float32_to(m, *args, **kwargs):
+            device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+            if dtype not in SHORT or SHORT[dtype] not in ("bf16", "fp16"):
+                return to(m, *args, **kwargs)
+            float32.said(f"{type(m).__name__}.to({dtype_name(dtype)})")
+            if device is None:
+                return m
+            moved = {"non_blocking": non_blocking} | ({"memory_format": memory_format} if memory_format else {})
+            return to(m, device, **moved)
+
+        module.to = float32_to
+        for name in ("bfloat16", "half"):
+
+            def kept(m, name=name):
+                float32.said(f"{type(m).__name__}.{name}()")
+                return m
+
+            setattr(module, name, functools.wraps(getattr(module, name))(kept))
+        set_default = torch.set_default_dtype
+
+        @functools.wraps(set_default)
+        def float32_default(d):
+            if d in (torch.bfloat16, torch.float16):
+                float32.said(f"torch.set_default_dtype({dtype_name(d)}) (transformers' dtype=, torch_dtype=)")
+                d = torch.float32
+            return set_default(d)
+
+        torch.set_default_dtype = float32_default
 
     def _without_fsdp_mixed_precision(self) -> None:
         """FSDP2's ``fully_shard`` as the script imports it, its ``mp_policy`` left out (float32 compute)."""

@@ -94,13 +94,14 @@ def rescaled(phases: list[dict | None] | None) -> float | None:
     return found[-1]["factor"] if found else 1.0
 
 
-def objective_factor(ranks: list[dict[str, Any]]) -> float:
-    """What the ranks' summed losses are multiplied by to be the objective the optimizer receives: ÷ the ranks'
-    combination, × what rank 0's gradients were multiplied by after the last backward (a rescale, torchtune's × world
-    ÷ the step's tokens; where ranks differ, rank 0's — the weights say so) — a missing ÷ GA shows as × GA even where
-    the logged loss looks right."""
+def objective_factor(ranks: list[dict[str, Any]]) -> tuple[float, float]:
+    """The rescale, and what the ranks' summed losses are multiplied by to be the objective the optimizer
+    receives: ÷ the ranks' combination, × what rank 0's gradients were multiplied by after the last backward (a
+    rescale: torchtune's × world ÷ the step's tokens; where ranks differ, rank 0's — the weights say so) — a missing
+    ÷ GA shows as × GA even where the logged loss looks right."""
     factor = rescaled(ranks[0].get("rescale")) if ranks else 1.0
-    return (1.0 if factor is None else factor) / combining([r.get("combined") for r in ranks], len(ranks))
+    factor = 1.0 if factor is None else factor
+    return factor, factor / combining([r.get("combined") for r in ranks], len(ranks))
 
 
 def step_weights(step: dict) -> StepWeights | str:

@@ -179,12 +179,12 @@ class TrainingSteps:
 def record(step: int, ranks: list[dict[str, Any]], read: Boundary, *, sketch: tuple[float, float]) -> dict[str, Any]:
     """A training step's record in probe.json: every rank's :meth:`Seen.shared`, rank 0's readings."""
     world = len(ranks)
-    times = objective_factor(ranks)
+    rescale, times = objective_factor(ranks)
     return {
         "step": step,
         "objective": sum(sum(r["losses"]) for r in ranks) * times,
         "objective_resolution": sum(r["resolution"] for r in ranks) * abs(times),
-        "objective_factor": times,
+        "objective_rescale": rescale,
         "grad_norm": read.grad_norm,
         "lr": read.lr,
         "sketch": sketch[0],

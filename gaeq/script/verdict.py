@@ -47,6 +47,19 @@ class ScriptChecks:
     remarks: list[str] = field(default_factory=list)
     """What the probe saw that differs from the baseline without being a divergence (another layout of the
     same samples), said in the reason whatever the verdict."""
+    loss_as_handed: bool = False
+    """One run changed its gradients in place by no clip call where the other called a clip: that change may be a
+    clip written by hand, no rescale of the objective — the losses are compared as handed to backward, combined
+    over the ranks (:func:`as_handed`), not × that change."""
+
+
+def as_handed(trace: list, probe: dict) -> list:
+    """A script's trace with each step's loss as handed to backward and combined over the ranks: its objective
+    less the rescale after the last backward (gaeq.script.objective.objective_factor)."""
+    from dataclasses import replace
+
+    rescale = {s["step"]: s.get("objective_rescale") or 1.0 for s in probe.get("steps") or ()}
+    return [replace(r, loss=r.loss / rescale.get(r.step, 1.0)) for r in trace]
 
 
 def read_probe(cell_dir: Path) -> dict | None:
@@ -119,7 +132,9 @@ def script_checks(
     notes |= {"lr": note} if lr_differs and (note := _schedule_advanced(steps)) else {}
     if (edited := _norms_read_apart(steps)) is not None:
         not_checked["grad_norm"] = edited
-    elif any(c.get("edited") for _, c in steps):
+        notes["loss"] = " (the losses as handed to backward: a change in place by no clip call may be a clip)"
+        return ScriptChecks(first=found, not_checked=not_checked, notes=notes, remarks=remarks, loss_as_handed=True)
+    if any(c.get("edited") for _, c in steps):
         notes["grad_norm"] = (
             " (in both, the norm after the script changed its gradients in place by no call gaeq patches, as a clip "
             "written by hand does: the gradient its optimizer received)"

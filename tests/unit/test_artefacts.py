@@ -174,7 +174,7 @@ def test_report_command_rejudges_with_other_tolerances(finished_run, tmp_path):
     result = runner.invoke(app, ["report", str(run_dir)])
     assert result.exit_code == 0, result.output
     first = json.loads((run_dir / "report.json").read_text())
-    assert first["ok"] and first["summary"] == {"match": 2, "diverge": 1, "error": 0, "skipped": 2}
+    assert first["ok"] and first["summary"] == {"match": 2, "diverge": 1, "error": 0, "skipped": 2, "unjudged": 0}
     assert "![" in (run_dir / "report.md").read_text() and (run_dir / "overlay.png").exists()
 
     # Tolerances tighter than float summation noise: the accumulated cells now "diverge".

@@ -255,3 +255,92 @@ def test_gradients_changed_through_data_are_seen_as_changed_where_no_version_mov
         p.grad.data.mul_(0.5)
     versions = [p.grad._version for p in model.parameters()]
     assert left.changed() and versions == [p.grad._version for p in model.parameters()]
+
+
+def test_signed_weights_are_read_with_their_sign_and_a_normaliser_per_micro_batch_is_named_beside_the_whole_batch():
+    """A policy gradient −A log π(token), advantages of both signs: each target's weight is A/N with its sign (its
+    label the gradient's entry whose sign is not the weight's), of no shape one run tells; beside the whole batch's
+    weights, each micro-batch's own normaliser is named by its window (the control: the same micro-batches of one
+    size, where that normaliser is right, differ in nothing)."""
+    from gaeq.script.invariance import compare
+
+    lengths = [[[3, 8], [5, 6]]]  # one rank, GA 2: 11 and 11 targets
+    advantages = torch.tensor([[1.2, -0.7], [0.3, -1.5]])
+    n = sum(sum(b) for b in lengths[0])
+
+    def step(divide):
+        reader = TargetWeights()
+        for k, y in enumerate(batches(lengths)[0]):
+            logits = torch.randn(*y.shape, V, requires_grad=True)
+            reader.watch({"logits": logits})
+            logp = logits.log_softmax(-1).gather(-1, y.clamp_min(0)[..., None])[..., 0]
+            (torch.where(y != -100, -advantages[k][:, None] * logp, 0).sum() / divide(y)).backward()
+        keys = [[f"{k}.{i}" for i in range(2)] for k in range(2)]
+        return weighting([{"step": 0, "world_size": 1, "targets": [reader.take(keys)]}]), reader.unread
+
+    whole, unread = step(lambda y: n)
+    assert unread is None and (whole.shape, whole.kind) == ("signed", "unknown"), whole
+    rows = whole.steps[0].rows
+    assert [r.total for r in rows] == pytest.approx([1.2 * 3 / n, -0.7 * 8 / n, 0.3 * 5 / n, -1.5 * 6 / n], rel=1e-5)
+    assert "of both signs" in whole.line and "label smoothing" not in whole.line
+    per_micro_batch, _ = step(lambda y: int((y != -100).sum()) * 2)  # 11 each: the same weights, nothing to name
+    assert compare(per_micro_batch, whole) is None
+    lengths[0][1] = [2, 4]  # 11 and 6 targets: each micro-batch's own mean ÷ GA weighs the short one more
+    whole, _ = step(lambda y: 17)
+    found = compare(step(lambda y: int((y != -100).sum()) * 2)[0], whole)
+    assert "one factor per micro-batch (× 0.7727 to × 1.417)" in found.words(), found.words()
+    assert compare(step(lambda y: 17 * 2)[0], whole).window == "every target ÷ GA (2) once more"
+
+
+def test_a_hand_all_reduce_of_the_gradients_is_read_as_a_sum_and_a_rescale_that_differs_by_rank_is_named():
+    """torchtune's recipe by hand: each rank's gradients SUMmed over ranks after the last backward, then × 1 ÷ the
+    step's tokens — the factor is relative to the combined gradient, the all-reduce no change in place; rank
+    factors that differ (each rank's own count) are a shape tied to the split, with its fix."""
+    from gaeq.script.objective import objective_factor
+    from gaeq.script.weights import AsLeft
+
+    model = torch.nn.Linear(8, 4)
+    model(torch.randn(3, 8)).square().sum().backward()
+    left, other = AsLeft(), [torch.randn_like(p) for p in model.parameters()]
+    left.take(model)
+    for p, g in zip(model.parameters(), other):
+        assert left.holds(p.grad)
+        p.grad.add_(g)  # the peer's gradient summed in, as all_reduce(SUM) leaves it
+        left.all_reduced(p.grad, "sum")
+    assert left.combined == "sum" and not left.changed()
+    for p in model.parameters():
+        p.grad.mul_(1 / 40)
+    rescale = [left.rescale(1.0)]
+    assert rescale[0]["factor"] == pytest.approx(1 / 40, rel=1e-6) and left.combined == "sum"
+    ranks = [{"losses": [3.0], "combined": "sum", "rescale": rescale}, {"losses": [5.0], "combined": "sum"}]
+    assert objective_factor(ranks) == pytest.approx((1 / 40, 1 / 40), rel=1e-6)  # Σ losses ÷ N, no ÷ world
+    ranks[1]["combined"] = None  # DDP's mean
+    assert objective_factor(ranks)[1] == pytest.approx(1 / 80, rel=1e-6)
+    labels = batches([[[8, 8]], [[5, 3]]])
+    step = step_of(labels, lambda lo, y, r, k: ce(lo, y), world=2)
+    step["rescale"] = [[{"factor": 1 / 24}], [{"factor": 1 / 16}]]  # each rank's own count
+    said = weighting([step])
+    assert (said.shape, said.kind) == ("rank_rescale", "split") and "rank 0 ÷ 24, rank 1 ÷ 16" in said.line
+    step["rescale"] = [[{"factor": 1 / 24}], [{"factor": 1 / 24}]]
+    step["combined"] = ["sum", "sum"]
+    assert weighting([step]).shape == "mean"  # summed over the ranks, ÷ the step's 24 targets
+
+
+def test_the_float32_run_keeps_a_models_own_cast_to_bf16_float32_and_says_so():
+    """`model.to(torch.bfloat16)`, `.half()` and transformers' `dtype=` (torch.set_default_dtype) in a script made
+    float32 — the control, the same calls without it, casts. In a child: the patches are process-wide."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\nfrom gaeq.script.float32 import Float32\nimport sys\nf = Float32()\n"
+        "if sys.argv[1] == 'on': f.install()\n"
+        "m = torch.nn.Linear(2, 2).to(torch.bfloat16)\nh = torch.nn.Linear(2, 2).half()\n"
+        "torch.set_default_dtype(torch.bfloat16)\nn = torch.nn.Linear(2, 2)\n"
+        "print(m.weight.dtype, h.weight.dtype, n.weight.dtype, f.switched_off)"
+    )
+    said = [subprocess.run([sys.executable, "-c", code, on], capture_output=True, text=True, check=True).stdout
+            for on in ("on", "off")]  # fmt: skip
+    assert said[0].split(" ", 3)[:3] == ["torch.float32"] * 3 and "Linear.to(bfloat16)" in said[0], said
+    assert "Linear.half()" in said[0] and "torch.set_default_dtype(bfloat16)" in said[0]
+    assert said[1].split(" ", 3)[:3] == ["torch.bfloat16", "torch.float16", "torch.bfloat16"], said

@@ -89,7 +89,8 @@ def test_report_json_schema_and_exit_codes(write_matrix, tmp_path):
     write_report(tmp_path, report)
     data = json.loads((tmp_path / "report.json").read_text())
     assert data["baseline"] == "torch-w1-mb16-ga1"
-    assert data["summary"] == {"match": 1, "diverge": 1, "error": 0, "skipped": 1}  # the splits: not the baseline
+    splits = {"match": 1, "diverge": 1, "error": 0, "skipped": 1, "unjudged": 0}
+    assert data["summary"] == splits  # the splits: not the baseline
     assert data["ok"] is False and report.exit_code == 1  # the mislabelled control
     keys = {
         "id",

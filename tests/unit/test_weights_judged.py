@@ -167,4 +167,4 @@ def test_no_reference_is_a_script_matrixs_splits_alone_and_what_is_not_read_is_n
     with pytest.raises(MatrixError, match="none is no reference"):
         matrix_from_dict(spec | {"baseline": {"none": True, "world_size": 2}})
     unread = judged_alone(m.cells[0], weighting([], unread="its logits are sharded"), [])
-    assert unread[0] == Verdict.ERROR and "not read (its logits are sharded): nothing judges it" in unread[1]
+    assert unread[0] == Verdict.UNJUDGED and "not read (its logits are sharded): nothing judges it" in unread[1]
