@@ -9,20 +9,13 @@ from dataclasses import asdict, dataclass, field, replace
 from importlib import metadata
 from pathlib import Path
 
+import gaeq.results.notes as why
 from gaeq.files import atomic_write
 from gaeq.matrix import Cell, Matrix, Role, group_key
 from gaeq.registry import TRAINERS
 from gaeq.results.cell_report import CellReport, Cost, unmet_expectation
 from gaeq.results.compare import Tolerance, Verdict, compare_traces, tolerance_for, tolerances_at
 from gaeq.results.floor import DetectionLimit, NoiseFloor, order_causes
-from gaeq.results.notes import (
-    dropout_note,
-    loss_scaler_note,
-    muon_norm_note,
-    order_note,
-    short_step_note,
-    trainer_sp_note,
-)
 from gaeq.results.outcome import CellOutcome
 from gaeq.results.reference import float32_that_does_not_fit, in_words, what_fits
 from gaeq.results.snapshots import compare_snapshots, read_snapshots
@@ -84,8 +77,7 @@ class Report:
     @property
     def unjudged(self) -> bool:
         """Every cell as expected but some that ran and nothing could judge (`Verdict.UNJUDGED`)."""
-        short = [c for c in self.cells if not c.as_expected]
-        return bool(short) and all(c.verdict == Verdict.UNJUDGED for c in short)
+        return {c.verdict for c in self.cells if not c.as_expected} == {Verdict.UNJUDGED}
 
     @property
     def exit_code(self) -> int:
@@ -379,12 +371,10 @@ def _judge_cell(
         first = dict(checks.first) if checks else None
         if checks is not None and weights is not None:  # the split's targets' weights, beside the numbers
             first |= weights_check(*weights)
-        base_trace, cell_trace = traces.get(base_id), traces.get(cell.id)
-        if checks is not None and checks.loss_as_handed:  # a change in place that may be a clip: no rescale
-            base_trace, cell_trace = as_handed(base_trace, base_probe), as_handed(cell_trace, probe)
+        handed = checks is not None and checks.loss_as_handed  # a change in place that may be a clip: no rescale
         comparison = compare_traces(
-            base_trace,
-            cell_trace,
+            as_handed(traces.get(base_id), base_probe) if handed else traces.get(base_id),
+            as_handed(traces.get(cell.id), probe) if handed else traces.get(cell.id),
             tolerance,
             tracked=tracked,
             tensors=tensors,
@@ -401,10 +391,10 @@ def _judge_cell(
     if comparison.verdict == Verdict.DIVERGE and comparison.caught_by != "weights" and weights:
         reason += beside_divergence(*weights)  # the weights' shape and its fix, or not in the weighting
     if comparison.verdict == Verdict.DIVERGE:
-        reason += dropout_note((outcome.ran or {}).get("dropout"), script=TRAINERS[cell.trainer].script)
-        reason += order_note(causes, (outcome.ran or {}).get("dropout"))
-        reason += short_step_note(traces.get(cell.id), comparison.first_divergent_step, cell.train_batch_size)
-        reason += muon_norm_note(outcome.ran or {}, comparison)
-        reason += trainer_sp_note(outcome.ran or {}, comparison, traces.get(base_id), traces.get(cell.id))
-        reason += loss_scaler_note(outcome.ran or {}, comparison, traces.get(base_id), traces.get(cell.id))
+        reason += why.dropout_note((outcome.ran or {}).get("dropout"), script=TRAINERS[cell.trainer].script)
+        reason += why.order_note(causes, (outcome.ran or {}).get("dropout"))
+        reason += why.short_step_note(traces.get(cell.id), comparison.first_divergent_step, cell.train_batch_size)
+        reason += why.muon_norm_note(outcome.ran or {}, comparison)
+        reason += why.trainer_sp_note(outcome.ran or {}, comparison, traces.get(base_id), traces.get(cell.id))
+        reason += why.loss_scaler_note(outcome.ran or {}, comparison, traces.get(base_id), traces.get(cell.id))
     return comparison.verdict, reason, comparison
