@@ -26,11 +26,11 @@ from gaeq.closing import print_overlay_command, print_result
 from gaeq.files import atomic_write
 from gaeq.matrix import Matrix, MatrixError
 from gaeq.matrix.check import Instruments, check_command, check_matrix
+from gaeq.problem.script import Launcher
 from gaeq.progress import RunProgress, plan_line
 from gaeq.results.render import cells_table, problem_line
 from gaeq.results.report import EXIT_BAD_INPUT, EXIT_RUN_FAILED
 from gaeq.runtime.ops import StaleBuild
-from gaeq.script.spec import Launcher
 
 app = typer.Typer(
     name="gaeq",

@@ -9,7 +9,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from gaeq.script.spec import Launcher
+from gaeq.problem.script import Launcher
 
 
 class Instruments(str, Enum):
@@ -38,7 +38,7 @@ def check_matrix(
 ) -> dict[str, Any]:
     """The script matrix `gaeq check` runs: `script` with `script_args` under each (world, micro) of `splits`,
     compared with `baseline` (world, micro; default world 1 with the whole batch), the one `"auto"` chooses, or —
-    `"none"` — none (each split judged by its targets' weights alone, gaeq.script.objective); in each of
+    `"none"` — none (each split judged by its targets' weights alone, gaeq.objective.weighting); in each of
     `dtypes` (default fp32: a mixed-precision script made float32, its sharpest run), each with its reference."""
     spec: dict[str, Any] = {
         "name": "check",

@@ -30,9 +30,9 @@ from gaeq.matrix.schema import (
     MatrixError,
     MatrixSpec,
 )
+from gaeq.problem.placeholders import PlaceholderError, check
 from gaeq.problem.spec import ProblemSpec
 from gaeq.registry import DEEPSPEED_TRAINERS, INSTALL_HF, TRAINERS, dtypes_said
-from gaeq.script.placeholders import PlaceholderError, check
 
 
 def split_rules(split: Split, problem: ProblemSpec, spec: MatrixSpec) -> Split:

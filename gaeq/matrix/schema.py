@@ -42,7 +42,7 @@ Metric = Literal[METRICS]
 ALWAYS_COMPARED = ("skipped", "lr")
 """Metrics every cell's trace is compared on, whatever the matrix tracks."""
 SCRIPT_METRICS = ("split", "data", "init", "events", "update", "weights")
-"""Metrics only a script cell's probe records (gaeq.script.verdict)."""
+"""Metrics only a script cell's probe records (gaeq.results.script_checks)."""
 VariantName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_]+$")]
 BASE = "base"
 """The variant name of the matrix's own `problem`."""
@@ -231,7 +231,7 @@ class BaselineSpec(_Spec):
     none: bool = Field(
         False,
         description="No reference (`baseline: none`, a script's only): each split judged by the weights its "
-        "targets got in one run of it (gaeq.script.objective) — the objective's weighting, not the optimizer, "
+        "targets got in one run of it (gaeq.objective.weighting) — the objective's weighting, not the optimizer, "
         "the data or the schedule.",
     )
 

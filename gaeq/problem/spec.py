@@ -13,8 +13,8 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
 
 from gaeq.problem.hf_spec import HF_DATA_KEYS, HFModelSpec
+from gaeq.problem.script import ScriptSpec
 from gaeq.problem.spec_base import Spec
-from gaeq.script.spec import ScriptSpec
 
 __all__ = ["HF_DATA_KEYS", "HFModelSpec", "Spec"]  # re-exported: the problem schema in one import
 

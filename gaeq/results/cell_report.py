@@ -100,7 +100,7 @@ class CellReport:
     outcome: CellOutcome | None = None
     cost: Cost = Cost()
     weights: dict | None = None
-    """A script cell's targets' weights in words (gaeq.script.objective.Weighting.summary): `line`, `shape`, …"""
+    """A script cell's targets' weights in words (gaeq.objective.weighting.Weighting.summary): `line`, `shape`, …"""
 
     # The cell: what it is.
     id = Part[str]("cell")

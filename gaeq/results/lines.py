@@ -7,11 +7,11 @@ from __future__ import annotations
 from collections import Counter
 
 from gaeq.matrix import BASE, Role, group_key
+from gaeq.objective.shapes import Shape
 from gaeq.registry import TRAINERS
 from gaeq.results.compare import Verdict
 from gaeq.results.reference import MIXED, same_split
 from gaeq.results.report import CellReport, Report
-from gaeq.script.shapes import Shape
 
 
 def caught(c: CellReport) -> str:
@@ -26,7 +26,7 @@ def versions_line(report: Report) -> str:
 
 
 def weights_lines(report: Report) -> list[str]:
-    """Each split's targets' weights in words (gaeq.script.objective): `Weights: <cell>: every target weighs 1/N
+    """Each split's targets' weights in words (gaeq.objective.weighting): `Weights: <cell>: every target weighs 1/N
     ± 3e-07 …: the step's target mean` — where they were read, and for a script's also why not (a cell of gaeq's
     own trainers on a regression has none to read); the instruments' left out (they plant or nudge)."""
     said = [

@@ -18,12 +18,12 @@ from gaeq.results.compare import Tolerance, Verdict, compare_traces, tolerance_f
 from gaeq.results.floor import DetectionLimit, NoiseFloor, order_causes
 from gaeq.results.outcome import CellOutcome
 from gaeq.results.reference import float32_that_does_not_fit, in_words, what_fits
+from gaeq.results.script_checks import as_handed, read_probe, script_checks
 from gaeq.results.snapshots import compare_snapshots, read_snapshots
 from gaeq.results.trace import TraceStore, cell_dir
 from gaeq.results.untested import untested
 from gaeq.results.weighing import beside, beside_divergence, judge_alone, peers_of, reference_note, weighting_of
 from gaeq.results.weighing import check as weights_check
-from gaeq.script.verdict import as_handed, read_probe, script_checks
 
 VERDICTS = tuple(Verdict)
 EXIT_OK, EXIT_VERDICT, EXIT_BAD_INPUT, EXIT_RUN_FAILED, EXIT_UNJUDGED = 0, 1, 2, 3, 4

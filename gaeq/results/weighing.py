@@ -1,7 +1,7 @@
-"""Each script cell's weighting (gaeq.script.objective), read from its probe, and what it says of the verdict:
+"""Each script cell's weighting (gaeq.objective.weighting), read from its probe, and what it says of the verdict:
 
 - with a reference, a check beside the numbers (the `weights` metric): a split whose own weights are tied to its
-  split, or that differ from the reference's (gaeq.script.invariance), diverges — even where the numbers agree
+  split, or that differ from the reference's (gaeq.objective.invariance), diverges — even where the numbers agree
   within their tolerances, and the reason says both; the reference's own weights are judged too (`reference_note`);
 - with none (`baseline: none`), the verdict (`judged_alone`): each split's weights beside those of the other splits
   of the same script and arguments — the same in every split, or the same as the split that holds the whole batch
@@ -15,14 +15,14 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+from gaeq.contract import TARGETS_FILE
 from gaeq.matrix import Cell, Matrix, Role
+from gaeq.objective.invariance import Difference, compare
+from gaeq.objective.shapes import BRIEF, Kind, Shape
+from gaeq.objective.weighting import Weighting, weighting
 from gaeq.results.compare import Verdict
+from gaeq.results.script_checks import read_probe
 from gaeq.results.trace import cell_dir
-from gaeq.script.contract import TARGETS_FILE
-from gaeq.script.invariance import Difference, compare
-from gaeq.script.objective import Weighting, weighting
-from gaeq.script.shapes import BRIEF, Kind, Shape
-from gaeq.script.verdict import read_probe
 
 ALONE = (
     "judged by its targets' weights alone (no reference: a check of the objective's weighting, not of the "

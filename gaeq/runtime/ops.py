@@ -27,10 +27,10 @@ from pathlib import Path
 
 from gaeq.accelerator import has_cuda
 from gaeq.matrix import Cell
+from gaeq.problem.script import Launcher
 from gaeq.problem.spec import ProblemSpec
 from gaeq.registry import DEEPSPEED_TRAINERS
 from gaeq.runtime.events import Event, EventKind, OnEvent
-from gaeq.script.spec import Launcher
 
 STALE_AFTER_S = 60.0
 """A lock older than this, with no library beside it and no process building in its folder, is a dead

@@ -243,10 +243,10 @@ def weighed(cell: Cell, ctx: Any) -> contextlib.AbstractContextManager:
     """The weight every target gets in each step, read in a split or baseline of gaeq's own trainers
     (gaeq.script.targets; a script's probe reads its own). Not where ranks share a batch (TP, PP, SP) nor in an
     instrument, which plants or nudges."""
+    from gaeq.contract import TARGETS_FILE
     from gaeq.matrix import Role
     from gaeq.registry import TRAINERS
     from gaeq.script import targets
-    from gaeq.script.contract import TARGETS_FILE
 
     shared = cell.tensor_parallel * cell.pipeline_parallel * cell.sequence_parallel > 1
     if TRAINERS[cell.trainer].script or shared or cell.role not in (Role.CELL, Role.BASELINE):

@@ -21,9 +21,9 @@ def run(script: str, args: list[str]) -> None:
     """The script under the probe, in this process (its environment already the rank's, with the fp16
     answer gaeq's run forces on DeepSpeed's accelerator, if any: gaeq/accelerator.py)."""
     from gaeq.accelerator import force_fp16_answer, forced_fp16
+    from gaeq.contract import OUT_OF_MEMORY_FILE, ran_out_of_memory
     from gaeq.oom import is_out_of_memory
     from gaeq.runtime import crashes
-    from gaeq.script.contract import OUT_OF_MEMORY_FILE, ran_out_of_memory
     from gaeq.script.probe import Probe
     from gaeq.script.ranks import rank
 

@@ -13,10 +13,12 @@ from collections.abc import Iterable
 from multiprocessing import connection
 from pathlib import Path
 
+from gaeq.contract import ENV, FAILURE_FILE, OUT_OF_MEMORY_FILE, PROBE_FILE
 from gaeq.files import atomic_write
 from gaeq.matrix import Cell
 from gaeq.oom import OomKill, kill_count, oom_killer, raised
 from gaeq.oom import at as oom_at
+from gaeq.problem.placeholders import fill
 from gaeq.problem.spec import ProblemSpec
 from gaeq.results.outcome import CellOutcome, write_outcome
 from gaeq.results.trace import TRACE_FILE, cell_dir
@@ -27,9 +29,7 @@ from gaeq.runtime.dist import free_port
 from gaeq.runtime.events import Event, EventKind
 from gaeq.runtime.server import preload_modules, rank_context
 from gaeq.script.attach import forked_rank
-from gaeq.script.contract import ENV, FAILURE_FILE, OUT_OF_MEMORY_FILE, PROBE_FILE
 from gaeq.script.launchers import command, worker_args, worker_env
-from gaeq.script.placeholders import fill
 
 LOG_FILE = "script.log"
 DEEPSPEED_CONFIG_FILE = "ds_config.json"
@@ -303,7 +303,7 @@ def _why_not_done(
     problem: ProblemSpec, *, out: Path, facts: dict | None, code: int | None, who: str, timeout_s: float
 ) -> str | None:
     """Why the cell has no comparable result (None: it has one): it hung, or stopped before its steps
-    (the split it ran is judged with the numbers, gaeq.script.verdict). `who` ended it with `code`."""
+    (the split it ran is judged with the numbers, gaeq.results.script_checks). `who` ended it with `code`."""
     if code is None:
         return f"timed out: the script ran for {timeout_s:.0f} s without finishing its {problem.steps} steps"
     ended = f"{who} {how_it_ended(code)}"

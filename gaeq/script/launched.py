@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gaeq.matrix import Cell
+from gaeq.problem.script import Launcher
 from gaeq.problem.spec import ProblemSpec
 from gaeq.results.outcome import read_outcome, write_outcome
 from gaeq.results.trace import TRACE_FILE
@@ -34,7 +35,6 @@ from gaeq.runtime.cells import fail_cell
 from gaeq.runtime.crashes import how_it_ended
 from gaeq.script.launch import conclude, out_of_memory, prepare, rank_log
 from gaeq.script.launchers import worker_args, worker_env
-from gaeq.script.spec import Launcher
 
 AGENT_ONLY = ("TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE")
 """What torchrun tells its workers about its agent, which a script cell's group does not use."""

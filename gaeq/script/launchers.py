@@ -3,14 +3,14 @@ the arguments it adds. gaeq starts the ranks itself (forked from its fork server
 launcher's agent, which would import torch once more per cell) and gives each exactly this, so the
 script cannot tell the difference (read from the launchers' sources: torch.distributed.run,
 deepspeed.launcher.launch, accelerate.utils.launch.prepare_multi_gpu_env). The launchers' names are
-the matrix's (gaeq.script.spec.Launcher)."""
+the matrix's (gaeq.problem.script.Launcher)."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
 
-from gaeq.script.spec import Launcher
+from gaeq.problem.script import Launcher
 
 
 def threads(launcher: Launcher, *, world_size: int, given: Mapping[str, str]) -> dict[str, str]:

@@ -4,7 +4,7 @@ writes, per optimizer step, what was really optimised and on which data.
 
 - **the objective**: every scalar handed to autograd's backward (DeepSpeed's and accelerate's ``backward``
   end there), summed over the step's micro-steps and ranks as the optimizer receives them
-  (gaeq.script.objective.objective_factor);
+  (gaeq.objective.weighting.objective_factor);
 - **the grad norm at the boundary, before clipping**, in float64: at the first ``clip_grad_norm_``
   after the step's last backward (whatever the script clipped before it), or at the optimizer step
   when nothing clips after it — over every optimizer of the training step, each gradient read once
@@ -48,8 +48,8 @@ import gaeq.newton_schulz as newton_schulz
 import gaeq.perturb as perturb
 import gaeq.script.calls as calls
 from gaeq.accelerator import fp16_answer_record
+from gaeq.contract import ENV, FAILURE_FILE, PROBE_FILE, failed_in_gaeq
 from gaeq.rows import trains, wraps
-from gaeq.script.contract import ENV, FAILURE_FILE, PROBE_FILE, failed_in_gaeq
 from gaeq.script.precision import Precision
 from gaeq.script.ranks import gather, rank, versions
 from gaeq.script.samples import SampleIdentity
@@ -134,7 +134,7 @@ class Probe:
             self.write(FAILURE_FILE.format(rank=rank()), self._failure)
 
     def write(self, name: str, said: dict) -> None:
-        """One of this rank's records for the launch to read (gaeq.script.contract), in the cell's directory."""
+        """One of this rank's records for the launch to read (gaeq.contract), in the cell's directory."""
         from gaeq.files import atomic_write
 
         self.out.mkdir(parents=True, exist_ok=True)

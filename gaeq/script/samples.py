@@ -15,7 +15,7 @@ another, on the left or on the right:
   amount of padding on either side);
 - else the rows are hashed as they are, and the micro-batch is marked **not exact**: when the
   inputs' length then varies between micro-batches, a difference in fingerprints may be padding,
-  and the data check says it was not made (gaeq.script.verdict), rather than guess.
+  and the data check says it was not made (gaeq.results.script_checks), rather than guess.
 
 Inputs without positions (images, features, per-sample values) are hashed row by row as they are.
 """
@@ -71,7 +71,7 @@ class MicroBatch:
     """Rows as received (the inputs' first dimension): a packed dataset's micro-batch size counts its packs."""
     row_keys: list[str] = dataclasses.field(default_factory=list)
     """One per row as received: its samples' fingerprints, joined — the same row in every split that hands the
-    model the same rows (what a row's target weights are matched by, gaeq.script.invariance)."""
+    model the same rows (what a row's target weights are matched by, gaeq.objective.invariance)."""
 
     @property
     def samples(self) -> int:

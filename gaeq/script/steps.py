@@ -18,7 +18,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from gaeq.script.objective import objective_factor
+from gaeq.objective.weighting import objective_factor
 
 
 @dataclass

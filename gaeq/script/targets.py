@@ -17,7 +17,7 @@ the loss. A forward read so is checked against the gradient its logits then get:
 Each forward's weights are kept per row (count, sum, least, largest), with their relative resolution: twice as
 far as the gradient strays from the loss it is read as (a bf16 loss's own rounding shows there), never finer than
 a float32 read's: the probe gathers them with the rest of the step (gaeq.script.steps), and
-gaeq.script.objective says what they mean. The weights are this rank's, as its backward made them; a loss
+gaeq.objective.weighting says what they mean. The weights are this rank's, as its backward made them; a loss
 scaler's scale is taken out.
 """
 

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from gaeq.script.contract import ENV, PROBE_FILE
+from gaeq.contract import ENV, PROBE_FILE
 from tests.processes import new_tag, owned, spawn
 
 pytestmark = pytest.mark.integration  # each test's script runs as a process of its own

@@ -1,5 +1,5 @@
 """A verdict without a reference (#68): `baseline: none` judges each split of a user's script by the weight its
-targets got in one run of it (gaeq.script.targets, gaeq.script.objective). experiments/scripts/ddp_manual.py,
+targets got in one run of it (gaeq.script.targets, gaeq.objective.weighting). experiments/scripts/ddp_manual.py,
 correct at world 1 and 2 and with a weighting mistake in each split: the correct ones `match`, the planted ones
 `diverge` with the mistake named and its fix — no reference, no twins, nothing run twice."""
 

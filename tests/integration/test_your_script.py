@@ -257,8 +257,8 @@ def ranks_given(tmp_path_factory):
 
     import yaml
 
+    from gaeq.problem.script import Launcher
     from gaeq.script.launchers import worker_env
-    from gaeq.script.spec import Launcher
     from tests.helpers import gaeq_run_here
     from tests.processes import new_tag, owned, side_by_side, spawn
 
@@ -313,8 +313,8 @@ def test_a_rank_gets_what_the_real_launcher_gives_its_worker(ranks_given, launch
     the same world has the same variables (values apart from where they meet) and the same arguments —
     the script cannot tell gaeq's start from the launcher's. (accelerate launch on a CPU-only machine
     starts one process: its multi-process start is torchrun's, in the unit test.)"""
+    from gaeq.problem.script import Launcher
     from gaeq.script.launchers import worker_args, worker_env
-    from gaeq.script.spec import Launcher
 
     for world in WORLDS:
         ours = worker_env(Launcher(launcher), rank=world - 1, world_size=world, port=0, given={})

@@ -13,8 +13,8 @@ from pydantic import BaseModel
 
 from gaeq.cli import app
 from gaeq.matrix.schema import MatrixSpec
+from gaeq.problem.script import ScriptSpec
 from gaeq.problem.spec import ProblemSpec
-from gaeq.script.spec import ScriptSpec
 from tests.conftest import REPO
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]

@@ -147,11 +147,48 @@ def test_the_control_an_upward_import_is_named_with_its_file_line_and_floors():
         "gaeq/problem/spec.py:5 imports gaeq.runtime (floor 5, processes) from floor 1 (the problem)",
         "gaeq/problem/spec.py:5 imports gaeq.runtime.launch (floor 5, processes) from floor 1 (the problem)",
     ]
-    # a new package, and a new module of script/ (its package's row is its __init__ alone): each must be placed
-    stray = [(m, m.replace(".", "/") + ".py", 3, "gaeq.files") for m in ("gaeq.newfloor.thing", "gaeq.script.extra")]
-    assert upward_imports(stray, floors) == [
-        f"{m} has no floor in docs/architecture.md's layer table" for m in ("gaeq.newfloor.thing", "gaeq.script.extra")
+    # a new package must be placed
+    stray = [("gaeq.newfloor.thing", "gaeq/newfloor/thing.py", 3, "gaeq.files")]
+    assert upward_imports(stray, floors) == ["gaeq.newfloor.thing has no floor in docs/architecture.md's layer table"]
+
+
+def package_of(module: str) -> str:
+    """The gaeq package a module is in (`gaeq.script.probe` → `gaeq.script`); a module of gaeq itself is its own."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 2 or (GAEQ / parts[-1]).is_dir() else module
+
+
+def into_packages_above(edges: list[tuple[str, str, int, str]], floors: dict[str, tuple[int, str]]) -> list[str]:
+    """Every import into another package from below any of that package's floors: a room a lower floor reaches into
+    must sit wholly below it (the script's spec, once in script/ beside its launch, was read by the problem)."""
+    highest: dict[str, int] = {}
+    for module in {e[0] for e in edges} | {e[3] for e in edges}:
+        if (floor := floor_of(module, floors)) is not None:
+            highest[package_of(module)] = max(highest.get(package_of(module), -1), floor[0])
+    found = []
+    for module, path, line, dep in edges:
+        here, theirs = floor_of(module, floors), package_of(dep)
+        if package_of(module) != theirs and here and highest.get(theirs, -1) > here[0]:
+            found.append(f"{path}:{line} imports {dep}, of {theirs}, which holds floor {highest[theirs]}, from floor "
+                         f"{here[0]}")  # fmt: skip
+    return found
+
+
+def test_no_package_is_reached_into_from_below_its_highest_floor():
+    floors = declared_floors((REPO / "docs" / "architecture.md").read_text())
+    assert into_packages_above(import_edges(), floors) == []
+
+
+def test_the_control_an_import_into_a_package_that_spans_floors_from_below_its_top_is_named():
+    """gaeq's trainers (floor 4) reading the probe's targets (floor 4) is level by module, but script/ holds its
+    launch on floor 5 too: named. The same import from the runtime (floor 5) is not."""
+    floors = declared_floors((REPO / "docs" / "architecture.md").read_text())
+    edges = import_edges()
+    extra = ("gaeq.trainers.recorder", "gaeq/trainers/recorder.py", 1, "gaeq.script.targets")
+    assert into_packages_above([*edges, extra], floors) == [
+        "gaeq/trainers/recorder.py:1 imports gaeq.script.targets, of gaeq.script, which holds floor 5, from floor 4"
     ]
+    assert into_packages_above([*edges, ("gaeq.runtime.worker", *extra[1:])], floors) == []
 
 
 def test_the_control_an_import_inside_a_function_counts_and_a_type_only_one_does_not():

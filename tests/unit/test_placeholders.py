@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from gaeq.script.placeholders import PlaceholderError, check, fill
+from gaeq.problem.placeholders import PlaceholderError, check, fill
 
 VALUES = {
     "micro_batch_size": 4,

@@ -11,11 +11,11 @@ from rich.console import Console
 
 from gaeq.matrix import MatrixError, Reference, Role, matrix_from_dict, with_references
 from gaeq.matrix.check import Instruments, check_command, check_matrix
+from gaeq.problem.script import Launcher
 from gaeq.progress import RunProgress, plan_line
 from gaeq.results.outcome import CellOutcome
 from gaeq.results.reference import choose, what_fits
 from gaeq.runtime.events import Event, EventKind
-from gaeq.script.spec import Launcher
 from tests.conftest import REPO
 
 SCRIPT = REPO / "experiments" / "scripts" / "ddp_manual.py"

@@ -10,10 +10,10 @@ import pytest
 import yaml
 
 from gaeq.matrix import MatrixError, load_matrix
+from gaeq.problem.script import Launcher
+from gaeq.results.script_checks import ran_another_split, script_checks
 from gaeq.script.launch import command_line, script_args
 from gaeq.script.launchers import worker_args, worker_env
-from gaeq.script.spec import Launcher
-from gaeq.script.verdict import ran_another_split, script_checks
 from tests.conftest import REPO
 from tests.helpers import small_spec
 
@@ -474,7 +474,7 @@ def test_the_update_sketch_is_judged_against_the_runs_own_noise_floor():
     """The update after each step, projected (relative to the size of the baseline's update so far): within
     the constant, or 10 × the twins' running maximum drift at that step if more — never past 1000 × the
     constant, and twins drifting beyond that set nothing (they are not rounding)."""
-    from gaeq.script.verdict import _update_differs
+    from gaeq.results.script_checks import _update_differs
 
     def steps(*sketches):
         return [{"sketch": s, "sketch_scale": 1.0} for s in sketches]
@@ -561,7 +561,7 @@ def test_a_scripts_muon_orthogonalises_each_matrix_once_a_step_however_its_ranks
     one-rank baseline's count when no rank ran more and the ranks together no fewer — DDP and ZeRO-0 (every
     rank every matrix), ZeRO ≥ 1 (a partition each, a matrix across two partitions twice) — and the two
     reported shapes must fail: per micro-batch (DeepSpeed#8443) and never (#8441)."""
-    from gaeq.script.verdict import orthogonalisation_differs
+    from gaeq.results.script_checks import orthogonalisation_differs
 
     base = {"step": 0, "newton_schulz": [11]}
     for ranks in ([11], [11, 11], [6, 6], [5, 6]):  # one rank, DDP / ZeRO-0, ZeRO-1/2, ZeRO-3
@@ -639,8 +639,8 @@ def test_a_ranks_threads_are_what_its_launcher_gives_at_each_world_size():
     """OMP_NUM_THREADS per launcher (read from torch.distributed.run, accelerate's launch and DeepSpeed's
     launcher; the real torchrun and DeepSpeed launchers in tests/integration/test_your_script.py): a value
     given is kept by all; unset, torchrun 1 only above one worker, accelerate 1, DeepSpeed nothing."""
+    from gaeq.problem.script import Launcher
     from gaeq.script.launchers import threads
-    from gaeq.script.spec import Launcher
 
     given = {"OMP_NUM_THREADS": "3"}
     for launcher in Launcher:
@@ -694,7 +694,7 @@ def test_a_dataset_shorter_than_a_step_is_every_step_a_short_one_not_an_ignored_
     split 8 + 4 — each the whole dataset, as the reference's step. Not "ignored {micro_batch_size}": said as a
     dataset shorter than a step. Controls: a split that trained fewer samples than the reference's step, and one
     whose steps accumulate another count, are still its split's mistakes."""
-    from gaeq.script.verdict import _short_steps
+    from gaeq.results.script_checks import _short_steps
 
     m = script_matrix(tmp_path)
     cell = next(c for c in m.cells if c.id == "script-w2-mb4-ga2")

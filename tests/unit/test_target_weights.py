@@ -1,5 +1,5 @@
 """The weight every target gets, read from one run of one split (gaeq.script.targets), and what the weights say
-(gaeq.script.objective): each weighting mistake of the catalogue named from its weights alone, with its fix, and
+(gaeq.objective.weighting): each weighting mistake of the catalogue named from its weights alone, with its fix, and
 tied to the split; every correct style of the step's rows alone, with no fix; what cannot be read, or not finely
 enough, said so."""
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gaeq.script.objective import weighting
-from gaeq.script.shapes import Kind
+from gaeq.objective.shapes import Kind
+from gaeq.objective.weighting import weighting
 from gaeq.script.targets import TargetWeights
 
 V = 40
@@ -262,7 +262,7 @@ def test_signed_weights_are_read_with_their_sign_and_a_normaliser_per_micro_batc
     label the gradient's entry whose sign is not the weight's), of no shape one run tells; beside the whole batch's
     weights, each micro-batch's own normaliser is named by its window (the control: the same micro-batches of one
     size, where that normaliser is right, differ in nothing)."""
-    from gaeq.script.invariance import compare
+    from gaeq.objective.invariance import compare
 
     lengths = [[[3, 8], [5, 6]]]  # one rank, GA 2: 11 and 11 targets
     advantages = torch.tensor([[1.2, -0.7], [0.3, -1.5]])
@@ -296,7 +296,7 @@ def test_a_hand_all_reduce_of_the_gradients_is_read_as_a_sum_and_a_rescale_that_
     """torchtune's recipe by hand: each rank's gradients SUMmed over ranks after the last backward, then × 1 ÷ the
     step's tokens — the factor is relative to the combined gradient, the all-reduce no change in place; rank
     factors that differ (each rank's own count) are a shape tied to the split, with its fix."""
-    from gaeq.script.objective import objective_factor
+    from gaeq.objective.weighting import objective_factor
     from gaeq.script.weights import AsLeft
 
     model = torch.nn.Linear(8, 4)

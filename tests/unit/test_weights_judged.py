@@ -1,7 +1,7 @@
-"""What the targets' weights say of a verdict (gaeq.script.invariance, gaeq.results.weighing): with no reference, each
-split beside the other splits of its script — the same weights in every split match, a split that changes them
-diverges, the whole batch in one micro-batch settles which; with a reference, a split whose own weights are tied to
-its split diverges even where it agrees with the reference, and the reference's own weights are said."""
+"""What the targets' weights say of a verdict (gaeq.objective.invariance, gaeq.results.weighing): with no
+reference, each split beside the other splits of its script — the same weights in every split match, a split that
+changes them diverges, the whole batch in one micro-batch settles which; with a reference, a split whose own weights
+are tied to its split diverges even where it agrees with the reference, and the reference's own weights are said."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from gaeq.objective.invariance import Difference, compare
+from gaeq.objective.weighting import Weighting, weighting
 from gaeq.results.compare import Verdict
 from gaeq.results.weighing import check, judged_alone, reference_note
-from gaeq.script.invariance import Difference, compare
-from gaeq.script.objective import Weighting, weighting
 from gaeq.script.targets import TargetWeights
 
 V = 40
@@ -72,7 +72,7 @@ def a_factor_per_split(lo, y, n, rows, world, ga):  # × 1.5 at GA 2: no quantit
 def cells(*splits: tuple[int, int]):
     from gaeq.matrix import matrix_from_dict
     from gaeq.matrix.check import check_matrix
-    from gaeq.script.spec import Launcher
+    from gaeq.problem.script import Launcher
     from tests.conftest import REPO
 
     script = REPO / "experiments" / "scripts" / "loss_styles.py"
@@ -151,7 +151,7 @@ def test_no_reference_is_a_script_matrixs_splits_alone_and_what_is_not_read_is_n
     not read is an error, said why."""
     from gaeq.matrix import MatrixError, matrix_from_dict
     from gaeq.matrix.check import check_matrix
-    from gaeq.script.spec import Launcher
+    from gaeq.problem.script import Launcher
     from tests.conftest import REPO
     from tests.helpers import small_spec
 

@@ -1,4 +1,4 @@
-"""The shape of one step's target weights (gaeq.script.objective reads them, gaeq.script.targets read them): each
+"""The shape of one step's target weights (gaeq.objective.weighting reads them, gaeq.script.targets read them): each
 row's weights in the update's units, matched to the shapes of docs/pitfalls.md's weighting mistakes and to the
 correct styles, each said of the step's rows alone (`Kind.STEP`) or of the split (`Kind.SPLIT`, with its fix) —
 to the resolution the weights were read at.
@@ -13,7 +13,7 @@ Shapes tied to the split (`Kind.SPLIT`), each with its fix:
 - every target alike, the sum × GA, ÷ GA, × or ÷ the world size, a count from one micro-batch or one rank, or a
   step of fewer micro-batches still ÷ GA.
 Weights of both signs (a policy gradient's) are `Shape.SIGNED`, of no shape one run tells (`Kind.UNKNOWN`): the
-other splits decide (gaeq.script.invariance names the window a split's normaliser took). Anything else is no shape
+other splits decide (gaeq.objective.invariance names the window a split's normaliser took). Anything else is no shape
 gaeq knows (`Kind.UNKNOWN`).
 """
 
@@ -44,7 +44,7 @@ class Shape(Name):
     """The ranks multiplied their gradients by different factors after the last backward: a count from one rank."""
     SIGNED = "signed"
     """Weights of both signs (a policy gradient's −A log π, A an advantage): no shape of one run's rows alone — the
-    other splits, or a reference, decide (gaeq.script.invariance)."""
+    other splits, or a reference, decide (gaeq.objective.invariance)."""
     UNEVEN = "uneven"
     """Apart in no shape gaeq knows."""
     UNRESOLVED = "unresolved"

@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from gaeq.script.placeholders import NAMES, PlaceholderError, check
+from gaeq.problem.placeholders import NAMES, PlaceholderError, check
 
 
 class Launcher(str, Enum):

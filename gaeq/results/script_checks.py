@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gaeq.contract import PROBE_FILE
 from gaeq.matrix.schema import SCRIPT_METRICS
 from gaeq.results.floor import CEILING, FACTOR
-from gaeq.script.contract import PROBE_FILE
 
 EVENTS = {
     "optimizer_step": "optimizer.step()",
@@ -55,7 +55,7 @@ class ScriptChecks:
 
 def as_handed(trace: list, probe: dict) -> list:
     """A script's trace with each step's loss as handed to backward and combined over the ranks: its objective
-    less the rescale after the last backward (gaeq.script.objective.objective_factor)."""
+    less the rescale after the last backward (gaeq.objective.weighting.objective_factor)."""
     from dataclasses import replace
 
     rescale = {s["step"]: s.get("objective_rescale") or 1.0 for s in probe.get("steps") or ()}

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gaeq.script.objective import Weighting
-from gaeq.script.shapes import FIXES, ROUNDING, Kind, Shape, StepWeights, alike
-from gaeq.script.shapes import times as times_words
+from gaeq.objective.shapes import FIXES, ROUNDING, Kind, Shape, StepWeights, alike
+from gaeq.objective.shapes import times as times_words
+from gaeq.objective.weighting import Weighting
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,9 @@ catalogue (docs/pitfalls.md), with their fix.
 A target's weight in the update is the weight its rank's loss gave it × what the script multiplied the gradients
 by after the last backward (gaeq.script.weights.AsLeft: Megatron-LM's and fairseq's ÷ the step's token count) ÷
 the world size (DDP, FSDP and DeepSpeed average the ranks' gradients). A clip is no weighting: shapes are read
-before the first clip call; gaeq.script.invariance compares splits after it, as the optimizer receives them.
+before the first clip call; gaeq.objective.invariance compares splits after it, as the optimizer receives them.
 
-Each step's shape is gaeq.script.shapes'; the run's is its first step tied to the split, else of no shape known,
+Each step's shape is gaeq.objective.shapes'; the run's is its first step tied to the split, else of no shape known,
 else every step's said once. Where the weights were read coarser than COARSE (a bf16 loss), only a shape tied to the
 split whose difference shows beyond that resolution is named.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from gaeq.script.shapes import BRIEF, Found, Kind, Row, Shape, StepWeights, classify, of_the_steps, times
+from gaeq.objective.shapes import BRIEF, Found, Kind, Row, Shape, StepWeights, classify, of_the_steps, times
 
 COARSE = 1e-3
 """The coarsest resolution (relative, of each weight) a shape or a match is named at: a mean of micro-batch means
@@ -37,7 +37,7 @@ class Weighting:
     fix: str | None = None
     resolution: float | None = None
     steps: tuple[StepWeights, ...] = field(default=(), compare=False, repr=False)
-    """Each step read: what gaeq.script.invariance compares between splits."""
+    """Each step read: what gaeq.objective.invariance compares between splits."""
 
     @property
     def is_mean(self) -> bool:
