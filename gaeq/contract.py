@@ -24,7 +24,7 @@ def failed_in_gaeq(exc: BaseException) -> dict:
 
     from gaeq.oom import is_out_of_memory
 
-    package = os.path.dirname(os.path.abspath(__file__)).rsplit(os.sep, 1)[0]  # …/gaeq
+    package = os.path.dirname(os.path.abspath(__file__))  # …/gaeq
     return {
         "error": f"{type(exc).__name__}: {exc}",
         "where": _innermost(exc, under=package, relative_to=os.path.dirname(package)),

@@ -16,14 +16,15 @@ loss or a policy gradient, normalised over one window or another, the ranks' gra
   constant    ÷ (the longest completion × the step's completions), a constant (Dr. GRPO)
   rescale     the summed loss at backward; after the last one every gradient × world ÷ the step's tokens
               (torchtune's recipe)
---combine: ddp (DDP averages the ranks' gradients), hand_sum (no DDP: each gradient all-reduced by SUM after the
-  last backward), hand_mean (SUM, then ÷ world).
+--combine: ddp (DDP averages the ranks' gradients), fsdp2 (FSDP2's fully_shard: its reduce-scatter averages them),
+  hand_sum (no wrapper: each gradient all-reduced by SUM after the last backward), hand_mean (SUM, then ÷ world).
 --bug (each in every split, as a user has it):
   micro_batch        ÷ each micro-batch's own tokens, ÷ GA (TRL's old per-micro-batch normaliser)
   rank               ÷ this rank's tokens of the step (its ranks' means averaged)
   ga_twice           ÷ the step's tokens, ÷ GA once more
   count_from_rank    --norm rescale with the step's tokens estimated from this rank's last micro-batch × GA × world
---cast bf16: the script casts its model to bf16 (`model.to(torch.bfloat16)`), the loss taken in float32.
+--cast bf16: the script casts its model to bf16 (`model.to(torch.bfloat16)`), the loss taken in float32;
+  bf16_loss: the loss taken in bf16 too, from the bf16 logits.
 
 Global batch = batch_size * grad_accum * world_size rows (a whole number of groups): each step's rows, a contiguous
 share per rank cut into micro-batches in order. On the CPU with gloo.
@@ -42,9 +43,9 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--loss", default="pg", choices=["tokens", "pg"])
 parser.add_argument("--norm", default="tokens", choices=["tokens", "completion", "constant", "rescale"])
 parser.add_argument("--kl", type=float, default=0.0, help="β of the KL term to the frozen initial policy (pg)")
-parser.add_argument("--combine", default="ddp", choices=["ddp", "hand_sum", "hand_mean"])
+parser.add_argument("--combine", default="ddp", choices=["ddp", "fsdp2", "hand_sum", "hand_mean"])
 parser.add_argument("--bug", default="none", choices=["none", "micro_batch", "rank", "ga_twice", "count_from_rank"])
-parser.add_argument("--cast", default="none", choices=["none", "bf16"])
+parser.add_argument("--cast", default="none", choices=["none", "bf16", "bf16_loss"])
 parser.add_argument("--batch_size", type=int, default=4, help="micro batch per rank")
 parser.add_argument("--grad_accum", type=int, default=4, help="accumulation steps per rank")
 parser.add_argument("--max_steps", type=int, default=3, help="optimizer steps")
@@ -91,12 +92,16 @@ def advantages(rewards):
 torch.manual_seed(args.seed)  # the same initial weights in every split
 model = nn.Sequential(nn.Embedding(VOCAB, 32), nn.Linear(32, 64), nn.GELU(), nn.Linear(64, VOCAB))
 reference = copy.deepcopy(model).requires_grad_(False)  # the frozen initial policy of the KL term
-if args.cast == "bf16":
-    model.to(torch.bfloat16)  # BUG-free: the script trains its model in bf16, the loss in float32
+if args.cast != "none":
+    model.to(torch.bfloat16)  # the script trains its model in bf16
 if world > 1 and args.combine == "ddp":
     model = DDP(model)
+elif world > 1 and args.combine == "fsdp2":
+    from torch.distributed.fsdp import fully_shard
+
+    model = fully_shard(model)  # its reduce-scatter averages the ranks' gradients
 optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, foreach=False)
-averaged = world if args.combine in ("ddp", "hand_mean") else 1  # what the ranks' gradients are divided by
+averaged = world if args.combine != "hand_sum" else 1  # what the ranks' gradients are divided by
 
 
 def summed(n):
@@ -123,7 +128,8 @@ def micro_batches():
 
 def per_token(x, y, adv):
     """Each target's loss, [rows, positions] (0 off the completion): −log π, × A for a policy gradient, + β k3."""
-    logits = model(x).float()  # the loss in float32, whatever the model's precision
+    logits = model(x)
+    logits = logits if args.cast == "bf16_loss" else logits.float()  # the loss in float32, whatever the model's
     logp = logits.log_softmax(-1).gather(-1, y.clamp_min(0)[..., None])[..., 0]
     mask = y != -100
     loss = -logp if args.loss == "tokens" else -adv[:, None] * logp
@@ -141,6 +147,8 @@ for step, batch in zip(range(args.max_steps), micro_batches()):
     for i, (x, y, adv) in enumerate(batch):
         if world > 1 and args.combine == "ddp":
             model.require_backward_grad_sync = i == len(batch) - 1  # DDP averages the ranks' gradients once
+        elif world > 1 and args.combine == "fsdp2":
+            model.set_requires_gradient_sync(i == len(batch) - 1)  # FSDP2 too
         losses, mask = per_token(x, y, adv)
         if args.norm == "tokens":
             loss = losses.sum() / tokens * averaged
@@ -157,7 +165,7 @@ for step, batch in zip(range(args.max_steps), micro_batches()):
         elif args.bug == "ga_twice":
             loss = loss / args.grad_accum  # BUG: the step's mean, ÷ GA once more
         loss.backward()
-    if world > 1 and args.combine != "ddp":
+    if world > 1 and args.combine.startswith("hand"):
         for p in model.parameters():  # the ranks' gradients combined by hand
             dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
             if args.combine == "hand_mean":

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gaeq.objective.shapes import FIXES, ROUNDING, Kind, Shape, StepWeights, alike
+from gaeq.objective.shapes import FIXES, ROUNDING, Shape, StepWeights, alike
 from gaeq.objective.shapes import times as times_words
 from gaeq.objective.weighting import Weighting
 
@@ -41,8 +41,8 @@ class Difference:
 def compare(a: Weighting, b: Weighting) -> Difference | str | None:
     """The first step where `a`'s and `b`'s weights differ (None: the same in every step both read); a str: why
     they cannot be compared."""
-    if a.kind == Kind.UNREAD or b.kind == Kind.UNREAD or not a.steps or not b.steps:
-        return "the weights of one of them were not read finely enough, or at all"
+    if not a.steps or not b.steps:  # (weights read coarsely are compared within their resolution)
+        return "the weights of one of them were not read"
     theirs = {s.step: s for s in b.steps}
     compared = 0
     for mine in a.steps:

@@ -37,10 +37,14 @@ def weights_lines(report: Report) -> list[str]:
         and (c.weights["shape"] != Shape.UNREAD or TRAINERS[c.trainer].script)
     ]
     means = [c.id for c in said if c.weights["shape"] == Shape.MEAN]
-    lines = [f"Weights: {c.id}: {c.weights['line']}" for c in said if c.weights["shape"] != Shape.MEAN]
+    alike: dict[str, list[str]] = {}  # splits whose weights read the same in words: one line, their ids in it
+    for c in said:
+        if c.weights["shape"] != Shape.MEAN or len(means) < 2:
+            alike.setdefault(c.weights["line"], []).append(c.id)
+    lines = [f"Weights: {', '.join(ids)}: {line}" for line, ids in alike.items()]
     if len(means) > 1:  # one line for the splits that are right, their ids in it
         return [f"Weights: every target weighs 1/N, the step's target mean, in {', '.join(means)}", *lines]
-    return [f"Weights: {c.id}: {c.weights['line']}" for c in said if c.id in means] + lines
+    return lines
 
 
 def reference_lines(report: Report) -> list[str]:

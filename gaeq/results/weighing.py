@@ -147,8 +147,9 @@ def judge_alone(cell: Cell, outcome, own: Weighting | None, peers: list) -> tupl
 def judged_alone(cell: Cell, own: Weighting | None, peers: list[tuple[Cell, Weighting | None]]) -> tuple[Verdict, str]:
     """A split with no reference, beside the other splits of its script and arguments (`peers`): `diverge` where its
     weights are tied to its split or differ from theirs; `match` where they are the same, or — alone — of the step's
-    rows alone; `unjudged` where nothing could be read or decide."""
-    if own is None or own.kind == Kind.UNREAD:
+    rows alone; `unjudged` where nothing could be read or decide. Weights read coarsely (a loss in bf16) are compared
+    within their resolution, which the reason gives: the size of a mistake that would not be seen."""
+    if not _readable(own):
         why = own.line.removeprefix("not read: ") if own is not None else "its probe wrote nothing"
         return Verdict.UNJUDGED, (
             f"no reference, and its targets' weights were not read ({why}): nothing judges it — give it a reference "
@@ -156,12 +157,14 @@ def judged_alone(cell: Cell, own: Weighting | None, peers: list[tuple[Cell, Weig
         )
     if own.kind == Kind.SPLIT:
         return Verdict.DIVERGE, f"{ALONE}: {own.line}"
-    judged = [(peer, weights) for peer, weights in peers if weights is not None and weights.kind != Kind.UNREAD]
+    judged = [(peer, weights) for peer, weights in peers if _readable(weights)]
     found = {peer.id: compare(own, weights) for peer, weights in judged if weights.kind != Kind.SPLIT}
     same = [i for i, d in found.items() if d is None]
     differ = {i: d for i, d in found.items() if isinstance(d, Difference)}
     if not differ and same:
-        return Verdict.MATCH, f"{ALONE}: the same weights as {_ids(same)}, step by step: {own.line}"
+        return Verdict.MATCH, (
+            f"{ALONE}: the same weights as {_ids(same)}, step by step{_within(own, judged)}: {own.line}"
+        )
     if differ:
         whole = [c for c, w in [(cell, own), *judged] if _whole_batch(c) and w.kind != Kind.SPLIT]
         if whole and (whole[0].id == cell.id or whole[0].id in same):
@@ -183,6 +186,22 @@ def judged_alone(cell: Cell, own: Weighting | None, peers: list[tuple[Cell, Weig
         f"no reference, and no other split to set its weights beside: {own.line} — a second split decides "
         "(`--split`), or a reference (`--baseline auto`)"
     )
+
+
+def _readable(weights: Weighting | None) -> bool:
+    """Read: finely, or coarsely with each step kept (compared within its resolution)."""
+    return weights is not None and (
+        weights.kind != Kind.UNREAD or (weights.shape == Shape.UNRESOLVED and weights.steps)
+    )
+
+
+def _within(own: Weighting, judged: list) -> str:
+    """Where any of the weights compared were read coarsely: the size of a weighting mistake that would not show
+    (the two reads' resolutions summed, as gaeq.objective.invariance compares them)."""
+    coarse = [w.resolution or 0.0 for w in [own, *(w for _, w in judged)] if w.shape == Shape.UNRESOLVED]
+    if not coarse:
+        return ""
+    return f" within ±{2 * max(coarse):.0%} of a weight (read coarsely: a mistake that moves a weight less is not seen)"
 
 
 def _whole_batch(cell: Cell) -> bool:

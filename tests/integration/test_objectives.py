@@ -35,12 +35,13 @@ def test_with_no_reference_every_objective_matches_and_each_normaliser_mistake_n
         "script-w2-mb4-ga2-args_bug_rank",
         "script-w1-mb4-ga4-args_bug_ga_twice",
         "script-w2-mb8-ga1-args_loss_tokens_norm_rescale_bug_count_from_rank",
+        "script-w1-mb4-ga4-bf16-args_cast_bf16_loss_bug_micro_batch",
     ] and set(verdicts.values()) == {"match", "diverge"}
     shapes = {i: c["weights"]["shape"] for i, c in cells.items()}
     torchtune = [i for i in cells if "norm_rescale" in i and "bug" not in i]
-    assert len(torchtune) == 4 and {shapes[i] for i in torchtune} == {"mean"}  # the sum, × world ÷ tokens: the mean
+    assert len(torchtune) == 6 and {shapes[i] for i in torchtune} == {"mean"}  # the sum, × world ÷ tokens: the mean
     assert "with the gradients ÷ 218 after the last backward" in cells[torchtune[0]]["weights"]["line"]
-    policy = [i for i in cells if "norm_rescale" not in i and "count_from_rank" not in i]
+    policy = [i for i in cells if "norm_rescale" not in i and "count_from_rank" not in i and "bf16" not in i]
     assert {shapes[i] for i in policy} == {"signed"}
     said = cells["script-w1-mb2-ga8-args_norm_completion_kl_0.1"]["weights"]["line"]
     assert "of both signs (a policy gradient's advantages)" in said and "label smoothing" not in said
@@ -52,6 +53,13 @@ def test_with_no_reference_every_objective_matches_and_each_normaliser_mistake_n
     }
     for i, window in windows.items():
         assert window in cells[i]["reason"] and "differ from script-w1-mb16-ga1" in cells[i]["reason"], cells[i]
+    coarse = cells["script-w2-mb4-ga2-bf16-args_cast_bf16_loss"]  # its weights ±3 %: a verdict within that
+    assert coarse["weights"]["shape"] == "unresolved" and 0.01 < coarse["weights"]["resolution"] < 0.05, coarse
+    assert "step by step within ±" in coarse["reason"] and "a mistake that moves a weight less is not seen" in (
+        coarse["reason"]
+    )
+    caught = cells["script-w1-mb4-ga4-bf16-args_cast_bf16_loss_bug_micro_batch"]["reason"]
+    assert "one factor per micro-batch" in caught and "(the two read to ±" in caught
     per_rank = cells["script-w2-mb8-ga1-args_loss_tokens_norm_rescale_bug_count_from_rank"]
     assert (
         shapes[per_rank["id"]] == "rank_rescale"
