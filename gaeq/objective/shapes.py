@@ -96,6 +96,9 @@ class StepWeights:
     """The label smoothing ε the gradients were read with (None: none)."""
     factors: tuple[float, ...] = ()
     """Each rank's `factor` (the weights are rank 0's: what its optimizer receives)."""
+    rescale_resolution: float = 0.0
+    """How finely the factors were read (relative): half-precision gradients' rounding, where the script rescaled
+    them (a model cast to bf16); part of `resolution`."""
 
     @property
     def n(self) -> int:
@@ -195,8 +198,8 @@ def classify(s: StepWeights, grad_accum: int | None) -> Found:
 def _rank_rescale(s: StepWeights) -> Found | None:
     """The ranks multiplied their gradients by different factors after the last backward (a step's count taken on
     each rank from its own micro-batches): each rank's optimizer receives another update — tied to the split."""
-    factors = s.factors
-    if len(factors) < 2 or max(factors) - min(factors) <= ROUNDING * 2.0**-23 * max(abs(f) for f in factors):
+    factors, tol = s.factors, max(ROUNDING * 2.0**-23, 2 * s.rescale_resolution)  # (bf16 gradients: ±0.8 % each)
+    if len(factors) < 2 or max(factors) - min(factors) <= tol * max(map(abs, factors)):
         return None
     said = ", ".join(f"rank {r} {times(f)}" for r, f in enumerate(factors))
     return Found(

@@ -117,8 +117,8 @@ def step_weights(step: dict) -> StepWeights | str:
             f"the ranks' gradients were all-reduced by hand at step {step['step']} by an op other than SUM or AVG, "
             "or left running (async_op)"
         )
-    factors = []
-    for r, phases in enumerate(step.get("rescale") or [[] for _ in ranks]):
+    factors, rescales = [], step.get("rescale") or [[] for _ in ranks]
+    for r, phases in enumerate(rescales):
         found = [p.get("before_clip") or p for p in phases if p is not None]  # (before any clip call)
         if any(p["factor"] is None for p in found) or len({p["factor"] for p in found}) > 1:
             ranges = [x for p in found for x in p.get("range") or [p["factor"]] if x is not None]
@@ -128,6 +128,8 @@ def step_weights(step: dict) -> StepWeights | str:
             )
         factors.append(rescaled(phases))
     factors = factors or [1.0] * len(ranks)
+    found = [p.get("before_clip") or p for phases in rescales for p in phases if p]
+    rescaled_to = max([p.get("resolution", 0.0) for p in found if p.get("factor") not in (None, 1.0)] or [0.0])
     scale = factors[0] / combining(combined, step["world_size"])  # what rank 0's optimizer receives
     rows = []
     for r, forwards in enumerate(ranks):
@@ -144,11 +146,12 @@ def step_weights(step: dict) -> StepWeights | str:
         world=step["world_size"],
         micro_steps=max(len(forwards) for forwards in ranks),
         rows=tuple(rows),
-        resolution=max(f.get("resolution", 64 * 2.0**-23) for forwards in ranks for f in forwards),
+        resolution=max(max(f.get("resolution", 64 * 2.0**-23) for forwards in ranks for f in forwards), rescaled_to),
         factor=factors[0],
         read=", ".join(sorted(reads)),
         smoothing=max(smoothed) if smoothed else None,
         factors=tuple(factors),
+        rescale_resolution=rescaled_to,
     )
 
 
@@ -178,12 +181,22 @@ def _whole(found: Found, step: int | None, read: list[StepWeights], resolution: 
 def _unresolved(read: list[StepWeights], resolution: float) -> Weighting:
     low = min(r.low for s in read for r in s.rows)
     high = max(r.high for s in read for r in s.rows)
+    if max(s.rescale_resolution for s in read) >= resolution:  # the coarse part: a rescale of bf16 gradients
+        why = (
+            f"({read[0].read}; the gradients' rescale after the last backward read from half-precision gradients), "
+            f"too coarse to tell the shapes apart (targets weigh {low:.3g} to {high:.3g}) — a float32 run reads it "
+            "to ±1e-07 (`--dtype fp32`)"
+        )
+    else:
+        why = (
+            f"({read[0].read}), too coarse to tell the shapes apart (targets weigh {low:.3g} to {high:.3g}) — a loss "
+            "on the logits cast to float32 (`logits.float()`) reads them to ±8e-06, as a float32 run does (`--dtype "
+            "fp32`)"
+        )
     return Weighting(
         shape=Shape.UNRESOLVED,
         kind=Kind.UNREAD,
-        line=f"not read finely enough: each weight is known to ±{resolution:.0%} of itself ({read[0].read}), too "
-        f"coarse to tell the shapes apart (targets weigh {low:.3g} to {high:.3g}) — a loss on the logits cast to "
-        "float32 (`logits.float()`) reads them to ±8e-06, as a float32 run does (`--dtype fp32`)",
+        line=f"not read finely enough: each weight is known to ±{resolution:.1%} of itself {why}",
         resolution=resolution,
         steps=tuple(read),
     )

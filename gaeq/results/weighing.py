@@ -107,7 +107,7 @@ def beside_divergence(own: Weighting | None, reference: Weighting | None) -> str
     if found is None:
         return " — its targets' weights are the reference's, step by step: the difference is not in the weighting"
     if isinstance(found, Difference):
-        return f" — its targets' weights differ from the reference's {found.words()}: {own.brief}"
+        return f" — its targets' weights ({own.brief}) differ from the reference's {found.words()}"
     return ""
 
 

@@ -192,14 +192,15 @@ class AsLeft:
                 return None
             if said["factor"] is None:
                 return {"factor": None, "range": [x * carried for x in said["range"]]}
-            return {"factor": said["factor"] * carried}
+            return {"factor": said["factor"] * carried, "resolution": said.get("resolution", 0.0)}
 
         return unscaled(found) | {"before_clip": unscaled(self._at_clip)}
 
     def factor(self) -> dict | None:
         """What the gradients were multiplied by since the last backward, from the entries read then and now:
-        ``{"factor": f}`` where every entry was multiplied alike (1: untouched), else ``{"factor": None, "range":
-        [least, largest]}``; None where nothing was read (a DeepSpeed engine, no gradient). One host read."""
+        ``{"factor": f, "resolution": r}`` where every entry was multiplied alike (1: untouched), known to the
+        gradients' rounding r; else ``{"factor": None, "range": [least, largest]}``; None where nothing was read (a
+        DeepSpeed engine, no gradient). One host read."""
         if not self._entries:
             return None
         before = torch.cat([values for _, _, _, values in self._entries])
@@ -212,7 +213,7 @@ class AsLeft:
         low, high = float(ratios.min()), float(ratios.max())
         eps = max(torch.finfo(g.dtype).eps for _, g, _, _ in self._entries)
         if low == high or (low * high > 0 and max(low / high, high / low) - 1 <= ROUNDING * eps):
-            return {"factor": float(ratios.median())}
+            return {"factor": float(ratios.median()), "resolution": eps}  # (each entry × f rounded once or twice)
         return {"factor": None, "range": [low, high]}
 
 

@@ -36,9 +36,10 @@ def test_with_no_reference_every_objective_matches_and_each_normaliser_mistake_n
         "script-w1-mb4-ga4-args_bug_ga_twice",
         "script-w2-mb8-ga1-args_loss_tokens_norm_rescale_bug_count_from_rank",
         "script-w1-mb4-ga4-bf16-args_cast_bf16_loss_bug_micro_batch",
+        "script-w2-mb4-ga2-bf16-args_loss_tokens_norm_rescale_combine_fsdp2_cast_bf16_bug_count_from_rank",
     ] and set(verdicts.values()) == {"match", "diverge"}
     shapes = {i: c["weights"]["shape"] for i, c in cells.items()}
-    torchtune = [i for i in cells if "norm_rescale" in i and "bug" not in i]
+    torchtune = [i for i in cells if "norm_rescale" in i and "bug" not in i and "bf16" not in i]
     assert len(torchtune) == 6 and {shapes[i] for i in torchtune} == {"mean"}  # the sum, × world ÷ tokens: the mean
     assert "with the gradients ÷ 218 after the last backward" in cells[torchtune[0]]["weights"]["line"]
     policy = [i for i in cells if "norm_rescale" not in i and "count_from_rank" not in i and "bf16" not in i]
@@ -55,8 +56,9 @@ def test_with_no_reference_every_objective_matches_and_each_normaliser_mistake_n
         assert window in cells[i]["reason"] and "differ from script-w1-mb16-ga1" in cells[i]["reason"], cells[i]
     coarse = cells["script-w2-mb4-ga2-bf16-args_cast_bf16_loss"]  # its weights ±3 %: a verdict within that
     assert coarse["weights"]["shape"] == "unresolved" and 0.01 < coarse["weights"]["resolution"] < 0.05, coarse
-    assert "step by step within ±" in coarse["reason"] and "a mistake that moves a weight less is not seen" in (
-        coarse["reason"]
+    assert (
+        "step by step within ±" in coarse["reason"]
+        and "a mistake that moves a weight less is not seen" in (coarse["reason"])
     )
     caught = cells["script-w1-mb4-ga4-bf16-args_cast_bf16_loss_bug_micro_batch"]["reason"]
     assert "one factor per micro-batch" in caught and "(the two read to ±" in caught
@@ -97,3 +99,28 @@ def test_with_a_reference_torchtunes_recipe_matches_however_its_ranks_combine_an
         "its targets' weights are tied to its split: a rescale that differs by rank (from step 0)"
         in (planted["reason"])
     )
+
+
+def test_with_a_reference_each_policy_gradient_normaliser_mistake_is_caught_with_its_window_named(tmp_path):
+    """GRPO with its KL term against the whole batch's run: each mistake in one split, caught by the loss at step 0
+    with the window its normaliser took in the same line (the weights read and set beside the reference's)."""
+    spec = yaml.safe_load(EXPERIMENT.read_text())
+    spec.pop("baseline")
+    spec["script"]["args"] += ["--kl", "0.1"]
+    spec |= {"noise_floor": False, "detection_limit": False}
+    planted = {"micro_batch": (1, "one factor per micro-batch"), "rank": (2, "one factor per rank"),
+               "ga_twice": (1, "every target ÷ GA (4) once more")}  # fmt: skip
+    spec["cells"] = [{"world_size": 2, "micro_batch_size": 4}] + [
+        {"world_size": w, "micro_batch_size": 4, "args": ["--bug", bug], "expect": "diverge"}
+        for bug, (w, _) in planted.items()
+    ]
+    cells = run(tmp_path, spec)
+    assert cells["script-w2-mb4-ga2"]["verdict"] == "match"
+    for bug, (w, window) in planted.items():
+        cell = cells[f"script-w{w}-mb4-ga{4 // w}-args_bug_{bug}"]
+        assert (cell["caught_by"], cell["first_divergent_step"]) == ("loss", 0), cell
+        assert (
+            "its targets' weights (signed weights (a policy gradient's)) differ from the reference's"
+            in (cell["reason"])
+            and window in cell["reason"]
+        ), cell["reason"]

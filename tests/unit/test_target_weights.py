@@ -344,3 +344,18 @@ def test_the_float32_run_keeps_a_models_own_cast_to_bf16_float32_and_says_so():
     assert said[0].split(" ", 3)[:3] == ["torch.float32"] * 3 and "Linear.to(bfloat16)" in said[0], said
     assert "Linear.half()" in said[0] and "torch.set_default_dtype(bfloat16)" in said[0]
     assert said[1].split(" ", 3)[:3] == ["torch.bfloat16", "torch.float16", "torch.bfloat16"], said
+
+
+def test_an_entropy_bonus_beside_a_policy_gradient_is_said_not_read_as_a_weighting():
+    """−A log π − β H(π): the entropy's gradient reaches every logit, not as a weighted log-probability's — not read,
+    the cause said (a KL's k3 estimate through log π(token) is a weighted log-probability: read, in the other tests)."""
+    y = batches([[[8, 5]]])[0][0]
+
+    def loss(logits):
+        logp = logits.float().log_softmax(-1)
+        picked = logp.gather(-1, y.clamp_min(0)[..., None])[..., 0]
+        entropy = -(logp.exp() * logp).sum(-1)
+        return torch.where(y != -100, -torch.tensor([[0.7], [-1.1]]) * picked - 0.01 * entropy, 0).sum() / 13
+
+    found, unread = read_one(loss, torch.zeros(2, 8, V))
+    assert found.shape == "unread" and "an entropy bonus" in unread, unread
