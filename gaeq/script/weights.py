@@ -112,6 +112,8 @@ class AsLeft:
 
     def __init__(self) -> None:
         self.left: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        self._index: dict[int, int] = {}
+        """Each gradient as left, by its id: its place in `left`."""
         self._entries: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         """Per sampled parameter: it, its gradient as left, the flat positions read in that gradient's block on
         this rank, and their values then."""
@@ -129,6 +131,7 @@ class AsLeft:
         engine = callable(getattr(model, "get_global_grad_norm", None))
         params = [] if model is None or engine else model.parameters()
         self.left = [(p, p.grad, _version(p.grad)) for p in params if p.grad is not None]
+        self._index = {id(g): i for i, (_, g, _) in enumerate(self.left)}  # (a hand all-reduce per gradient: O(1))
         self._entries, self._at_clip, self.combined, self._prior = [], None, None, 1.0
         for p, grad, _ in self.left[:: max(1, len(self.left) // FACTOR_PARAMETERS)]:
             here = dtensors.local(grad.detach()).reshape(-1)
@@ -146,7 +149,8 @@ class AsLeft:
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` is a gradient as the last backward left it (what a hand all-reduce combines): before
         the first such all-reduce, what the gradients had been multiplied by until then is kept."""
-        if not any(g is tensor for _, g, _ in self.left):
+        i = self._index.get(id(tensor))
+        if i is None or i >= len(self.left) or self.left[i][1] is not tensor:
             return False
         if self.combined is None:
             before = self.factor()
@@ -159,11 +163,11 @@ class AsLeft:
         factor is relative to the combined gradient, times what the gradients had been multiplied by before; the
         all-reduce itself is no change in place."""
         self.combined = op if self.combined in (None, op) and op is not None else "unread"
-        self.left = [(p, g, _version(g)) if g is tensor else (p, g, v) for p, g, v in self.left]
-        self._entries = [
-            (p, g, at, dtensors.local(g.detach()).reshape(-1)[at].double() / self._prior if g is tensor else values)
-            for p, g, at, values in self._entries
-        ]
+        i = self._index[id(tensor)]
+        self.left[i] = (*self.left[i][:2], _version(tensor))
+        for j, (p, g, at, _) in enumerate(self._entries):
+            if g is tensor:
+                self._entries[j] = (p, g, at, dtensors.local(g.detach()).reshape(-1)[at].double() / self._prior)
 
     def changed(self) -> bool:
         """Whether a gradient was changed in place, or replaced, since — by its version, or by the entries read (an
