@@ -199,10 +199,13 @@ class TargetWeights:
         for i in range(0, z.shape[0], step):
             zi, gi = z[i : i + step].float(), g[i : i + step]
             label = _labels(gi)
-            # off the label: Σ g over Σ p (and Σ p − (V − 1) ε/V) — Σ p as exp(logsumexp of the others − of all),
-            # no cancellation where p[y] nears 1
-            others = (zi.scatter(-1, label, -torch.inf).logsumexp(dim=-1) - zi.logsumexp(dim=-1)).double().exp()
-            pushed = gi.scatter(-1, label, 0).sum(dim=-1, dtype=torch.float64)
+            # off the label: Σ g over Σ p (and Σ p − (V − 1) ε/V) — Σ p as the others' exp(z − max) summed in
+            # float64 over all of them: the label's own float32 term subtracted exactly, no cancellation where p[y]
+            # nears 1 (each sum is the whole row less one entry it holds: one pass, no copy of the row)
+            e = (zi - zi.amax(dim=-1, keepdim=True)).exp_()
+            total = e.sum(dim=-1, dtype=torch.float64)
+            others = (total - e.gather(-1, label)[:, 0].double()) / total
+            pushed = gi.sum(dim=-1, dtype=torch.float64) - gi.gather(-1, label)[:, 0].double()
             target = pushed != 0
             plain[i : i + step] = torch.where(target, pushed / others.clamp_min(1e-300), 0.0)
             smoothed[i : i + step] = torch.where(target, pushed / (others - (classes - 1) * c), 0.0)
@@ -274,8 +277,11 @@ def _fits(z: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, ...]:
     slope = (dp * (g[:FIT] - mean_g[:, None])).sum(dim=-1) / (dp * dp).sum(dim=-1)
     c = torch.nan_to_num(torch.nanmedian(torch.where(target[:FIT], mean_p - mean_g / slope, torch.nan)), nan=0.0)
     w1 = pushed / (others - (classes - 1) * c)
-    off = (g - w1[:, None] * (p - c)).scatter_add_(-1, label, (w1 * (1 - classes * c))[:, None])
-    smooth = off.abs().amax(dim=-1) / g.abs().amax(dim=-1).clamp_min(1e-300)
+    # off the label g − w1 (p − c) is what a plain fit left (`strayed`) + (w − w1) p + w1 c: four passes, not eight
+    off = torch.addcmul(strayed, (w - w1)[:, None], p).add_((w1 * c)[:, None]).scatter_(-1, label, 0.0)
+    at_label = (g_y - w1 * (p_y - c) + w1 * (1 - classes * c)).abs()
+    low, high = torch.aminmax(g, dim=-1)
+    smooth = torch.maximum(off.abs_().amax(dim=-1), at_label) / torch.maximum(-low, high).clamp_min(1e-300)
 
     def worst(x, among):
         return torch.where(among, torch.nan_to_num(x, nan=torch.inf), 0.0).amax()
