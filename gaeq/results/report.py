@@ -358,14 +358,8 @@ def _judge_cell(
             # the update sketch is judged within the envelope the twins' drift sets, as the trace is
             twin_probes = [p for t in twins if (p := read_probe(cell_dir(traces.run_dir, t)))]
             if base_probe and probe:
-                checks = script_checks(
-                    base_probe,
-                    probe,
-                    split=cell,
-                    twins=twin_probes,
-                    rtol=tolerance.tensor_rtol,
-                    lr_rtol=tolerance.lr_rtol,
-                )
+                rtol, lr_rtol = tolerance.tensor_rtol, tolerance.lr_rtol
+                checks = script_checks(base_probe, probe, split=cell, twins=twin_probes, rtol=rtol, lr_rtol=lr_rtol)
         if checks is not None and "grad_norm" in checks.not_checked:  # read at other points of the step
             tracked = tuple(m for m in tracked if m != "grad_norm")
         first = dict(checks.first) if checks else None
