@@ -155,8 +155,8 @@ class RunResult:
         return self.report.to_json()["cells"]
 
     def plot(self, cells: Sequence[str] | None = None):
-        """The overlay figure (loss of every cell; |Δloss| vs baseline, log scale), as a matplotlib
-        Figure; `cells` restricts it to some cells (their baselines stay as reference)."""
+        """The overlay figure (per problem: the loss, |Δloss| and the grad norm's difference, each beside its
+        tolerance), as a matplotlib Figure; `cells` restricts it to some cells (their baselines stay as reference)."""
         return overlay_figure(self.report, self.traces, cells=cells)
 
 

@@ -1,4 +1,7 @@
-"""The overlay figure: every cell's loss on one axis, |Δloss| vs baseline on a log axis below.
+"""The overlay figure: one column of panels per problem (a group: its dtype and variant, its own baseline) — the
+loss, |Δloss| from the baseline and the grad norm's relative difference, each difference beside its tolerance as
+applied. Cells that match are thin grey lines: together, a band a reader sees at a glance. The cells that diverge,
+or were expected to, are coloured and named; each ✗ sits on the metric and at the step that caught it.
 
 Headless: a bare matplotlib Figure (no pyplot, no display backend, no global state).
 """
@@ -10,18 +13,27 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gaeq.files import replacing
-from gaeq.results.cell_report import INSTRUMENTS
-from gaeq.results.compare import step_diffs, tolerances_at
+from gaeq.matrix import group_key
+from gaeq.results.cell_report import INSTRUMENTS, CellReport
+from gaeq.results.compare import Verdict, step_diffs, tolerances_at
 from gaeq.results.report import Report
 from gaeq.results.trace import TraceStore
 
 OVERLAY_FILE = "overlay.png"
-FIGSIZE = (13.0, 8.5)
-"""Inches."""
-LEGEND_CHAR, LEGEND_PAD = 0.042, 0.5
-"""Inches a legend column takes per character of a cell id at its 7-point font, and for its line and gaps."""
-DIVERGENCE = ":first-divergence"
-"""Suffix of the gid of a first-divergence marker (curves carry the bare cell id)."""
+PANEL = (5.2, 2.3)
+"""Inches of one panel (a metric of one problem)."""
+COLUMNS = 3
+"""Problems side by side; more wrap to the next row of panels."""
+DIVERGENCE = ":caught"
+"""Suffix of the gid of a ✗ (curves carry the bare cell id)."""
+MATCHING = "0.55"
+"""The grey of the cells that match."""
+METRICS = ("loss", "abs_loss", "rel_grad_norm")
+TITLES = {"loss": "loss (global-batch mean)", "abs_loss": "|Δloss| from the baseline",
+          "rel_grad_norm": "grad norm: |Δ| ÷ the baseline's"}  # fmt: skip
+CAUGHT_ON = {"loss": "abs_loss", "grad_norm": "rel_grad_norm"}
+"""The panel a metric's catch is drawn on; any other metric's (the update, the weights, the data) on |Δloss|'s,
+named beside its ✗."""
 
 
 def plot_overlay(path: Path, report: Report, traces: TraceStore):
@@ -43,68 +55,106 @@ def overlay_figure(report: Report, traces: TraceStore, *, cells: Sequence[str] |
     if wanted is None:
         wanted = {c.id for c in report.cells if c.cell.role not in INSTRUMENTS}
     drawn = [(c, t) for c in report.cells if c.id in wanted and (t := traces.usable(c.id)) is not None]
-    fig = Figure(figsize=(FIGSIZE[0], FIGSIZE[1]))
-    columns = 1 + len(drawn) // 28  # the legend of cell ids, right of the axes
-    # Fixed margins, the legend's sized from its longest id: a layout engine measures every tick label
-    # first (~1 s of a run's report, most of a short run's).
-    legend = columns * (LEGEND_PAD + LEGEND_CHAR * max((len(c.id) for c, _ in drawn), default=0)) / FIGSIZE[0]
-    fig.subplots_adjust(left=0.07, right=max(0.5, 0.98 - legend), top=0.95, bottom=0.07, hspace=0.06)
-    ax_loss, ax_diff = fig.subplots(2, 1, sharex=True, height_ratios=[3, 2])
-    palette = _colors(len(drawn))
-    for (cell, trace), color in zip(drawn, palette):
-        steps = [r.step for r in trace]
-        baseline = cell.id == report.baseline_of(cell)
-        # The baseline is drawn wide and underneath: matching cells run along it in colour.
-        style = {"color": "black", "lw": 3.5, "zorder": 1} if baseline else {"color": color, "lw": 1.0, "zorder": 2}
-        ls = "--" if cell.expect == "diverge" else "-"
-        ax_loss.plot(steps, [r.loss for r in trace], ls=ls, label=cell.id, gid=cell.id, **style)
-        base = traces.usable(report.baseline_of(cell))
-        if not baseline and base is not None and {r.step for r in trace} <= {r.step for r in base}:
-            diffs = [d.abs_loss if d.abs_loss > 0 else math.nan for d in step_diffs(base, trace)]
-            ax_diff.plot(steps, diffs, ls=ls, gid=cell.id, **style)
-        if cell.first_divergent_step is not None:
-            s = cell.first_divergent_step
-            ax_loss.plot(
-                [s],
-                [trace[s - trace[0].step].loss],
-                marker="X",
-                ms=9,
-                color=color,
-                mec="black",
-                ls="",
-                gid=cell.id + DIVERGENCE,
-            )
-            ax_diff.axvline(s, color=color, lw=0.8, ls=":", gid=cell.id + DIVERGENCE)
-    for group, base_id in report.baselines.items():  # each group's tolerance as applied, step by step
-        base = traces.usable(base_id)
-        dtype = next((c.dtype for c in report.cells if c.id == base_id), None)
-        if base is None or dtype not in report.tolerances:
-            continue
-        allowed = [tolerances_at(report.tolerances[dtype], b, report.floors.get(group))[0].value for b in base]
-        said = f"{allowed[0]:.1g}" if min(allowed) == max(allowed) else f"{min(allowed):.1g} to {max(allowed):.1g}"
-        ax_diff.step([b.step for b in base], allowed, where="mid", color="grey", lw=1, ls="-.",
-                     label=f"{group} loss tolerance, as applied: {said}")  # fmt: skip
-    ax_loss.set_ylabel("loss (global-batch mean)")
-    ax_loss.set_title(
-        f"{len(drawn)} cells overlaid — wide black: baseline, dashed: expected to diverge, X: first divergence",
-        fontsize=10,
+    groups: dict[str, list] = {}
+    for cell, trace in drawn:
+        groups.setdefault(group_key(dtype=cell.dtype, variant=cell.variant), []).append((cell, trace))
+    columns = max(1, min(COLUMNS, len(groups)))
+    rows = -(-max(1, len(groups)) // columns)
+    fig = Figure(figsize=(PANEL[0] * columns, PANEL[1] * len(METRICS) * rows + 1.1))
+    fig.subplots_adjust(left=0.07, right=0.98, top=1 - 0.95 / fig.get_figheight(), bottom=0.05, hspace=0.35,
+                        wspace=0.22)  # fmt: skip
+    axes = fig.subplots(len(METRICS) * rows, columns, squeeze=False)
+    for i, (group, members) in enumerate(groups.items()):
+        column = [axes[(i // columns) * len(METRICS) + k][i % columns] for k in range(len(METRICS))]
+        _problem(dict(zip(METRICS, column)), group, members, report, traces)
+    for i in range(len(groups), rows * columns):  # the grid's empty places
+        for k in range(len(METRICS)):
+            axes[(i // columns) * len(METRICS) + k][i % columns].set_visible(False)
+    shown = "each cell's difference from its baseline" if report.baselines else "no reference: no difference to draw"
+    fig.suptitle(
+        f"{len(drawn)} cells — grey: matching cells, black: the baseline, colour: a cell that diverges or is expected "
+        f"to,\n✗: the metric and step that caught it; {shown}, beside its tolerance as applied",
+        fontsize=9,
+        y=1 - 0.12 / fig.get_figheight(),
+        va="top",
     )
-    ax_diff.set_yscale("log")
-    ax_diff.set_ylabel(
-        "|Δloss| vs baseline (exact zeros not drawn)" if report.baselines else "no reference: no difference to draw"
-    )
-    ax_diff.set_xlabel("optimizer step")
-    if ax_diff.get_legend_handles_labels()[0]:
-        ax_diff.legend(loc="upper left", fontsize=8)
-    if ax_loss.get_legend_handles_labels()[0]:  # a run whose cells all failed draws no curve
-        ax_loss.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, ncol=columns, frameon=False)
-    for ax in (ax_loss, ax_diff):
-        ax.grid(True, alpha=0.3)
     return fig
 
 
+def _problem(axes: dict, group: str, members: list, report: Report, traces: TraceStore) -> None:
+    """One problem's panels: its cells' loss, |Δloss| and grad-norm difference, its tolerances."""
+    base_id = report.baselines.get(group)
+    base = traces.usable(base_id) if base_id else None
+    marked = [c for c, _ in members if _stands_out(c) and c.id != base_id]
+    colors = dict(zip((c.id for c in marked), _colors(len(marked))))
+    for cell, trace in members:
+        steps = [r.step for r in trace]
+        if cell.id == base_id:
+            style = {"color": "black", "lw": 2.5, "zorder": 3, "label": f"baseline {cell.id}"}
+        elif cell.id in colors:
+            style = {"color": colors[cell.id], "lw": 1.4, "zorder": 4, "label": f"{cell.id} ({cell.verdict})"}
+        else:
+            style = {"color": MATCHING, "lw": 0.7, "zorder": 2}
+        axes["loss"].plot(steps, [r.loss for r in trace], gid=cell.id, **style)
+        if cell.id == base_id or base is None or not {r.step for r in trace} <= {r.step for r in base}:
+            continue
+        diffs = step_diffs(base, trace)
+        for metric in ("abs_loss", "rel_grad_norm"):  # exact zeros: not drawn on a log axis
+            values = [v if (v := getattr(d, metric)) > 0 else math.nan for d in diffs]
+            axes[metric].plot(steps, values, gid=cell.id, **(style | {"label": None}))
+        _caught(axes, cell, diffs, colors.get(cell.id, MATCHING))
+    if base is not None and (dtype := next((c.dtype for c, _ in members if c.id == base_id), None)):
+        tolerance = report.tolerances.get(dtype)
+        allowed = [tolerances_at(tolerance, b, report.floors.get(group)) for b in base] if tolerance else []
+        for metric, k in (("abs_loss", 0), ("rel_grad_norm", 1)):
+            values = [a[k].value for a in allowed]
+            if values:
+                said = f"tolerance, as applied: {_span(values)}"
+                axes[metric].step([b.step for b in base], values, where="mid", color="tab:red", lw=1, ls="--",
+                                  label=said, gid=f"{group}:tolerance")  # fmt: skip
+    matching = sum(1 for c, _ in members if c.id != base_id and c.id not in colors)
+    axes["loss"].set_title(f"{group}: {len(members)} cells, {matching} matching in grey", fontsize=9)
+    for metric, ax in axes.items():
+        ax.set_ylabel(TITLES[metric], fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(True, alpha=0.3)
+        if metric != "loss":
+            ax.set_yscale("log")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="best", fontsize=6.5, frameon=False)
+    axes["rel_grad_norm"].set_xlabel("optimizer step", fontsize=8)
+
+
+def _stands_out(cell: CellReport) -> bool:
+    """A cell drawn in colour and named: it diverges, errs, or was expected to diverge."""
+    return cell.verdict != Verdict.MATCH or cell.expect == "diverge" or not cell.as_expected
+
+
+def _caught(axes: dict, cell: CellReport, diffs: list, color) -> None:
+    """A ✗ on each metric that caught the cell, at its first divergent step; another metric's on |Δloss|'s panel,
+    named."""
+    for metric, step in (cell.divergence_steps or {}).items():
+        if step is None:
+            continue
+        panel = CAUGHT_ON.get(metric, "abs_loss")
+        at = next((d for d in diffs if d.step == step), None)
+        value = getattr(at, panel) if at is not None else math.nan
+        ax = axes[panel]
+        if not value > 0:  # (a catch where the curve is zero or absent: at the panel's foot)
+            value = min((v for line in ax.lines for v in line.get_ydata() if v > 0), default=1e-12)
+        ax.plot([step], [value], marker="X", ms=9, color=color, mec="black", ls="", gid=cell.id + DIVERGENCE)
+        if panel != CAUGHT_ON.get(metric):
+            ax.annotate(f"{metric}@{step}", (step, value), textcoords="offset points", xytext=(6, 4), fontsize=6.5)
+
+
+def _span(values: list[float]) -> str:
+    low, high = f"{min(values):.2g}", f"{max(values):.2g}"
+    return low if low == high else f"{low} to {high}"
+
+
 def _colors(n: int) -> list:
+    """Distinct colours: tab10's, then tab20's."""
     from matplotlib import colormaps
 
-    cmap = colormaps["turbo"]
-    return [cmap(0.05 + 0.9 * i / max(1, n - 1)) for i in range(n)]
+    cmap = colormaps["tab10" if n <= 10 else "tab20"]
+    return [cmap(i % cmap.N) for i in range(n)]

@@ -59,9 +59,9 @@ def accumulate(path) -> EventAccumulator:
 def test_every_cell_is_one_run_with_identical_tags_and_the_trace_values(judged):
     matrix, run_dir, report, traces = judged
     tb = tbmod.write_tensorboard(run_dir, report, traces)
-    # One run directory per cell with a trace (the skipped cell has none), one event file each:
-    # no extra run directory from hparams.
-    assert sorted(p.name for p in tb.iterdir()) == sorted(CELLS + INSTRUMENTS)
+    # One run directory per cell with a trace (the skipped cell has none), one event file each, and the group's
+    # tolerance run: no extra run directory from hparams.
+    assert sorted(p.name for p in tb.iterdir()) == sorted(CELLS + INSTRUMENTS + ["tolerance-fp32"])
     assert all(len(list((tb / c).iterdir())) == 1 for c in CELLS + INSTRUMENTS)
 
     expected_tags = {
@@ -70,8 +70,6 @@ def test_every_cell_is_one_run_with_identical_tags_and_the_trace_values(judged):
         tbmod.LR,
         tbmod.ABS_LOSS_DIFF,
         tbmod.REL_GRAD_NORM_DIFF,
-        tbmod.LOSS_TOLERANCE,
-        tbmod.GRAD_NORM_TOLERANCE,
         tbmod.STEP_SECONDS,
         tbmod.COMM_BYTES,
         tbmod.PEAK_MEM,
@@ -82,11 +80,8 @@ def test_every_cell_is_one_run_with_identical_tags_and_the_trace_values(judged):
     baseline = read_trace(run_dir / "cells" / CELLS[0])
     for cell_id in CELLS:
         acc = accumulate(tb / cell_id)
-        # the log10 twins of the differences and tolerances; the baseline's differences are exact zeros,
-        # which have no logarithm (not drawn), so it has the tolerances' only
-        logs = {tbmod.LOG10[t] for t in (tbmod.LOSS_TOLERANCE, tbmod.GRAD_NORM_TOLERANCE)}
-        if cell_id != CELLS[0]:
-            logs |= {tbmod.LOG10[t] for t in (tbmod.ABS_LOSS_DIFF, tbmod.REL_GRAD_NORM_DIFF)}
+        # the log10 twins of the differences; the baseline's are exact zeros, which have no logarithm (not drawn)
+        logs = set() if cell_id == CELLS[0] else set(tbmod.LOG10.values())
         assert set(acc.Tags()["scalars"]) == expected_tags | logs
         for tag in tbmod.LOG10:
             linear = {e.step: e.value for e in acc.Scalars(tag) if e.value > 0}
@@ -107,31 +102,30 @@ def test_every_cell_is_one_run_with_identical_tags_and_the_trace_values(judged):
             np.array(diffs, dtype=np.float32),
             np.array([abs(r.loss - b.loss) for r, b in zip(trace, baseline)], dtype=np.float32),
         )
-        # the tolerance each step was judged with: the constant, or the noise floor's envelope above it
-        tol = report.tolerances["fp32"]
-        allowed = [e.value for e in acc.Scalars(tbmod.LOSS_TOLERANCE)]
-        assert len(allowed) == 12 and all(a >= np.float32(tol.loss_tol(b.loss)) for a, b in zip(allowed, baseline))
-        assert all(e.value >= np.float32(tol.grad_norm_rtol) for e in acc.Scalars(tbmod.GRAD_NORM_TOLERANCE))
         # custom-scalars layout and hparams live in the cell's own run
         layout = layout_pb2.Layout()
         layout.ParseFromString(acc.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
         assert [c.title for c in layout.category] == ["equivalence", "cost"]
         charts = {ch.title: list(ch.multiline.tag) for ch in layout.category[0].chart}
-        assert next(iter(charts)) == "log10 |Δloss| vs baseline — above its tolerance line: diverged"  # first
-        assert charts[next(iter(charts))] == [
-            f"^{tbmod.LOG10[tbmod.ABS_LOSS_DIFF]}$",
-            f"^{tbmod.LOG10[tbmod.LOSS_TOLERANCE]}$",
-        ]
+        assert next(iter(charts)) == "log10 |Δloss| vs baseline — above its group's tolerance run: diverged"
+        assert charts[next(iter(charts))] == [f"^{tbmod.LOG10[tbmod.ABS_LOSS_DIFF]}$"]  # the tolerance run's too
         assert charts["loss — every cell"] == [f"^{tbmod.LOSS}$"]
-        assert charts["|Δloss| vs baseline, and its tolerance"] == [
-            f"^{tbmod.ABS_LOSS_DIFF}$",
-            f"^{tbmod.LOSS_TOLERANCE}$",
-        ]
+        assert charts["|Δloss| vs baseline, and its tolerance"] == [f"^{tbmod.ABS_LOSS_DIFF}$"]
         hparams = acc.PluginTagToContent("hparams")
         assert {"_hparams_/experiment", "_hparams_/session_start_info", "_hparams_/session_end_info"} <= set(hparams)
         cell = next(c for c in report.cells if c.id == cell_id)
         session = hparams["_hparams_/session_start_info"]
         assert cell.verdict.encode() in session and b"grad_accum_steps" in session
+        assert cell.cell.role.value.encode() in session and b"role" in session
+
+    # the group's tolerance, once: each step's as applied (the constant, or the noise floor's envelope above it),
+    # under the tags of the differences it bounds, beside them on every card
+    tolerance = accumulate(tb / "tolerance-fp32")
+    assert set(tolerance.Tags()["scalars"]) == {tbmod.ABS_LOSS_DIFF, tbmod.REL_GRAD_NORM_DIFF, *tbmod.LOG10.values()}
+    tol = report.tolerances["fp32"]
+    allowed = [e.value for e in tolerance.Scalars(tbmod.ABS_LOSS_DIFF)]
+    assert len(allowed) == 12 and all(a >= np.float32(tol.loss_tol(b.loss)) for a, b in zip(allowed, baseline))
+    assert all(e.value >= np.float32(tol.grad_norm_rtol) for e in tolerance.Scalars(tbmod.REL_GRAD_NORM_DIFF))
 
     control = accumulate(tb / CELLS[3]).Scalars(tbmod.REL_GRAD_NORM_DIFF)
     assert control[0].value == pytest.approx(3.0)  # GA 4: the gradient is 4× the mean
@@ -141,27 +135,43 @@ def test_every_cell_is_one_run_with_identical_tags_and_the_trace_values(judged):
     assert len(accumulate(tb / CELLS[1]).Scalars(tbmod.LOSS)) == 12
 
 
-def test_overlay_figure_has_one_curve_per_cell_and_marks_divergence(judged):
+def test_overlay_figure_draws_each_problem_its_matching_cells_grey_and_marks_the_catch_on_its_metric(judged):
+    """One column per problem: the loss, |Δloss| and the grad norm's difference, each beside its tolerance as
+    applied; matching cells thin grey, the planted mistake in colour and named, its ✗ on the metric and step that
+    caught it; no legend of every cell."""
+    from gaeq.results.overlay import MATCHING, TITLES
+
     matrix, run_dir, report, traces = judged
     path = run_dir / "overlay.png"
     fig = plot_overlay(path, report, traces)
-    ax_loss, ax_diff = fig.axes[:2]
-    curves = [line.get_gid() for line in ax_loss.lines if not line.get_gid().endswith(DIVERGENCE)]
-    assert sorted(curves) == sorted(CELLS)
-    assert [line.get_gid() for line in ax_loss.lines if line.get_gid().endswith(DIVERGENCE)] == [CELLS[3] + DIVERGENCE]
-    assert ax_diff.get_yscale() == "log"
-    assert sorted(line.get_gid() for line in ax_diff.lines if line.get_gid() in CELLS) == sorted(CELLS[1:])
-    # the loss tolerance as it was applied at each step (the constant widened by the floor), labelled so
+    panel = {ax.get_ylabel(): ax for ax in fig.axes if ax.get_visible()}
+    assert set(panel) == set(TITLES.values())  # one problem here: one column of three panels
+    loss, diff, norm = (panel[TITLES[m]] for m in ("loss", "abs_loss", "rel_grad_norm"))
+    assert sorted(line.get_gid() for line in loss.lines) == sorted(CELLS)
+    for ax in (diff, norm):
+        assert ax.get_yscale() == "log"
+        assert sorted(g for line in ax.lines if (g := line.get_gid()) in CELLS) == sorted(CELLS[1:])
+    bug = next(c for c in report.cells if c.id == CELLS[3])
+    on = {"loss": diff, "grad_norm": norm}[bug.caught_by]
+    assert [line.get_gid() for line in on.lines if line.get_gid().endswith(DIVERGENCE)] == [CELLS[3] + DIVERGENCE]
+    (marker,) = [line for line in on.lines if line.get_gid().endswith(DIVERGENCE)]
+    assert list(marker.get_xdata()) == [bug.first_divergent_step]
+    colours = {line.get_gid(): line.get_color() for line in diff.lines}
+    assert colours[CELLS[1]] == colours[CELLS[2]] == MATCHING and colours[CELLS[3]] != MATCHING
+    assert [t.get_text() for t in diff.get_legend().get_texts()][0].startswith("tolerance, as applied: ")
+    assert CELLS[3] + " (diverge)" in [t.get_text() for t in loss.get_legend().get_texts()]
+    assert not any(CELLS[1] in t.get_text() for ax in (loss, diff, norm) for t in ax.get_legend().get_texts())
+    # the loss tolerance as it was applied at each step (the constant widened by the floor)
     from gaeq.results.compare import tolerances_at
 
     base = traces.get(CELLS[0])
     applied = [tolerances_at(report.tolerances["fp32"], b, report.floors.get("fp32"))[0].value for b in base]
-    (line,) = [line for line in ax_diff.lines if "loss tolerance, as applied" in line.get_label()]
-    assert list(line.get_ydata()) == applied and line.get_label().startswith("fp32 loss tolerance, as applied: ")
+    (line,) = [line for line in diff.lines if line.get_gid() == "fp32:tolerance"]
+    assert list(line.get_ydata()) == applied
     from matplotlib.image import imread
 
     pixels = imread(path)
-    assert path.stat().st_size > 30_000 and pixels.shape[0] > 500 and pixels.shape[1] > 800
+    assert path.stat().st_size > 30_000 and pixels.shape[0] > 500 and pixels.shape[1] > 400
     assert len(np.unique(pixels.reshape(-1, pixels.shape[-1]), axis=0)) > 50  # not a blank canvas
 
 
