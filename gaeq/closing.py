@@ -11,7 +11,7 @@ from gaeq.results.cell_report import INSTRUMENTS
 from gaeq.results.compare import Verdict
 from gaeq.results.lines import floor_lines, reference_lines, versions_line, weights_lines
 from gaeq.results.render import cost_table, verdict_table
-from gaeq.results.tensorboard import TB_ANSWER_URL, TB_DIR
+from gaeq.results.tensorboard import OUTLIERS, TB_ANSWER_URL, TB_DIR
 
 
 def print_result(console: Console, result: RunResult) -> int:
@@ -57,7 +57,7 @@ def print_result(console: Console, result: RunResult) -> int:
 def print_overlay_command(console: Console, result: RunResult) -> None:
     """The command that overlays every cell in TensorBoard, and what it shows for this run."""
     shown = (
-        "each cell's difference from its reference as log10, beside its tolerance"
+        f"each cell's difference from its reference as log10, beside its group's tolerance run; {OUTLIERS}"
         if result.report.baselines
         else "each cell's curves: with no reference, there is no difference to draw"
     )

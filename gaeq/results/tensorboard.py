@@ -1,10 +1,11 @@
-"""TensorBoard event files: one run per cell under ``RUN_DIR/tb/<cell id>/``.
+"""TensorBoard event files: one run per cell under ``RUN_DIR/tb/<cell id>/``, and one per group,
+``tolerance-<group>``, whose curves are the group's tolerances as applied, step by step, under the tags of the
+differences they bound: every card of a difference draws each cell's beside its tolerance, a crossing visible.
 
-Every run carries the same tags, so the Scalars dashboard overlays all cells on one chart per tag;
-a custom-scalars layout ("equivalence") opens with the differences from the baseline as log10, each
-cell's tolerance drawn as its own line beside them (1e-8 next to 1e-2 on the default axis), then the
-loss of every cell and the linear differences on multiline charts; each run's hparams (trainer,
-world, micro, GA, ZeRO stage, dtype, verdict) let the HParams dashboard filter by configuration.
+Every run carries the same tags, so the Time Series dashboard (the printed link) overlays all cells on one card
+per tag, every run selected; a custom-scalars layout ("equivalence") pairs them too, the differences as log10
+(1e-8 next to 1e-2 on the default axis). Each cell's hparams (its role — baseline, cell, noise-floor twin,
+detection limit —, trainer, world, micro, GA, ZeRO stage, dtype, verdict) let the HParams dashboard filter.
 
 Event files are written once per cell, after judging, from the cell's trace — so their values are
 the trace's (as float32), and `gaeq report` rewrites them with the new verdicts. hparams are written
@@ -26,27 +27,28 @@ from gaeq.results.report import Report
 from gaeq.results.trace import TraceStore
 
 TB_DIR = "tb"
-TB_ANSWER_URL = "http://localhost:6006/?tagFilter=log10#timeseries"
+TOLERANCE_RUN = "tolerance-{group}"
+"""A group's tolerance as applied, logged once, under the tags of the differences it bounds."""
+TB_ANSWER_URL = "http://localhost:6006/?smoothing=0&tagFilter=log10#timeseries"
 """Where the answer is at once: the Time Series dashboard (every run selected, however many — the
-Scalars and Custom Scalars dashboards select none beyond 40 runs) filtered to the log10 differences
-and their tolerances."""
+Scalars and Custom Scalars dashboards select none beyond 40 runs) filtered to the log10 differences,
+each card with every cell's beside its group's tolerance run, unsmoothed. Its setting "Ignore outliers in
+chart scaling" (on by default, and no link sets it) cuts off the few cells far above the rest: the ones that
+diverge — the printed line says to untick it."""
+OUTLIERS = "Settings: untick 'Ignore outliers in chart scaling', which cuts off the cells that diverge"
 
 LOSS = "train/loss"
 GRAD_NORM = "train/grad_norm"
 LR = "train/lr"
 ABS_LOSS_DIFF = "vs_baseline/abs_loss_diff"
 REL_GRAD_NORM_DIFF = "vs_baseline/rel_grad_norm_diff"
-LOSS_TOLERANCE = "vs_baseline/loss_tolerance"
-"""What |Δloss| may reach at each step: the constant, or the noise floor's envelope (gaeq.results.floor)."""
-GRAD_NORM_TOLERANCE = "vs_baseline/grad_norm_tolerance"
 LOG10 = {
     ABS_LOSS_DIFF: "vs_baseline/log10_abs_loss_diff",
     REL_GRAD_NORM_DIFF: "vs_baseline/log10_rel_grad_norm_diff",
-    LOSS_TOLERANCE: "vs_baseline/log10_loss_tolerance",
-    GRAD_NORM_TOLERANCE: "vs_baseline/log10_grad_norm_tolerance",
 }
-"""The same four as log10: 1e-8 next to 1e-2 on TensorBoard's default linear axis (exact zeros — the
-baseline against itself — are not drawn: they have no logarithm)."""
+"""The same two as log10: 1e-8 next to 1e-2 on TensorBoard's default linear axis (exact zeros — the
+baseline against itself — are not drawn: they have no logarithm). A group's tolerance run logs what each may
+reach at each step, the constant or the noise floor's envelope (gaeq.results.floor), under the same tags."""
 STEP_SECONDS = "cost/step_seconds"
 COMM_BYTES = "cost/comm_bytes"
 PEAK_MEM = "cost/peak_mem_bytes"
@@ -56,20 +58,17 @@ MAX_REL_GRAD_NORM_DIFF = "summary/max_rel_grad_norm_diff"
 
 LAYOUT = {
     "equivalence": {
-        "log10 |Δloss| vs baseline — above its tolerance line: diverged": [
+        "log10 |Δloss| vs baseline — above its group's tolerance run: diverged": [
             "Multiline",
-            [f"^{LOG10[ABS_LOSS_DIFF]}$", f"^{LOG10[LOSS_TOLERANCE]}$"],
+            [f"^{LOG10[ABS_LOSS_DIFF]}$"],
         ],
-        "log10 rel Δ grad norm vs baseline — above its tolerance line: diverged": [
+        "log10 rel Δ grad norm vs baseline — above its group's tolerance run: diverged": [
             "Multiline",
-            [f"^{LOG10[REL_GRAD_NORM_DIFF]}$", f"^{LOG10[GRAD_NORM_TOLERANCE]}$"],
+            [f"^{LOG10[REL_GRAD_NORM_DIFF]}$"],
         ],
         "loss — every cell": ["Multiline", [f"^{LOSS}$"]],
-        "|Δloss| vs baseline, and its tolerance": ["Multiline", [f"^{ABS_LOSS_DIFF}$", f"^{LOSS_TOLERANCE}$"]],
-        "rel Δ grad norm vs baseline, and its tolerance": [
-            "Multiline",
-            [f"^{REL_GRAD_NORM_DIFF}$", f"^{GRAD_NORM_TOLERANCE}$"],
-        ],
+        "|Δloss| vs baseline, and its tolerance": ["Multiline", [f"^{ABS_LOSS_DIFF}$"]],
+        "rel Δ grad norm vs baseline, and its tolerance": ["Multiline", [f"^{REL_GRAD_NORM_DIFF}$"]],
         "grad norm (before clipping) — every cell": ["Multiline", [f"^{GRAD_NORM}$"]],
     },
     "cost": {
@@ -80,7 +79,7 @@ LAYOUT = {
 }
 
 # hparams whose values are names: their domains are listed so the dashboard can filter on them.
-_DISCRETE = ("trainer", "zero_stage", "dtype", "expect", "verdict", "bug")
+_DISCRETE = ("role", "trainer", "zero_stage", "dtype", "expect", "verdict", "bug")
 
 
 def write_tensorboard(run_dir: Path, report: Report, traces: TraceStore) -> Path:
@@ -103,28 +102,37 @@ def write_tensorboard(run_dir: Path, report: Report, traces: TraceStore) -> Path
                     if value is not None:  # not measured: no point, rather than a false 0
                         writer.add_scalar(tag, value, r.step)
             if base is not None and {r.step for r in trace} <= {r.step for r in base}:
-                tol, floor = report.tolerances[cell.dtype], report.floors.get(cell.cell.group)
-                by_step = {r.step: r for r in base}
                 for d in step_diffs(base, trace):
-                    loss_tol, grad_tol = tolerances_at(tol, by_step[d.step], floor)
-                    for tag, value in (
-                        (ABS_LOSS_DIFF, d.abs_loss),
-                        (REL_GRAD_NORM_DIFF, d.rel_grad_norm),
-                        (LOSS_TOLERANCE, loss_tol.value),
-                        (GRAD_NORM_TOLERANCE, grad_tol.value),
-                    ):
-                        writer.add_scalar(tag, value, d.step)
-                        if value > 0 and math.isfinite(value):
-                            writer.add_scalar(LOG10[tag], math.log10(value), d.step)
+                    _differences(writer, d.step, d.abs_loss, d.rel_grad_norm)
             writer.add_custom_scalars(LAYOUT)
             _add_hparams(writer, params[cell.id], domains, cell)
         finally:
             writer.close()  # flushes: a reader sees complete files
+    for group, base_id in report.baselines.items():  # each group's tolerance, once
+        base, dtype = traces.usable(base_id), next((c.dtype for c in report.cells if c.id == base_id), None)
+        if base is None or dtype not in report.tolerances:
+            continue
+        writer = EventFile(tb / TOLERANCE_RUN.format(group=group))
+        try:
+            for b in base:
+                loss_tol, grad_tol = tolerances_at(report.tolerances[dtype], b, report.floors.get(group))
+                _differences(writer, b.step, loss_tol.value, grad_tol.value)
+        finally:
+            writer.close()
     return tb
+
+
+def _differences(writer: EventFile, step: int, abs_loss: float, rel_grad_norm: float) -> None:
+    """A step's two differences (a cell's, or the tolerances that bound them), linear and as log10."""
+    for tag, value in ((ABS_LOSS_DIFF, abs_loss), (REL_GRAD_NORM_DIFF, rel_grad_norm)):
+        writer.add_scalar(tag, value, step)
+        if value > 0 and math.isfinite(value):
+            writer.add_scalar(LOG10[tag], math.log10(value), step)
 
 
 def _hparams(cell) -> dict[str, object]:
     return {
+        "role": cell.cell.role.value,
         "trainer": cell.trainer,
         "world_size": cell.world_size,
         "tensor_parallel": cell.tensor_parallel,
