@@ -183,9 +183,10 @@ def test_default_matrix_from_the_readme(default_run):
         "gaeq verdicts" in proc.stdout
         and f"OK: {EXPECTED['match']} match, {EXPECTED['diverge']} diverge" in proc.stdout
     )
-    # Artefacts for looking at the runs: one TensorBoard run per cell, the overlay figure.
+    # Artefacts for looking at the runs: one TensorBoard run per cell and per group's tolerance, the overlay figure.
     assert f"tensorboard --logdir {out / 'tb'}" in proc.stdout
-    assert sorted(p.name for p in (out / "tb").iterdir()) == sorted(cells)
+    tolerances = [f"tolerance-{group}" for group in report["baselines"]]
+    assert sorted(p.name for p in (out / "tb").iterdir()) == sorted([*cells, *tolerances]) and len(tolerances) == 2
     assert (out / "overlay.png").stat().st_size > 30_000
     assert leftovers(tag) == []
 
