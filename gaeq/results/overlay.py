@@ -114,12 +114,20 @@ def _problem(axes: dict, group: str, members: list, report: Report, traces: Trac
                                   label=said, gid=f"{group}:tolerance")  # fmt: skip
     matching = sum(1 for c, _ in members if c.id != base_id and c.id not in colors)
     axes["loss"].set_title(f"{group}: {len(members)} cells, {matching} matching in grey", fontsize=9)
+    from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullLocator
+
     for metric, ax in axes.items():
         ax.set_ylabel(TITLES[metric], fontsize=8)
         ax.tick_params(labelsize=7)
         ax.grid(True, alpha=0.3)
-        if metric != "loss":
+        ax.xaxis.set_major_locator(MaxNLocator(6, integer=True))
+        if metric != "loss":  # a few decades, labelled plainly: most of the figure's drawing time is its ticks
             ax.set_yscale("log")
+            ax.yaxis.set_major_locator(LogLocator(numticks=5))
+            ax.yaxis.set_minor_locator(NullLocator())
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.0e}"))
+        else:
+            ax.yaxis.set_major_locator(MaxNLocator(4))
         if ax.get_legend_handles_labels()[0]:
             ax.legend(loc="best", fontsize=6.5, frameon=False)
     axes["rel_grad_norm"].set_xlabel("optimizer step", fontsize=8)
