@@ -3,9 +3,11 @@ they depend on the step's rows alone or on the split, and matched against the we
 catalogue (docs/pitfalls.md), with their fix.
 
 A target's weight in the update is the weight its rank's loss gave it × what the script multiplied the gradients
-by after the last backward (gaeq.script.weights.AsLeft: Megatron-LM's and fairseq's ÷ the step's token count) ÷
-the world size (DDP, FSDP and DeepSpeed average the ranks' gradients). A clip is no weighting: shapes are read
-before the first clip call; gaeq.objective.invariance compares splits after it, as the optimizer receives them.
+by after the last backward (gaeq.script.weights.AsLeft: Megatron-LM's and fairseq's ÷ the step's token count,
+torchtune's × world ÷ it) ÷ what the ranks' gradients are combined by (`combining`: the world size where DDP, FSDP,
+DeepSpeed or a hand all-reduce average them, 1 where a hand all-reduce sums them). A clip is no weighting: shapes
+are read before the first clip call; gaeq.objective.invariance compares splits after it, as the optimizer receives
+them.
 
 Each step's shape is gaeq.objective.shapes'; the run's is its first step tied to the split, else of no shape known,
 else every step's said once. Where the weights were read coarser than COARSE (a bf16 loss), only a shape tied to the
@@ -87,10 +89,16 @@ def combining(combined: list[str | None], world: int) -> int:
     return 1 if combined and all(c == "sum" for c in combined) else world
 
 
+def _before_clip(phases: list[dict | None] | None) -> list[dict]:
+    """A rank's rescale reads, one per optimizer step of its training step: each as it stood at the first clip
+    call after the last backward where there was one (a clip is no weighting), else at the step."""
+    return [p.get("before_clip") or p for p in phases or () if p is not None]
+
+
 def rescaled(phases: list[dict | None] | None) -> float | None:
-    """What a rank's gradients were multiplied by after the last backward and before any clip call (a clip is no
-    weighting), at its training step's last optimizer step; 1 where nothing was read, None where unevenly."""
-    found = [p.get("before_clip") or p for p in phases or () if p is not None]
+    """What a rank's gradients were multiplied by after the last backward and before any clip call, at its training
+    step's last optimizer step; 1 where nothing was read, None where unevenly."""
+    found = _before_clip(phases)
     return found[-1]["factor"] if found else 1.0
 
 
@@ -117,9 +125,9 @@ def step_weights(step: dict) -> StepWeights | str:
             f"the ranks' gradients were all-reduced by hand at step {step['step']} by an op other than SUM or AVG, "
             "or left running (async_op)"
         )
-    factors, rescales = [], step.get("rescale") or [[] for _ in ranks]
-    for r, phases in enumerate(rescales):
-        found = [p.get("before_clip") or p for p in phases if p is not None]  # (before any clip call)
+    factors, rescaled_to = [], 0.0
+    for r, phases in enumerate(step.get("rescale") or [[] for _ in ranks]):
+        found = _before_clip(phases)
         if any(p["factor"] is None for p in found) or len({p["factor"] for p in found}) > 1:
             ranges = [x for p in found for x in p.get("range") or [p["factor"]] if x is not None]
             return (
@@ -127,9 +135,9 @@ def step_weights(step: dict) -> StepWeights | str:
                 f"(× {min(ranges):.3g} to × {max(ranges):.3g}, parameter by parameter)"
             )
         factors.append(rescaled(phases))
+        # how finely a rescale was read (half-precision gradients' rounding); no rescale, nothing to read
+        rescaled_to = max([rescaled_to, *(p.get("resolution", 0.0) for p in found if p["factor"] != 1.0)])
     factors = factors or [1.0] * len(ranks)
-    found = [p.get("before_clip") or p for phases in rescales for p in phases if p]
-    rescaled_to = max([p.get("resolution", 0.0) for p in found if p.get("factor") not in (None, 1.0)] or [0.0])
     scale = factors[0] / combining(combined, step["world_size"])  # what rank 0's optimizer receives
     rows = []
     for r, forwards in enumerate(ranks):
@@ -157,10 +165,10 @@ def step_weights(step: dict) -> StepWeights | str:
 
 def _whole(found: Found, step: int | None, read: list[StepWeights], resolution: float) -> Weighting:
     """The run's weighting: the deciding shape in words, with how finely it was read and any rescale."""
-    rescaled = [s for s in read if abs(s.factor - 1) > s.resolution]
+    scaled = [s for s in read if abs(s.factor - 1) > s.resolution]
     said = found.words
-    if rescaled:
-        s = rescaled[0]
+    if scaled:
+        s = scaled[0]
         said += f" — with the gradients {times(s.factor)} after the last backward (at step {s.step}: a rescale)"
     if smoothed := [s.smoothing for s in read if s.smoothing]:
         said += f" — a cross-entropy with label smoothing ε = {smoothed[0]:.3g}"
