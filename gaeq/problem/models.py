@@ -10,7 +10,7 @@ current micro-batch with :func:`sample_keys`. ``dropout_rng: global`` is plain `
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from contextvars import ContextVar
 
 import numpy as np
@@ -24,14 +24,20 @@ from gaeq.problem.spec import GPTSpec, MLPSpec
 _SAMPLE_KEYS: ContextVar[Sequence[int] | None] = ContextVar("gaeq_sample_keys", default=None)
 
 
-@contextlib.contextmanager
-def sample_keys(keys: Sequence[int]) -> Iterator[None]:
-    """Global positions of the micro-batch being forwarded (for split-invariant dropout)."""
-    token = _SAMPLE_KEYS.set(keys)
-    try:
-        yield
-    finally:
-        _SAMPLE_KEYS.reset(token)
+class sample_keys:  # noqa: N801  (a context manager, named as one is called)
+    """Global positions of the micro-batch being forwarded (for split-invariant dropout): `with sample_keys(keys):`.
+    A class, not a generator: it is entered around every forward pass."""
+
+    __slots__ = ("keys", "token")
+
+    def __init__(self, keys: Sequence[int]) -> None:
+        self.keys = keys
+
+    def __enter__(self) -> None:
+        self.token = _SAMPLE_KEYS.set(self.keys)
+
+    def __exit__(self, *exc: object) -> None:
+        _SAMPLE_KEYS.reset(self.token)
 
 
 def _keys_following(order: list[int]) -> contextlib.AbstractContextManager:

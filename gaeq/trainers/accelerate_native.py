@@ -24,7 +24,7 @@ from gaeq.bugs import Bug
 from gaeq.matrix import Cell
 from gaeq.problem.optim import build_optimizer, build_scheduler, gradient_clipping
 from gaeq.problem.spec import ProblemSpec
-from gaeq.trainers.base import RunContext, build_cell_problem, inject_fault
+from gaeq.trainers.base import RunContext, build_cell_problem, inject_fault, times
 from gaeq.trainers.library_state import reset_accelerate_state
 from gaeq.trainers.provenance import Provenance
 from gaeq.trainers.recorder import StepRecorder
@@ -93,7 +93,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
                 # ACCUMULATION: accelerator.backward divides by GA itself (as DeepSpeed does), so we
                 # hand it GA × this micro-batch's share of the global-batch mean (× dp: DDP
                 # averages over the ranks) — accelerate's recipe for token-normalised losses.
-                loss = micro_loss * task.data_parallel * plan.grad_accum_steps
+                loss = times(micro_loss, task.data_parallel * plan.grad_accum_steps)
                 if cell.bug == Bug.ACCELERATE_LOSS_DIVIDED_TWICE:
                     loss = loss / plan.grad_accum_steps  # planted bug: ÷ GA by hand, then accelerate's ÷ GA
                 accelerator.backward(loss)

@@ -202,12 +202,18 @@ class CellProblem:
             loss_elements=elements,
         )
 
-    @contextlib.contextmanager
-    def forwarding(self, mb: MicroBatch) -> Iterator[None]:
+    def forwarding(self, mb: MicroBatch) -> contextlib.AbstractContextManager:
         """Around a forward pass: low-precision autocast (bf16/fp16 cells) and the sample keys
         that make dropout split-invariant."""
-        with autocast(self.dtype, self.device), sample_keys(mb.positions):
-            yield
+        if self.dtype not in AUTOCAST:
+            return sample_keys(mb.positions)
+        return _autocast_with_keys(self.dtype, self.device, mb.positions)
+
+
+@contextlib.contextmanager
+def _autocast_with_keys(dtype: str, device: torch.device, keys: Sequence[int]) -> Iterator[None]:
+    with autocast(dtype, device), sample_keys(keys):
+        yield
 
 
 def build_cell_problem(cell: Cell, problem: ProblemSpec, ctx: RunContext) -> CellProblem:
@@ -276,6 +282,13 @@ def balance_share(cell: Cell, plan: BatchPlan) -> float:
     if cell.bug == Bug.MOE_AUX_LOSS_AVERAGED_TWICE:
         share = share / plan.data_parallel  # planted bug: ÷ dp by hand, then DDP's average again
     return share
+
+
+def times(loss: torch.Tensor, factor: int) -> torch.Tensor:
+    """`loss` × `factor` (a count of ranks or micro-steps), where the wrapper averages what it sums: the loss
+    itself where the factor is 1 — exact either way, and a multiplication by one is a node of the backward graph
+    each micro-step pays for nothing (benchmarks/lab_speed.py: the trainer against a bare loop)."""
+    return loss if factor == 1 else loss * factor
 
 
 HALF_MODEL = {"ds_bf16": torch.bfloat16, "ds_fp16": torch.float16}

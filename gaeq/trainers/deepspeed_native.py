@@ -25,7 +25,7 @@ from gaeq.problem.optim import build_scheduler, gradient_clipping
 from gaeq.problem.spec import ProblemSpec
 from gaeq.problem.tp import tp_plan
 from gaeq.trainers import compiled, muon
-from gaeq.trainers.base import RunContext, autocast_inside, build_cell_problem, inject_fault, short_step_label
+from gaeq.trainers.base import RunContext, autocast_inside, build_cell_problem, inject_fault, short_step_label, times
 from gaeq.trainers.checkpoint import load_deepspeed, save_deepspeed
 from gaeq.trainers.deepspeed_config import deepspeed_config
 from gaeq.trainers.library_state import forget_parallel_groups
@@ -135,7 +135,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
             # ACCUMULATION: DeepSpeed divides by GA itself inside engine.backward, and num_items
             # already did, so we hand it GA × our share (× dp: it averages over the data-parallel
             # ranks). Its return value is that ÷ GA; the loss we log is the forward one.
-            loss = micro_loss * task.data_parallel * engine.gradient_accumulation_steps()  # (manual: GA 1)
+            loss = times(micro_loss, task.data_parallel * engine.gradient_accumulation_steps())  # (manual: GA 1)
             engine.backward(loss)
             recorder.measure_model_state(
                 step=step, micro_step=micro_step, model=engine.module, optimizer=engine.optimizer

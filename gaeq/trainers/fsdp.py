@@ -26,7 +26,7 @@ from gaeq.matrix import Cell
 from gaeq.problem.optim import build_optimizer, build_scheduler, gradient_clipping
 from gaeq.problem.spec import ProblemSpec
 from gaeq.trainers import tensor_parallel
-from gaeq.trainers.base import RunContext, build_cell_problem, inject_fault, short_step_label
+from gaeq.trainers.base import RunContext, build_cell_problem, inject_fault, short_step_label, times
 from gaeq.trainers.provenance import Provenance
 from gaeq.trainers.recorder import StepRecorder
 from gaeq.trainers.tensor_parallel import TensorParallel, full
@@ -116,7 +116,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
                 micro_loss = task.micro_loss(model, mb, num_items=num_items)
             # ACCUMULATION: we divide — num_items counts the whole global batch, so ÷ GA is in it —
             # and multiply by the data-parallel ranks, because FSDP2 averages over them.
-            loss = micro_loss * task.data_parallel
+            loss = times(micro_loss, task.data_parallel)
             loss.backward()
             recorder.measure_model_state(step=step, micro_step=micro_step, model=model, optimizer=optimizer)
             local_loss_sum += micro_loss.item() * num_items

@@ -64,14 +64,16 @@ class Provenance:
         first optimizer step is done, before the label is checked."""
         self._at_first_step |= measures
 
-    @contextlib.contextmanager
-    def forward(self, inputs: torch.Tensor) -> Iterator[None]:
+    def forward(self, inputs: torch.Tensor) -> contextlib.AbstractContextManager:
         """Around each forward pass: the first one records the micro-batch rows and the dtypes
-        every module produced."""
+        every module produced (every later one is counted, nothing more)."""
         self._micro_steps += 1
         if "compute_dtype" in self.facts:
-            yield
-            return
+            return contextlib.nullcontext()
+        return self._first_forward(inputs)
+
+    @contextlib.contextmanager
+    def _first_forward(self, inputs: torch.Tensor) -> Iterator[None]:
         self.facts["micro_batch_rows"] = int(inputs.shape[0])
         with module_output_dtypes() as seen:
             yield

@@ -33,6 +33,10 @@ class StepRecorder:
         """A pipeline trainer's stages report their p2p transfers and compute time here."""
         self.memory = PeakMemory(ctx.device)
         self._model_state_bytes = 0
+        place = cell.place(ctx.rank)
+        self._counts_loss = not place.tensor and place.stage == cell.pipeline_parallel - 1
+        """A tensor-parallel group saw one micro-batch: its first rank counts it; a pipeline's loss exists on
+        its last stage only."""
 
     def count_collectives(self, wrapper) -> None:
         """Count the bytes `wrapper` (DDP, a DeepSpeed engine, an FSDP2 module, a TensorParallel
@@ -71,27 +75,22 @@ class StepRecorder:
         # float64 end to end: the comparison must not be limited by the logging precision.
         comm_bytes, a2a_bytes = self.comm.take(), self.comm.take_all_to_all()
         p2p_bytes, computing, span = self.pipeline.take()
-        place = self.cell.place(self.ctx.rank)
-        if place.tensor or place.stage != self.cell.pipeline_parallel - 1:
-            # a tensor-parallel group saw one micro-batch: its first rank counts it; a pipeline's loss
-            # exists on its last stage only
+        if not self._counts_loss:
             local_loss_sum = 0.0
-        # the loss sum and (pipelines) the ranks' compute time; the pipeline's span is its longest rank's
-        total = torch.tensor([local_loss_sum, computing], dtype=torch.float64, device=self.ctx.device)
-        longest = torch.tensor([span], dtype=torch.float64, device=self.ctx.device)
-        if self.ctx.world_size > 1:
+        if self.ctx.world_size > 1:  # the loss sum and (pipelines) the ranks' compute time; the span: the longest
+            total = torch.tensor([local_loss_sum, computing], dtype=torch.float64, device=self.ctx.device)
+            longest = torch.tensor([span], dtype=torch.float64, device=self.ctx.device)
             with self.comm.paused():  # the lab's own collectives, not training traffic
                 dist.all_reduce(total, op=dist.ReduceOp.SUM)
                 if self.cell.pipeline_parallel > 1:
                     dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+            (local_loss_sum, computing), span = total.tolist(), longest.item()
         if self.writer is None:
             return
-        loss_sum, computing = total.tolist()
-        span = longest.item()
         self.writer.write(
             StepRecord(
                 step=step,
-                loss=loss_sum / normaliser,
+                loss=local_loss_sum / normaliser,  # (summed over the ranks)
                 grad_norm=float(grad_norm),
                 lr=float(lr),
                 samples=self.plan.step_positions(step).stop,  # trained through this step

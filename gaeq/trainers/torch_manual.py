@@ -24,7 +24,7 @@ from gaeq.matrix import Cell, Role
 from gaeq.problem.optim import build_optimizer, build_scheduler, gradient_clipping
 from gaeq.problem.spec import ProblemSpec
 from gaeq.trainers import compiled, muon, tensor_parallel
-from gaeq.trainers.base import RunContext, build_cell_problem, inject_fault, short_step_label
+from gaeq.trainers.base import RunContext, build_cell_problem, inject_fault, short_step_label, times
 from gaeq.trainers.checkpoint import load_torch, save_torch
 from gaeq.trainers.provenance import Provenance
 from gaeq.trainers.recorder import StepRecorder
@@ -150,7 +150,7 @@ def train(*, cell: Cell, problem: ProblemSpec, ctx: RunContext) -> dict:
                 # ACCUMULATION: we divide — num_items counts the whole global batch, so ÷ GA is in it —
                 # and multiply by the data-parallel ranks, because DDP averages over them (and by the
                 # sequence-parallel ones: a sample's slices' gradients add up, DDP averages them too).
-                loss = micro_loss * task.data_parallel * task.sequence_parallel
+                loss = times(micro_loss, task.data_parallel * task.sequence_parallel)
                 if cell.bug == Bug.TOKENS_ALL_REDUCED_THEN_DDP_AVERAGED:
                     loss = micro_loss  # planted bug: the global count, then DDP's average on top (÷ world twice)
                 if cell.bug == Bug.NO_LOSS_DIVISION:
