@@ -12,9 +12,10 @@ import contextlib
 import inspect
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 MOST_STEPS = 10_000
 """Optimizer steps the curve is stepped through at most (a schedule longer than that is read that far)."""
@@ -105,6 +106,8 @@ def _quiet():
 def _stand_in(section: dict[str, Any]) -> torch.optim.Optimizer:
     """An optimizer with the file's lr and momentum (Adam's betas, SGD's momentum): what a schedule reads and
     writes; DeepSpeed's FusedAdam defaults where the file is silent."""
+    import torch  # here, not above: `gaeq run` imports this module, and its fork server must start before torch
+
     params = section.get("params") or {}
     weight = [torch.nn.Parameter(torch.zeros(1))]
     if str(section.get("type", "adam")).lower() in ADAM:
