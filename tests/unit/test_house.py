@@ -396,3 +396,19 @@ def test_every_registered_trainer_module_trains_and_says_what_it_promises():
 def test_the_control_a_trainer_module_without_promises_is_found():
     tree = ast.parse("def train(*, cell, problem, ctx):\n    return {}\n")
     assert TRAINER_FUNCTIONS - trainer_functions(tree) == {"promised"}
+
+
+def test_the_cli_imports_no_torch_so_that_gaeq_run_starts_its_fork_server_first():
+    """`gaeq run` starts the fork server that imports torch for the ranks (gaeq/runtime/server.py) before it
+    checks the problems: a torch the CLI imports on its way there is a second of start-up in front of every run.
+    (The control: the same question of a module that does import it.)"""
+    import subprocess
+    import sys
+
+    def imports_torch(module: str) -> bool:
+        said = subprocess.run([sys.executable, "-c", f"import sys, {module}; print('torch' in sys.modules)"],
+                              capture_output=True, text=True, cwd=REPO, check=True)  # fmt: skip
+        return said.stdout.strip().splitlines()[-1] == "True"
+
+    assert not imports_torch("gaeq.cli")
+    assert imports_torch("gaeq.trainers.base")
