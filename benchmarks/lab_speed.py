@@ -4,16 +4,18 @@
     python benchmarks/lab_speed.py --tiny     # every phase at its smallest, for the suite: its numbers mean nothing
 
 1. The default matrix (experiments/ga.yaml) with one process group per world size (what `gaeq run`
-   does) against `--isolate` (one fresh group per cell: one launch per config). Target: ≥ 8×.
-2. Whole-matrix wall time against the summed in-loop training time of its cells. Target: ≤ 1.3×.
+   does) against `--isolate` (one fresh group per cell: one launch per config). No reuse beats its own
+   in-loop time, so isolate ÷ in-loop is the ceiling: target ≥ 90 % of it.
+2. Whole-matrix wall time against the summed in-loop training time of its cells. Target: ≤ 1.10×.
    And the price of lanes (world-1 groups side by side, each on a core of its own) for the cost
    columns: each world-1 cell's step time against the same cell in a `--lanes 1` run.
-3. The torch trainer's optimizer step against a bare PyTorch loop on the same model and batches (target: ≤ 1.25×
+3. The torch trainer's optimizer step against a bare PyTorch loop on the same model and batches (target: ≤ 1.10×
    a bare loop that generates its batches as it goes),
    and what recording costs on top of it (trace, comm counting, memory). Target: ≤ 5 % of a bare step.
 4. The peer way of checking: one launch of a plain DeepSpeed script (benchmarks/plain_deepspeed.py,
    under DeepSpeed's launcher) per configuration, for 8 ZeRO × GA configurations at world 2, against
-   one `gaeq run` of the same 8 cells (and its baseline). Target: ≥ 20× per configuration.
+   one `gaeq run` of the same 8 cells (and its baseline). Target: ≥ 8× per configuration (a launch's start-up
+   is most of it; even a gaeq run that were nothing but its training would be ~15× faster).
 
 `--tiny` runs every phase with the same code at its smallest — a matrix of the baseline alone, 5 steps
 (the schedule's warm-up), one peer configuration, one repeat — in seconds: the suite runs it
@@ -279,7 +281,7 @@ def main() -> None:
         loop = in_loop_seconds(Path(tmp) / "reuse")
         print(
             f"default matrix, process groups reused (lanes side by side): {reuse:.1f} s wall; "
-            f"summed in-loop training {loop:.1f} s → wall / in-loop = {reuse / loop:.2f} (target ≤ 1.3)"
+            f"summed in-loop training {loop:.1f} s → wall / in-loop = {reuse / loop:.2f} (target ≤ 1.10)"
         )
         one = run_matrix(matrix, Path(tmp) / "one-lane", "--lanes", "1")
         one_loop = in_loop_seconds(Path(tmp) / "one-lane")
@@ -300,9 +302,11 @@ def main() -> None:
         )
         if not args.skip_isolate:
             isolate = run_matrix(matrix, Path(tmp) / "isolate", "--isolate")
+            # No reuse beats its own in-loop time: isolate ÷ in-loop is the most any reuse could reach.
             print(
-                f"default matrix, --isolate: {isolate:.1f} s wall → isolate / reuse = {isolate / reuse:.1f}× (target "
-                "≥ 8×)"
+                f"default matrix, --isolate: {isolate:.1f} s wall → isolate / reuse = {isolate / reuse:.1f}×; the most "
+                f"a reuse could reach, isolate / in-loop, is {isolate / loop:.1f}×: reached {loop / reuse:.0%} of it "
+                "(target ≥ 90 %)"
             )
 
     if not args.skip_peer:
@@ -311,7 +315,7 @@ def main() -> None:
         print(
             f"peer check, {n} ZeRO × GA configurations at world 2, {peer_steps} steps: one launch each of a plain "
             f"DeepSpeed script {launches:.1f} s ({launches / n:.1f} s a configuration) vs one gaeq run {gaeq:.1f} s "
-            f"({gaeq / n:.2f} s a configuration) → {launches / gaeq:.1f}× per configuration (target ≥ 20×)"
+            f"({gaeq / n:.2f} s a configuration) → {launches / gaeq:.1f}× per configuration (target ≥ 8×)"
         )
         print(
             f"  training loops alone: the launches' {peer_loop:.1f} s, gaeq's cells' {gaeq_loop:.1f} s → even a gaeq "
