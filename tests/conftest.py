@@ -6,6 +6,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.workers import group_sharing_files, is_controller, scheduler
+
 REPO = Path(__file__).resolve().parents[1]
 TRAINING_TESTS = (REPO / "tests" / "integration", REPO / "tests" / "notebooks")
 
@@ -33,6 +35,15 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(f"busy core-seconds: {busy:.0f} (the suite's work; README, Tests)")
 
 
+def pytest_configure(config):
+    """An xdist worker computes on one thread (torch's intra-op pool; the processes it starts keep theirs): two
+    workers share two cores, where a pool of two threads each would make every in-process test wait on the other."""
+    if hasattr(config, "workerinput"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
 def pytest_sessionstart(session):
     """A session that will train starts its fork server now (tests/processes.py): its imports of
     torch, DeepSpeed and transformers overlap the collection of the tests. One that will not — its
@@ -40,6 +51,8 @@ def pytest_sessionstart(session):
     integration"`) — starts none: those imports would take a core from the tests that run."""
     STARTED.append(busy_ticks())
     config = session.config
+    if is_controller(config):  # xdist's controller trains nothing: each worker starts its own server
+        return
     paths = [Path(config.invocation_params.dir, arg.split("::")[0]).resolve() for arg in config.args]
     if not any(p == d or p in d.parents or d in p.parents for p in paths for d in TRAINING_TESTS):
         return
@@ -53,10 +66,19 @@ def pytest_sessionstart(session):
     start_session_fork_server()
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups it marks
 def pytest_collection_modifyitems(items):
     """The test of a DeepSpeed op's first build goes first: on a fresh machine the build it makes is the
-    one every later DeepSpeed cell of the suite would otherwise pay (tests/integration/test_first_use_builds.py)."""
+    one every later DeepSpeed cell of the suite would otherwise pay (tests/integration/test_first_use_builds.py).
+    The files that share a session's run are grouped for one worker (tests/workers.py)."""
     items.sort(key=lambda item: item.get_closest_marker("first_use_build") is None)
+    group_sharing_files(items)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """The suite's units of work for xdist: a file, or the files that share a run (tests/workers.py)."""
+    return scheduler(config, log)
 
 
 @pytest.fixture(scope="session", autouse=True)
