@@ -103,8 +103,8 @@ class RunProgress:
         return f"cells, about {seconds / 60:.0f} min left" if seconds >= 90 else f"cells, about {seconds:.0f} s left"
 
     def say(self, line: str) -> None:
-        """A line above the bars (it stays when they go)."""
-        self.progress.console.print(line, highlight=False)
+        """A line above the bars (it stays when they go), unbroken: it may hold a path or a command to copy."""
+        self.progress.console.print(line, highlight=False, soft_wrap=True)
 
 
 def plan_line(m: Matrix) -> str:

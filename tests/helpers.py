@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import torch
@@ -88,15 +89,22 @@ def deepspeed_shm() -> set[str]:
     return {p.name for p in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*")}
 
 
-def shm_left(before: set[str], owners: set[int]) -> list[str]:
+def shm_left(before: set[str], owners: set[int], *, grace: float = 5.0) -> list[str]:
     """The segments new since `before` that a run of `owners` (its gaeq's PIDs) left behind: none a live process
     still maps, none whose group's marker names another gaeq — a `gaeq run` beside the suite, running or killed,
-    is not the test's (gaeq.runtime.shm)."""
+    is not the test's (gaeq.runtime.shm). Unmarked ones are looked at again for `grace` seconds: a plain
+    DeepSpeed launch (benchmarks/lab_speed.py's, on the other xdist worker) leaves its segments a moment before
+    its benchmark frees them, a leak leaves them for good."""
     from gaeq.runtime import shm
 
-    new = deepspeed_shm() - before
-    mapped = {Path(m).name for m in shm.mapped_segments()} if new else set()
-    return sorted(s for s in new if s not in mapped and shm.owner(shm.port_of(s)) in (None, *owners))
+    deadline = time.monotonic() + grace
+    while True:
+        new = deepspeed_shm() - before
+        mapped = {Path(m).name for m in shm.mapped_segments()} if new else set()
+        left = sorted(s for s in new if s not in mapped and shm.owner(shm.port_of(s)) in (None, *owners))
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
 
 
 def gaeq_run(
