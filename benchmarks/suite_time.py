@@ -3,7 +3,7 @@
     python benchmarks/suite_time.py                  # runs the README's test command's pytest, then prints
     python benchmarks/suite_time.py --junit run.xml  # reads a run already made (pytest --junitxml=run.xml)
     python benchmarks/suite_time.py --serial         # one process: each test's busy core-seconds too
-    python benchmarks/suite_time.py --tiny           # a few unit tests: keeps the code working, numbers mean nothing
+    python benchmarks/suite_time.py --tiny           # two unit-test files in one process: numbers mean nothing
 
 Each round of work adds tests; this prints the total by folder (tests/unit, tests/integration,
 tests/notebooks) so that the next round sees the growth, and the 15 slowest tests with their phase time
@@ -116,7 +116,7 @@ def main() -> None:
             started, before = time.monotonic(), busy_ticks()
             proc = subprocess.run(
                 [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "suite_time",
-                 f"--junitxml={junit}", *(["-n", "0"] if args.serial else []), *chosen],
+                 f"--junitxml={junit}", *(["-n", "0"] if args.serial or args.tiny else []), *chosen],
                 cwd=REPO,
                 check=False,
                 stdout=subprocess.DEVNULL,
