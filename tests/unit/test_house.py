@@ -398,17 +398,21 @@ def test_the_control_a_trainer_module_without_promises_is_found():
     assert TRAINER_FUNCTIONS - trainer_functions(tree) == {"promised"}
 
 
-def test_the_cli_imports_no_torch_so_that_gaeq_run_starts_its_fork_server_first():
+def test_the_cli_imports_no_torch_so_that_gaeq_run_starts_its_fork_server_first(tmp_path):
     """`gaeq run` starts the fork server that imports torch for the ranks (gaeq/runtime/server.py) before it
     checks the problems: a torch the CLI imports on its way there is a second of start-up in front of every run.
-    (The control: the same question of a module that does import it.)"""
+    (The control: the same question of a module that imports a torch — a stand-in, a folder of that name.)"""
     import subprocess
     import sys
 
-    def imports_torch(module: str) -> bool:
-        said = subprocess.run([sys.executable, "-c", f"import sys, {module}; print('torch' in sys.modules)"],
-                              capture_output=True, text=True, cwd=REPO, check=True)  # fmt: skip
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("")
+    (tmp_path / "imports_torch.py").write_text("import torch\n")
+
+    def imports_torch(module: str, *, path: str = "") -> bool:
+        code = f"import sys; sys.path.insert(0, {path!r}); import {module}; print('torch' in sys.modules)"
+        said = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
         return said.stdout.strip().splitlines()[-1] == "True"
 
     assert not imports_torch("gaeq.cli")
-    assert imports_torch("gaeq.trainers.base")
+    assert imports_torch("imports_torch", path=str(tmp_path))
