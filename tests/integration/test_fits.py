@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.conftest import REPO
 from tests.helpers import cells_by_id, gaeq_here
+
+pytestmark = pytest.mark.integration
 
 SCRIPT = REPO / "experiments" / "scripts" / "ddp_manual.py"
 DEVICE = ["--hidden", "16384", "--min_len", "23", "--memory_mb", "80"]

@@ -416,3 +416,20 @@ def test_the_cli_imports_no_torch_so_that_gaeq_run_starts_its_fork_server_first(
 
     assert not imports_torch("gaeq.cli")
     assert imports_torch("imports_torch", path=str(tmp_path))
+
+
+def unmarked_integration_files(files: dict[str, str]) -> list[str]:
+    """The files of tests/integration (name → text) whose tests are not marked `integration`: they start processes,
+    yet the edit loop (`-m "not integration"`) would run them."""
+    marked = re.compile(r"pytestmark = .*pytest\.mark\.integration")
+    return sorted(name for name, text in files.items() if not marked.search(text))
+
+
+def test_every_integration_test_file_is_marked_integration():
+    files = {p.name: p.read_text() for p in (REPO / "tests" / "integration").glob("test_*.py")}
+    assert len(files) > 20 and unmarked_integration_files(files) == []
+
+
+def test_the_control_an_unmarked_integration_file_is_named():
+    marked = "pytestmark = [pytest.mark.integration, pytest.mark.first_use_build]\n"
+    assert unmarked_integration_files({"test_a.py": marked, "test_b.py": "import pytest\n"}) == ["test_b.py"]
