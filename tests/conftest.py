@@ -36,9 +36,17 @@ def pytest_terminal_summary(terminalreporter):
 
 
 def pytest_configure(config):
-    """An xdist worker computes on one thread (torch's intra-op pool; the processes it starts keep theirs): two
-    workers share two cores, where a pool of two threads each would make every in-process test wait on the other."""
+    """`-n 2` (pytest-xdist): the files that share a session's run go to one worker together (tests/workers.py).
+    A worker names each test's group in its node id, as xdist's `--dist loadgroup` has it do, whatever `--dist`."""
     if hasattr(config, "workerinput"):
+        config.option.loadgroup = True
+
+
+def pytest_collection_finish(session):
+    """An xdist worker computes on one thread (torch's intra-op pool; the processes it starts keep theirs): two
+    workers share two cores, where a pool of two threads each would make every in-process test wait on the other.
+    (Set once the tests are collected: torch is imported by then, and the session's fork server started first.)"""
+    if hasattr(session.config, "workerinput"):
         import torch
 
         torch.set_num_threads(1)

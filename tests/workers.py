@@ -1,4 +1,4 @@
-"""The suite on two pytest-xdist workers (pyproject.toml: `-n 2`): what one worker must keep together.
+"""The suite on pytest-xdist workers (`python -m pytest -n 2`): what one worker must keep together.
 
 A unit of work is a test file — its module fixtures made once — except that the files that share a session's
 run (a fixture of tests/conftest.py in SHARED_RUNS) go to one worker together, which trains that run once.
