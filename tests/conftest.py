@@ -23,15 +23,21 @@ def busy_ticks() -> tuple[int, int] | None:
     return sum(ticks), ticks[3] + ticks[4]  # idle and iowait
 
 
+def busy_seconds(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """Busy core-seconds between two :func:`busy_ticks` readings (None where either is missing)."""
+    if before is None or after is None:
+        return None
+    return ((after[0] - before[0]) - (after[1] - before[1])) / os.sysconf("SC_CLK_TCK")
+
+
 STARTED: list[tuple[int, int] | None] = []
 
 
 def pytest_terminal_summary(terminalreporter):
     """Every run ends with the machine's busy core-seconds over it: the suite's work, its budget (README, Tests) —
     measured on a machine doing nothing else."""
-    end = busy_ticks()
-    if STARTED and STARTED[0] is not None and end is not None:
-        busy = ((end[0] - STARTED[0][0]) - (end[1] - STARTED[0][1])) / os.sysconf("SC_CLK_TCK")
+    busy = busy_seconds(STARTED[0], busy_ticks()) if STARTED else None
+    if busy is not None:
         terminalreporter.write_line(f"busy core-seconds: {busy:.0f} (the suite's work; README, Tests)")
 
 
