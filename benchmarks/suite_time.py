@@ -3,7 +3,7 @@
     python benchmarks/suite_time.py                  # runs the README's test command's pytest, then prints
     python benchmarks/suite_time.py --junit run.xml  # reads a run already made (pytest --junitxml=run.xml)
     python benchmarks/suite_time.py --serial         # each test's busy core-seconds too
-    python benchmarks/suite_time.py --workers 2      # on two pytest-xdist workers
+    python benchmarks/suite_time.py --workers 0      # in one process (the README's command runs two workers)
     python benchmarks/suite_time.py --tiny           # two unit-test files in one process: numbers mean nothing
 
 Each round of work adds tests; this prints the total by folder (tests/unit, tests/integration,
@@ -15,8 +15,9 @@ When it runs the suite itself it also measures the machine's **busy core-seconds
 read before and after — the whole machine's, so measure on a machine doing nothing else): the suite's work,
 whose budget the README states, for wall time alone cannot say whether a slow run waits or works. `--serial`
 loads this file into that pytest as a plugin, which reads `/proc/stat` around each test: each test's busy
-core-seconds, the work to cut where the total is over. `--workers 2` runs the suite on two xdist workers
-(`-n 2`), where one test's share of the machine cannot be told apart.
+core-seconds, the work to cut where the total is over (in one process: on workers side by side, one test's share
+of the machine cannot be told apart). `--workers N` runs it on N xdist workers (2 by default, as the README does;
+0: one process).
 """
 
 from __future__ import annotations
@@ -103,8 +104,11 @@ def main() -> None:
     parser.add_argument("--junit", type=Path, help="a pytest --junitxml report already made (wall time only)")
     parser.add_argument("--tiny", action="store_true", help="time two small unit-test files only")
     parser.add_argument("--serial", action="store_true", help="each test's busy core-seconds as well")
-    parser.add_argument("--workers", type=int, default=0, help="pytest-xdist workers (-n); 0: one process")
+    parser.add_argument(
+        "--workers", type=int, default=2, help="pytest-xdist workers (-n): 2, as the README's command; 0: one process"
+    )
     args = parser.parse_args()
+    workers = 0 if args.serial or args.tiny else args.workers  # (one test's busy core-seconds: one process)
     with tempfile.TemporaryDirectory() as tmp:
         junit, busy_file, ran, work = args.junit, Path(tmp) / "busy.jsonl", None, None
         if junit is None:
@@ -116,7 +120,7 @@ def main() -> None:
             started, before = time.monotonic(), busy_ticks()
             proc = subprocess.run(
                 [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "suite_time",
-                 f"--junitxml={junit}", "-n", str(0 if args.serial or args.tiny else args.workers), *chosen],
+                 f"--junitxml={junit}", "-n", str(workers), *chosen],
                 cwd=REPO,
                 check=False,
                 stdout=subprocess.DEVNULL,
@@ -138,7 +142,7 @@ def main() -> None:
     print(f"{'total':<20} {len(cases):>6} {total:>9.1f} {float('nan') if work is None else work:>8.0f}   {target}")
     print(f"{'unit tests':<20} {'':>6} {unit:>9.1f}   (target: ≤ {TARGETS['not integration']:.0f} s)")
     print(f"tests: {ended}" + (f"; {ran}" if ran else ""))
-    if args.workers:
+    if workers and args.junit is None:
         print("(seconds: each test's own, summed — workers side by side make the run's wall less)")
     if work is not None:
         print(

@@ -46,6 +46,9 @@ def pytest_configure(config):
     A worker names each test's group in its node id, as xdist's `--dist loadgroup` has it do, whatever `--dist`."""
     if hasattr(config, "workerinput"):
         config.option.loadgroup = True
+        from tests.workers import pin_to_a_core
+
+        pin_to_a_core(config.workerinput)
 
 
 def pytest_collection_finish(session):

@@ -1,4 +1,9 @@
-"""The suite on pytest-xdist workers (`python -m pytest -n 2`): what one worker must keep together.
+"""The suite on two pytest-xdist workers (`python -m pytest -n 2`, the README's command): what one worker keeps
+together, and the core it runs on.
+
+Each worker runs on a core of its own, with everything it starts (:func:`pin_to_a_core`): two one-core machines.
+Unpinned, the two workers' process groups and lanes shared both cores and waited on each other's ranks: ~100 busy
+core-seconds more than one process did (docs/tests.md).
 
 A unit of work is a test file — its module fixtures made once — except that the files that share a session's
 run (a fixture of tests/conftest.py in SHARED_RUNS) go to one worker together, which trains that run once.
@@ -8,6 +13,7 @@ slowest, then the notebooks and the unit tests, which fill the gaps at the end),
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import pytest
@@ -50,3 +56,14 @@ def scheduler(config: pytest.Config, log: object):
 def is_controller(config: pytest.Config) -> bool:
     """Whether this process hands tests to xdist workers (and runs none itself)."""
     return bool(getattr(config.option, "numprocesses", None)) and not hasattr(config, "workerinput")
+
+
+def pin_to_a_core(workerinput: dict) -> None:
+    """An xdist worker and everything it starts run on one core of their own (`gwN` on the Nth, where there are as
+    many): two workers are two one-core machines, whose process groups never wait on each other's ranks. gaeq
+    plans its lanes and ranks from this affinity."""
+    cores = sorted(os.sched_getaffinity(0))
+    workers = int(workerinput.get("workercount", 1))
+    if workers > 1 and len(cores) >= workers:
+        index = int(workerinput["workerid"].removeprefix("gw"))
+        os.sched_setaffinity(0, {cores[index]})
