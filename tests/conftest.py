@@ -42,8 +42,9 @@ def pytest_terminal_summary(terminalreporter):
 
 
 def pytest_configure(config):
-    """`-n 2` (pytest-xdist): the files that share a session's run go to one worker together (tests/workers.py).
-    A worker names each test's group in its node id, as xdist's `--dist loadgroup` has it do, whatever `--dist`."""
+    """`-n 2` (pytest-xdist): each worker runs on a core of its own, with everything it starts; the files that share
+    a session's run go to one worker together (tests/workers.py). A worker names each test's group in its node id,
+    as xdist's `--dist loadgroup` has it do, whatever `--dist`."""
     if hasattr(config, "workerinput"):
         config.option.loadgroup = True
         from tests.workers import pin_to_a_core
