@@ -2,8 +2,8 @@
 together, and the core it runs on.
 
 Each worker runs on a core of its own, with everything it starts (:func:`pin_to_a_core`): two one-core machines.
-Unpinned, the two workers' process groups and lanes shared both cores and waited on each other's ranks: ~100 busy
-core-seconds more than one process did (docs/tests.md).
+Unpinned, the two workers' process groups and lanes shared both cores and waited on each other's ranks: more work
+than one process did (docs/tests.md measures both).
 
 A unit of work is a test file — its module fixtures made once — except that the files that share a session's
 run (a fixture of tests/conftest.py in SHARED_RUNS) go to one worker together, which trains that run once.
