@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.workers import group_sharing_files, is_controller, scheduler
+from tests.workers import group_sharing_files, is_controller, pin_to_a_core, scheduler
 
 REPO = Path(__file__).resolve().parents[1]
 TRAINING_TESTS = (REPO / "tests" / "integration", REPO / "tests" / "notebooks")
@@ -47,15 +47,14 @@ def pytest_configure(config):
     as xdist's `--dist loadgroup` has it do, whatever `--dist`."""
     if hasattr(config, "workerinput"):
         config.option.loadgroup = True
-        from tests.workers import pin_to_a_core
-
         pin_to_a_core(config.workerinput)
 
 
 def pytest_collection_finish(session):
-    """An xdist worker computes on one thread (torch's intra-op pool; the processes it starts keep theirs): two
-    workers share two cores, where a pool of two threads each would make every in-process test wait on the other.
-    (Set once the tests are collected: torch is imported by then, and the session's fork server started first.)"""
+    """An xdist worker computes on one thread (torch's intra-op pool; the processes it starts keep theirs): it runs on
+    one core (tests/workers.py). torch sizes its pool from the affinity it finds when imported after the pinning; a
+    plugin that imported it first would leave a pool of every core's threads waiting on one core. (Set once the tests
+    are collected: torch is imported by then, and the session's fork server started first.)"""
     if hasattr(session.config, "workerinput"):
         import torch
 
